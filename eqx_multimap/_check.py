@@ -1,0 +1,194 @@
+"""Runtime shape checks, run at trace time before the mapped body is traced.
+
+Checks *return* reason strings or collect bindings; the caller raises one error with
+the full context (the argument path, the dim, every size seen and where).
+"""
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ._args import InLeaf, is_array
+from ._dims import AnonDim, Dims, EllipsisDim, FixedDim, NamedDim, axes_of
+from ._errors import ShapeError, SpecError
+
+
+def describe(x: Any) -> str:
+    """`float32[3,4]`, the way JAX names an array in its own errors."""
+    shape = ",".join(str(s) for s in np.shape(x))
+    dtype = getattr(x, "dtype", None)
+    name = getattr(dtype, "name", str(dtype))
+    return f"{name}[{shape}]"
+
+
+def dtype_matches(x: Any, dims: Dims) -> bool:
+    if dims.dtypes is None:
+        return True
+    dtype = x.dtype
+    name = getattr(dtype, "name", str(dtype))
+    if name in dims.dtypes:
+        return True
+    # jaxtyping spells PRNG key dtypes `key<impl>`; accept any key for `Key`.
+    return name.startswith("key<") and any(d.startswith("key") for d in dims.dtypes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    size: int
+    where: str
+
+
+@dataclasses.dataclass
+class InputCheck:
+    sizes: dict[str, int]
+    seen: dict[str, list[Seen]]
+    # For each input leaf that is an array: the axis of each mapped dim it has.
+    axes: list[dict[str, int] | None]
+
+
+def bindings_str(sizes: dict[str, int]) -> str:
+    if not sizes:
+        return "No dim sizes were bound."
+    body = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    return f"The dim sizes bound so far are: {body}."
+
+
+def _inconsistent(fun_name: str, name: str, seen: list[Seen], sizes: dict) -> ShapeError:
+    by_size: dict[int, list[str]] = {}
+    for s in seen:
+        by_size.setdefault(s.size, []).append(s.where)
+    lines = [f"`{fun_name}` got inconsistent sizes for dim '{name}':"]
+    for size, wheres in by_size.items():
+        lines.append(f"  * size {size}: " + "; ".join(wheres))
+    others = {k: v for k, v in sizes.items() if k != name}
+    lines.append(bindings_str(others))
+    return ShapeError("\n".join(lines))
+
+
+def check_inputs(
+    fun_name: str, leaves: list[InLeaf], mapped: tuple[str, ...]
+) -> InputCheck:
+    mapped_set = set(mapped)
+    seen: dict[str, list[Seen]] = {}
+    axes: list[dict[str, int] | None] = []
+    for leaf in leaves:
+        dims = leaf.spec.dims
+        if not is_array(leaf.value):
+            if dims is not None and mapped_set.intersection(dims.names):
+                names = [n for n in dims.names if n in mapped_set]
+                raise ShapeError(
+                    f"`{fun_name}`: argument `{leaf.path}` is "
+                    f"`{type(leaf.value).__name__}` ({leaf.value!r}), not an array, "
+                    f"but its dims {dims.source!r} name the mapped dim "
+                    f"'{names[0]}'. Pass an array, or give it `None` dims."
+                )
+            axes.append(None)
+            continue
+        if dims is None:
+            axes.append({})
+            continue
+        shape = np.shape(leaf.value)
+        desc = describe(leaf.value)
+        token_axes = axes_of(dims, len(shape))
+        if isinstance(token_axes, str):
+            raise ShapeError(
+                f"`{fun_name}`: argument `{leaf.path}` of type {desc} {token_axes}."
+            )
+        if not dtype_matches(leaf.value, dims):
+            raise ShapeError(
+                f"`{fun_name}`: argument `{leaf.path}` has dtype "
+                f"{leaf.value.dtype}, but its annotation asks for "
+                f"{dims.dtype_desc}[..., {dims.source!r}]."
+            )
+        leaf_axes: dict[str, int] = {}
+        for tok, ax in zip(dims.tokens, token_axes):
+            if isinstance(tok, FixedDim):
+                if shape[ax] != tok.size:
+                    raise ShapeError(
+                        f"`{fun_name}`: argument `{leaf.path}` of type {desc} has "
+                        f"size {shape[ax]} at axis {ax}, but its dims "
+                        f"{dims.source!r} fix that axis to {tok.size}."
+                    )
+            elif isinstance(tok, NamedDim):
+                where = f"`{leaf.path}` axis {ax} ({desc}, dims {dims.source!r})"
+                seen.setdefault(tok.name, []).append(Seen(shape[ax], where))
+                if tok.name in mapped_set:
+                    if tok.name in leaf_axes:
+                        raise SpecError(
+                            f"`{fun_name}`: the dims {dims.source!r} of argument "
+                            f"`{leaf.path}` name the mapped dim '{tok.name}' twice; "
+                            "a mapped dim may appear at most once per array."
+                        )
+                    leaf_axes[tok.name] = ax
+        axes.append(leaf_axes)
+    sizes: dict[str, int] = {}
+    for name, ss in seen.items():
+        sizes[name] = ss[0].size
+    for name, ss in seen.items():
+        if any(s.size != ss[0].size for s in ss):
+            raise _inconsistent(fun_name, name, ss, sizes)
+    return InputCheck(sizes, seen, axes)
+
+
+def check_output(
+    fun_name: str,
+    path: str,
+    core_shape: tuple[int, ...],
+    dims: Dims,
+    mapped: tuple[str, ...],
+    sizes: dict[str, int],
+    seen: dict[str, list[Seen]],
+) -> None:
+    """Check one output array of the body (shape without mapped dims) against dims.
+
+    Updates `sizes`/`seen` with core dims that only the outputs bind.
+    """
+    mapped_set = set(mapped)
+    for name in mapped:
+        count = dims.names.count(name)
+        if count != 1:
+            how = "does not contain" if count == 0 else "names more than once"
+            raise SpecError(
+                f"`{fun_name}`: `out_dims` {dims.source!r} for `{path}` {how} the "
+                f"mapped dim '{name}'. Every output array is mapped over each of "
+                f"{', '.join(mapped)} exactly once."
+            )
+    core = Dims(
+        tuple(
+            t
+            for t in dims.tokens
+            if not (isinstance(t, NamedDim) and t.name in mapped_set)
+        ),
+        " ".join(
+            str(t)
+            for t in dims.tokens
+            if not (isinstance(t, NamedDim) and t.name in mapped_set)
+        ),
+    )
+    shape_desc = "(" + ", ".join(str(s) for s in core_shape) + ")"
+    token_axes = axes_of(core, len(core_shape))
+    if isinstance(token_axes, str):
+        raise ShapeError(
+            f"`{fun_name}`: the function body returned `{path}` with per-element "
+            f"shape {shape_desc}: that shape {token_axes}, the `out_dims` "
+            f"{dims.source!r} without the mapped dims ({' '.join(mapped)})."
+        )
+    for tok, ax in zip(core.tokens, token_axes):
+        if isinstance(tok, (AnonDim, EllipsisDim)):
+            continue
+        size = core_shape[ax]
+        if isinstance(tok, FixedDim):
+            if size != tok.size:
+                raise ShapeError(
+                    f"`{fun_name}`: the function body returned `{path}` with "
+                    f"per-element shape {shape_desc}, but `out_dims` {dims.source!r} "
+                    f"fix the axis at {ax} to {tok.size}."
+                )
+            continue
+        where = f"`{path}` (body output of shape {shape_desc}) axis {ax}"
+        if tok.name in sizes and sizes[tok.name] != size:
+            ss = seen.get(tok.name, []) + [Seen(size, where)]
+            raise _inconsistent(fun_name, tok.name, ss, sizes)
+        sizes.setdefault(tok.name, size)
+        seen.setdefault(tok.name, []).append(Seen(size, where))

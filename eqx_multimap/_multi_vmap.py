@@ -1,0 +1,421 @@
+import functools as ft
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, overload, TypeVar
+
+import equinox as eqx
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from ._args import BoundCall, bind_call, broadcast_spec, is_array
+from ._check import check_inputs, check_output
+from ._dims import Dims, parse_dims, parse_names
+from ._errors import SpecError
+from ._nest import OutLayout, run_blocks
+
+
+_T = TypeVar("_T")
+
+DimsSpec = str | None
+"""A dims string such as `"T F B 2 2"`, or `None` for an unmapped value."""
+
+InDims = PyTree[DimsSpec] | Mapping[str, PyTree[DimsSpec]]
+"""Dims for the arguments: a dims string, a tuple (one entry per positional
+argument) or a dict by parameter name; each entry a pytree prefix of its argument."""
+
+OutDims = PyTree[DimsSpec]
+"""Dims for the output: a pytree prefix of the output with dims strings at leaves."""
+
+ScanSpec = str | Sequence[str] | Mapping[str, int | None] | None
+"""Dims to scan over: `"T F"`, `("T", "F")`, or `{"T": 64, "F": None}` (chunk sizes,
+`None` for an unchunked scan)."""
+
+
+class _Frozen:
+    """A hashable, immutable holder for a user's spec tree (dicts, lists, strings).
+
+    Not a pytree, so it lives in a static field and keeps the wrapper hashable (and so
+    usable with `jax.jit(wrapper)`).
+    """
+
+    __slots__ = ("value", "_key")
+
+    def __init__(self, value: Any):
+        self.value = value
+        self._key = _freeze_key(value)
+
+    def __hash__(self) -> int:
+        try:
+            return hash(self._key)
+        except TypeError:
+            return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Frozen):
+            return NotImplemented
+        if self.value is other.value:
+            return True
+        try:
+            return bool(self._key == other._key)
+        except Exception:
+            return False
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _freeze_key(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return (
+            "dict",
+            tuple(sorted(((repr(k), _freeze_key(v)) for k, v in x.items()))),
+        )
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_freeze_key(v) for v in x))
+    return x
+
+
+def _parse_scan(scan: ScanSpec) -> tuple[tuple[str, int | None], ...]:
+    if isinstance(scan, Mapping):
+        names = parse_names(tuple(scan.keys()), "scan")
+        out = []
+        for name in names:
+            chunk = scan[name]
+            if chunk is not None and (
+                isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
+            ):
+                raise SpecError(
+                    f"`filter_multi_vmap(..., scan={{{name!r}: {chunk!r}}})`: a chunk "
+                    "size must be a positive `int` (scan over chunks of that many "
+                    "elements, vmapped inside), or `None` (scan one at a time)."
+                )
+            out.append((name, chunk))
+        return tuple(out)
+    return tuple((name, None) for name in parse_names(scan, "scan"))
+
+
+def _validate_tree(spec: Any, where: str) -> None:
+    """Parse every dims string in a spec tree now, so typos fail at decoration."""
+    for leaf in jtu.tree_leaves(spec, is_leaf=lambda x: x is None):
+        if leaf is not None and not isinstance(leaf, Dims):
+            if not isinstance(leaf, str):
+                raise SpecError(
+                    f"{where} must contain dims strings such as 'T F B' or `None`, "
+                    f"but contains {leaf!r} of type `{type(leaf).__name__}`."
+                )
+            parse_dims(leaf)
+
+
+def _names_in(spec: Any) -> list[str]:
+    names: list[str] = []
+    for leaf in jtu.tree_leaves(spec, is_leaf=lambda x: x is None):
+        if isinstance(leaf, str):
+            leaf = parse_dims(leaf)
+        if isinstance(leaf, Dims):
+            names.extend(n for n in leaf.names if n not in names)
+    return names
+
+
+def _fun_name(fun: Callable) -> str:
+    name = getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None)
+    return f"filter_multi_vmap({name or type(fun).__name__})"
+
+
+class _MultiVmapWrapper(eqx.Module):
+    _fun: Callable
+    _in_dims: _Frozen = eqx.field(static=True)
+    _out_dims: _Frozen = eqx.field(static=True)
+    _scan: tuple[tuple[str, int | None], ...] = eqx.field(static=True)
+    _vmap: tuple[str, ...] = eqx.field(static=True)
+    _checkpoint: bool = eqx.field(static=True)
+    _verbose: bool = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self._fun
+
+    def _mapped(self) -> tuple[str, ...]:
+        scan = tuple(name for name, _ in self._scan)
+        if scan or self._vmap:
+            return scan + self._vmap
+        # No strategy: every named dim of `out_dims` is vmapped.
+        return tuple(_names_in(self._out_dims.value))
+
+    def __call__(self, /, *args, **kwargs):
+        fun_name = _fun_name(self._fun)
+        mapped = self._mapped()
+        if not mapped:
+            raise SpecError(
+                f"`{fun_name}` maps no dims: name them with `vmap=` or `scan=`, or "
+                "give `out_dims` (whose named dims are then all vmapped)."
+            )
+        scan = dict(self._scan)
+        vmap = self._vmap if (self._scan or self._vmap) else mapped
+        bound = bind_call(self._fun, fun_name, args, kwargs, self._in_dims.value)
+        check = check_inputs(fun_name, bound.leaves, mapped)
+        for name in mapped:
+            if name not in check.sizes:
+                strategy = "scan" if name in scan else "vmap"
+                known = ", ".join(check.sizes) or "none"
+                raise SpecError(
+                    f"`{fun_name}`: `{strategy}` names dim '{name}', but no array "
+                    f"argument's dims contain it, so its size is unknown. The dims "
+                    f"of the arguments are: {known}."
+                )
+        first_seen = [n for n in check.seen if n in mapped]
+        default_out = parse_dims(" ".join(first_seen) + " ...")
+
+        dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
+        values = [bound.leaves[i].value for i in dyn_index]
+        axes = [check.axes[i] for i in dyn_index]
+        assert all(a is not None for a in axes)
+        if self._verbose:
+            print(_describe_nest(fun_name, scan, vmap, check.sizes))
+
+        def make_core():
+            box: list[OutLayout] = []
+
+            def core(dyn):
+                out, layout = _call_body(
+                    self._fun, fun_name, bound, dyn_index, dyn, self._out_dims.value,
+                    default_out, mapped, check,
+                )
+                box.append(layout)
+                return out
+
+            def get_layout() -> OutLayout:
+                assert box, "the mapped body was not traced"
+                return box[-1]
+
+            return core, get_layout
+
+        outs, layout = run_blocks(
+            make_core, values, axes, check.sizes, scan, vmap, self._checkpoint
+        )
+        treedef, static_leaves = layout.data
+        it_out = iter(outs)
+        leaves = [next(it_out) if s is _DYNAMIC else s for s in static_leaves]
+        return jtu.tree_unflatten(treedef, leaves)
+
+    def __get__(self, instance, owner):
+        del owner
+        if instance is None:
+            return self
+        return jtu.Partial(self, instance)
+
+
+class _Dynamic:
+    def __repr__(self) -> str:
+        return "<dynamic>"
+
+
+_DYNAMIC = _Dynamic()
+
+
+def _call_body(
+    fun: Callable,
+    fun_name: str,
+    bound: BoundCall,
+    dyn_index: list[int],
+    dyn: list[Any],
+    out_dims: Any,
+    default_out: Dims,
+    mapped: tuple[str, ...],
+    check: Any,
+) -> tuple[list[Any], OutLayout]:
+    """Call the user's function on one element; check and split its output."""
+    values = [leaf.value for leaf in bound.leaves]
+    for i, v in zip(dyn_index, dyn):
+        values[i] = v
+    args, kwargs = bound.rebuild(values)
+    out = fun(*args, **kwargs)
+    spec = default_out if out_dims is None else out_dims
+    leaf_specs = broadcast_spec(spec, out, f"`{fun_name}`: `out_dims`")
+    sizes = dict(check.sizes)
+    seen = {k: list(v) for k, v in check.seen.items()}
+    dyn_out: list[Any] = []
+    dims_list: list[Dims] = []
+    static: list[Any] = []
+    paths_and_leaves, treedef = jtu.tree_flatten_with_path(out)
+    for (path, leaf), leaf_spec in zip(paths_and_leaves, leaf_specs):
+        where = "output" + jtu.keystr(path)
+        if not is_array(leaf):
+            static.append(leaf)
+            continue
+        if leaf_spec.dims is None:
+            raise SpecError(
+                f"`{fun_name}`: `out_dims` gives `None` for `{where}`, which is an "
+                f"array; every output array is mapped over {', '.join(mapped)}, so "
+                "give it a dims string that names them."
+            )
+        check_output(fun_name, where, leaf.shape, leaf_spec.dims, mapped, sizes, seen)
+        dyn_out.append(leaf)
+        dims_list.append(leaf_spec.dims)
+        static.append(_DYNAMIC)
+    return dyn_out, OutLayout(dims_list, (treedef, static))
+
+
+def _describe_nest(
+    fun_name: str, scan: dict[str, int | None], vmap: Sequence[str], sizes: dict
+) -> str:
+    parts = []
+    for name, chunk in scan.items():
+        if chunk is None:
+            parts.append(f"scan({name}={sizes[name]})")
+        else:
+            n_full, rest = divmod(sizes[name], chunk)
+            extra = f" + vmap({name} remainder={rest})" if rest else ""
+            parts.append(f"scan({name}: {n_full} chunks of {chunk}){extra}")
+    parts.extend(f"vmap({name}={sizes[name]})" for name in vmap)
+    return f"{fun_name}: " + " -> ".join(parts + ["body"])
+
+
+@overload
+def filter_multi_vmap(
+    *,
+    in_dims: InDims = None,
+    out_dims: OutDims = None,
+    vmap: str | Sequence[str] | None = None,
+    scan: ScanSpec = None,
+    checkpoint: bool = False,
+    verbose: bool = False,
+) -> Callable[[Callable[..., _T]], Callable[..., _T]]: ...
+
+
+@overload
+def filter_multi_vmap(
+    fun: Callable[..., _T],
+    *,
+    in_dims: InDims = None,
+    out_dims: OutDims = None,
+    vmap: str | Sequence[str] | None = None,
+    scan: ScanSpec = None,
+    checkpoint: bool = False,
+    verbose: bool = False,
+) -> Callable[..., _T]: ...
+
+
+def filter_multi_vmap(
+    fun=None,
+    *,
+    in_dims: InDims = None,
+    out_dims: OutDims = None,
+    vmap: str | Sequence[str] | None = None,
+    scan: ScanSpec = None,
+    checkpoint: bool = False,
+    verbose: bool = False,
+):
+    """Map a function over several named dims at once: `scan` outside, `vmap` inside.
+
+    The dims of each argument and of the output are written as dims strings in the
+    notation of jaxtyping (`"T F B 2 2"`), describing the *whole* shape that the
+    caller passes. Each dim is given a strategy; the function body is called on one
+    element, with every mapped dim removed, and the results are stacked back in the
+    order of `out_dims`.
+
+    **Arguments:**
+
+    - `fun`: the function to map. Its arguments and output may be any pytrees;
+        array leaves (`equinox.is_array`) are mapped, every other leaf (Python
+        scalars, strings, callables, `None`, static fields) passes through
+        unchanged, in and out.
+    - `in_dims`: the dims of the arguments. One of:
+        - a dims string, used for every argument;
+        - a tuple, one entry per positional argument (keyword arguments are then
+          unmapped);
+        - a dict by parameter name; keyword-only parameters and the keys of
+          `**kwargs` may be named too.
+
+        Each entry is a dims string, `None` (not mapped: passed whole), or a pytree
+        prefix of the argument with dims strings at its leaves. A dims string has
+        names (checked to have one size across all arguments), integers (a fixed
+        size), `_` (one axis of any size) and at most one `...` (any number of
+        axes).
+    - `out_dims`: the dims of the output, as a dims string or a pytree prefix of the
+        output. Each output array must name every mapped dim once; the output's axes
+        come back in this order (a transpose is only made when the order differs
+        from the nest's). Defaults to the mapped dims, in the order in which they
+        first appear in the arguments, followed by `...`.
+    - `vmap`: the dims to `jax.vmap` over, as `"B F"` or `("B", "F")`.
+    - `scan`: the dims to `jax.lax.scan` over, as `"T"`, `("T",)`, or a dict
+        `{"T": k}` to scan over chunks of `k` elements with a vmap inside each chunk
+        (as `jax.lax.map(..., batch_size=k)`); the remainder, when `k` does not
+        divide the size, is vmapped separately, so no padding ever reaches `fun`.
+        `{"T": None}` is an unchunked scan.
+
+        The nest is always `scan(scan(... vmap(vmap(fun))))`: the scans outermost in
+        the order given, the vmaps inside them in the order given. If neither
+        `vmap` nor `scan` is given, every named dim in `out_dims` is vmapped.
+    - `checkpoint`: if `True`, wrap each scan body in `jax.checkpoint`, so that
+        reverse-mode autodiff stores only the scan's inputs, not every intermediate.
+    - `verbose`: if `True`, print the nest each time the function is traced.
+
+    **Returns:**
+
+    A function with the same signature as `fun`, taking the full (mapped) arrays.
+    Bad dims strings raise [`eqx_multimap.SpecError`][] at decoration time; arrays
+    whose shapes do not fit their dims raise [`eqx_multimap.ShapeError`][] at call
+    (trace) time, naming the argument path, the dim and every size seen.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        from eqx_multimap import filter_multi_vmap
+
+        @filter_multi_vmap(
+            in_dims={"vis": "T F B 2 2", "nu": "F"},
+            out_dims="F T B 2 2",
+            scan="T",
+            vmap="F B",
+        )
+        def scale(vis, nu):
+            return vis * nu  # vis: (2, 2), nu: ()
+
+        out = scale(jnp.ones((10, 4, 5, 2, 2)), jnp.arange(4.0))
+        # out.shape == (4, 10, 5, 2, 2)
+        ```
+
+    !!! tip
+
+        `filter_multi_vmap` does not itself `jit`; compose it with `jax.jit` or
+        `equinox.filter_jit`. The shape checks then run once, at trace time.
+    """
+    if fun is None:
+        return ft.partial(
+            filter_multi_vmap,
+            in_dims=in_dims,
+            out_dims=out_dims,
+            vmap=vmap,
+            scan=scan,
+            checkpoint=checkpoint,
+            verbose=verbose,
+        )
+    if not callable(fun):
+        raise SpecError(
+            f"`filter_multi_vmap` must wrap a callable, but got {fun!r} of type "
+            f"`{type(fun).__name__}`. Options such as `in_dims` are keyword-only."
+        )
+    scan_parsed = _parse_scan(scan)
+    vmap_parsed = parse_names(vmap, "vmap")
+    both = set(vmap_parsed).intersection(name for name, _ in scan_parsed)
+    if both:
+        raise SpecError(
+            f"`filter_multi_vmap`: dim '{sorted(both)[0]}' is given both `vmap` and "
+            "`scan`; each dim gets one strategy."
+        )
+    if isinstance(in_dims, Mapping):
+        for key, value in in_dims.items():
+            _validate_tree(value, f"`filter_multi_vmap(..., in_dims={{{key!r}: ...}})`")
+    else:
+        _validate_tree(in_dims, "`filter_multi_vmap(..., in_dims=...)`")
+    _validate_tree(out_dims, "`filter_multi_vmap(..., out_dims=...)`")
+    wrapper = _MultiVmapWrapper(
+        _fun=fun,
+        _in_dims=_Frozen(in_dims),
+        _out_dims=_Frozen(out_dims),
+        _scan=scan_parsed,
+        _vmap=vmap_parsed,
+        _checkpoint=bool(checkpoint),
+        _verbose=bool(verbose),
+    )
+    return eqx.module_update_wrapper(wrapper)
