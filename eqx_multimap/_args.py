@@ -114,7 +114,9 @@ def bind_call(
         try:
             sig.bind(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"`{fun_name}` was called with bad arguments: {e}") from None
+            raise TypeError(
+                f"`{fun_name}` was called with bad arguments: {e}"
+            ) from None
         positional = [
             p.name
             for p in sig.parameters.values()

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ._args import InLeaf, is_array
-from ._dims import AnonDim, Dims, EllipsisDim, FixedDim, NamedDim, axes_of
+from ._dims import AnonDim, axes_of, Dims, EllipsisDim, FixedDim, NamedDim
 from ._errors import ShapeError, SpecError
 
 
@@ -54,7 +54,9 @@ def bindings_str(sizes: dict[str, int]) -> str:
     return f"The dim sizes bound so far are: {body}."
 
 
-def _inconsistent(fun_name: str, name: str, seen: list[Seen], sizes: dict) -> ShapeError:
+def _inconsistent(
+    fun_name: str, name: str, seen: list[Seen], sizes: dict
+) -> ShapeError:
     by_size: dict[int, list[str]] = {}
     for s in seen:
         by_size.setdefault(s.size, []).append(s.where)

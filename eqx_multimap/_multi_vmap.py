@@ -1,3 +1,4 @@
+import dataclasses
 import functools as ft
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload, TypeVar
@@ -6,8 +7,8 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._args import BoundCall, bind_call, broadcast_spec, is_array
-from ._check import check_inputs, check_output
+from ._args import bind_call, BoundCall, broadcast_spec, is_array
+from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims, parse_names
 from ._errors import SpecError
 from ._nest import OutLayout, run_blocks
@@ -141,6 +142,22 @@ class _MultiVmapWrapper(eqx.Module):
         return tuple(_names_in(self._out_dims.value))
 
     def __call__(self, /, *args, **kwargs):
+        call = self._resolve(args, kwargs)
+        if self._verbose:
+            print(_describe_nest(call.fun_name, call.scan, call.vmap, call.check.sizes))
+        outs, layout = run_blocks(
+            call.make_core,
+            call.values,
+            call.axes,
+            call.check.sizes,
+            call.scan,
+            call.vmap,
+            self._checkpoint,
+        )
+        return call.combine(outs, layout)
+
+    def _resolve(self, args: tuple, kwargs: dict) -> "_Call":
+        """Bind and check a call: everything up to (not including) the nest."""
         fun_name = _fun_name(self._fun)
         mapped = self._mapped()
         if not mapped:
@@ -163,44 +180,86 @@ class _MultiVmapWrapper(eqx.Module):
                 )
         first_seen = [n for n in check.seen if n in mapped]
         default_out = parse_dims(" ".join(first_seen) + " ...")
-
         dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
-        values = [bound.leaves[i].value for i in dyn_index]
-        axes = [check.axes[i] for i in dyn_index]
-        assert all(a is not None for a in axes)
-        if self._verbose:
-            print(_describe_nest(fun_name, scan, vmap, check.sizes))
-
-        def make_core():
-            box: list[OutLayout] = []
-
-            def core(dyn):
-                out, layout = _call_body(
-                    self._fun, fun_name, bound, dyn_index, dyn, self._out_dims.value,
-                    default_out, mapped, check,
-                )
-                box.append(layout)
-                return out
-
-            def get_layout() -> OutLayout:
-                assert box, "the mapped body was not traced"
-                return box[-1]
-
-            return core, get_layout
-
-        outs, layout = run_blocks(
-            make_core, values, axes, check.sizes, scan, vmap, self._checkpoint
+        return _Call(
+            fun=self._fun,
+            fun_name=fun_name,
+            bound=bound,
+            check=check,
+            mapped=mapped,
+            scan=scan,
+            vmap=tuple(vmap),
+            out_dims=self._out_dims.value,
+            default_out=default_out,
+            dyn_index=dyn_index,
         )
-        treedef, static_leaves = layout.data
-        it_out = iter(outs)
-        leaves = [next(it_out) if s is _DYNAMIC else s for s in static_leaves]
-        return jtu.tree_unflatten(treedef, leaves)
 
     def __get__(self, instance, owner):
         del owner
         if instance is None:
             return self
         return jtu.Partial(self, instance)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One resolved call: its leaves, the checked dim sizes and the strategies.
+
+    `values[i]` is the `i`-th array leaf and `axes[i]` the axis of each mapped dim in
+    it. `make_core()` gives the innermost (per-element) function over those leaves;
+    `combine` rebuilds the output pytree from the nest's outputs.
+    """
+
+    fun: Callable
+    fun_name: str
+    bound: BoundCall
+    check: InputCheck
+    mapped: tuple[str, ...]
+    scan: dict[str, int | None]
+    vmap: tuple[str, ...]
+    out_dims: Any
+    default_out: Dims
+    dyn_index: list[int]
+
+    @property
+    def values(self) -> list[Any]:
+        return [self.bound.leaves[i].value for i in self.dyn_index]
+
+    @property
+    def axes(self) -> list[dict[str, int]]:
+        axes = [self.check.axes[i] for i in self.dyn_index]
+        assert all(a is not None for a in axes)
+        return axes  # pyright: ignore[reportReturnType]
+
+    def make_core(self):
+        box: list[OutLayout] = []
+
+        def core(dyn):
+            out, layout = _call_body(
+                self.fun,
+                self.fun_name,
+                self.bound,
+                self.dyn_index,
+                dyn,
+                self.out_dims,
+                self.default_out,
+                self.mapped,
+                self.check,
+            )
+            box.append(layout)
+            return out
+
+        def get_layout() -> OutLayout:
+            assert box, "the mapped body was not traced"
+            return box[-1]
+
+        return core, get_layout
+
+    def combine(self, outs: list[Any], layout: OutLayout) -> Any:
+        treedef, static_leaves = layout.data
+        it_out = iter(outs)
+        leaves = [next(it_out) if s is _DYNAMIC else s for s in static_leaves]
+        return jtu.tree_unflatten(treedef, leaves)
 
 
 class _Dynamic:
@@ -220,7 +279,7 @@ def _call_body(
     out_dims: Any,
     default_out: Dims,
     mapped: tuple[str, ...],
-    check: Any,
+    check: InputCheck,
 ) -> tuple[list[Any], OutLayout]:
     """Call the user's function on one element; check and split its output."""
     values = [leaf.value for leaf in bound.leaves]

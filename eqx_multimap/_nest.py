@@ -21,7 +21,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from ._dims import Dims, EllipsisDim, NamedDim, axes_of
+from ._dims import axes_of, Dims, EllipsisDim, NamedDim
 
 
 LevelKind = Literal["scan", "vmap"]
@@ -136,9 +136,7 @@ def run_blocks(
     `make_core()` returns a fresh innermost function and a getter for the layout it
     recorded while being traced.
     """
-    chunked = [
-        (name, chunk) for name, chunk in scan.items() if chunk is not None
-    ]
+    chunked = [(name, chunk) for name, chunk in scan.items() if chunk is not None]
     choices = []
     for name, chunk in chunked:
         n = sizes[name]
