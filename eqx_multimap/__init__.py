@@ -11,6 +11,7 @@ from ._multi_vmap import (
     OutDims as OutDims,
     ScanSpec as ScanSpec,
 )
+from ._shim import multi_vmap as multi_vmap
 
 
 __version__ = importlib.metadata.version("eqx_multimap")
