@@ -7,6 +7,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from ._annotations import fun_annotations, OutAnnotation
 from ._args import bind_call, BoundCall, broadcast_spec, is_array
 from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims, parse_names
@@ -134,11 +135,20 @@ class _MultiVmapWrapper(eqx.Module):
     def __wrapped__(self):
         return self._fun
 
+    @property
+    def __globals__(self) -> dict[str, Any]:
+        # Read by `jaxtyping.jaxtyped` (and `typing.get_type_hints`) to resolve string
+        # annotations, so that `@jaxtyped` can go outside `@filter_multi_vmap`.
+        return getattr(self._fun, "__globals__", {})
+
     def _mapped(self) -> tuple[str, ...]:
         scan = tuple(name for name, _ in self._scan)
         if scan or self._vmap:
             return scan + self._vmap
-        # No strategy: every named dim of `out_dims` is vmapped.
+        # No strategy: every named dim of `out_dims` (or of the return annotation) is
+        # vmapped.
+        if self._out_dims.value is None:
+            return fun_annotations(self._fun).out_names(_fun_name(self._fun))
         return tuple(_names_in(self._out_dims.value))
 
     def __call__(self, /, *args, **kwargs):
@@ -167,7 +177,15 @@ class _MultiVmapWrapper(eqx.Module):
             )
         scan = dict(self._scan)
         vmap = self._vmap if (self._scan or self._vmap) else mapped
-        bound = bind_call(self._fun, fun_name, args, kwargs, self._in_dims.value)
+        annotations = fun_annotations(self._fun)
+        bound = bind_call(
+            self._fun,
+            fun_name,
+            args,
+            kwargs,
+            self._in_dims.value,
+            annotations.in_dims_hook(fun_name, mapped),
+        )
         check = check_inputs(fun_name, bound.leaves, mapped)
         for name in mapped:
             if name not in check.sizes:
@@ -189,7 +207,11 @@ class _MultiVmapWrapper(eqx.Module):
             mapped=mapped,
             scan=scan,
             vmap=tuple(vmap),
-            out_dims=self._out_dims.value,
+            out_dims=(
+                annotations.out_dims(fun_name, mapped)
+                if self._out_dims.value is None
+                else self._out_dims.value
+            ),
             default_out=default_out,
             dyn_index=dyn_index,
         )
@@ -288,6 +310,8 @@ def _call_body(
     args, kwargs = bound.rebuild(values)
     out = fun(*args, **kwargs)
     spec = default_out if out_dims is None else out_dims
+    if isinstance(spec, OutAnnotation):
+        spec = spec.resolve(out, default_out)
     leaf_specs = broadcast_spec(spec, out, f"`{fun_name}`: `out_dims`")
     sizes = dict(check.sizes)
     seen = {k: list(v) for k, v in check.seen.items()}
