@@ -163,7 +163,8 @@ def _type_name(ann: Any) -> str:
 
 
 def _short_array_name(ann: Any) -> str:
-    return getattr(ann.array_type, "__name__", None) or repr(ann.array_type)
+    name = getattr(ann.array_type, "__name__", None) or repr(ann.array_type)
+    return name.rsplit(".", 1)[-1]  # `jax.Array.__name__` is "jaxlib._jax.Array"
 
 
 #
