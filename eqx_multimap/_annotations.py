@@ -201,7 +201,11 @@ def _hint_target(fun: Any) -> Any:
     """The function whose annotations describe the parameters of `fun`."""
     if isinstance(fun, ft.partial):
         return _hint_target(fun.func)
-    if inspect.isroutine(fun) or inspect.isroutine(inspect.unwrap(fun)):
+    try:
+        unwrapped = inspect.unwrap(fun)
+    except ValueError:  # a `__wrapped__` cycle
+        unwrapped = fun
+    if inspect.isroutine(fun) or inspect.isroutine(unwrapped):
         return fun
     if isinstance(fun, type):
         return fun.__init__
@@ -584,16 +588,16 @@ _fun_cache: "weakref.WeakKeyDictionary[Any, FunAnnotations]" = (
 
 
 def fun_annotations(fun: Callable) -> FunAnnotations:
-    """The annotations of `fun`, resolved at the first call (and then cached)."""
-    try:
+    """The annotations of `fun`, resolved at the first call.
+
+    Cached for plain functions, which hash by identity. (A callable `eqx.Module` hashes
+    by its fields, which may be unhashable or traced, so it is not cached.)
+    """
+    cacheable = isinstance(fun, types.FunctionType)
+    if cacheable and fun in _fun_cache:
         return _fun_cache[fun]
-    except (KeyError, TypeError):
-        pass
     hints, complete = _fun_hints(fun)
     out = FunAnnotations(hints, _checker_inside(fun))
-    if complete:
-        try:
-            _fun_cache[fun] = out
-        except TypeError:  # not weak-referenceable or not hashable
-            pass
+    if cacheable and complete:
+        _fun_cache[fun] = out
     return out

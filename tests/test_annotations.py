@@ -767,3 +767,18 @@ def test_random_annotated_orders(sizes, in_order, out_order, strategy):
 
     expected = loop_reference(ref, {"T": T, "B": B}, out_dims)
     assert_same(f(jnp.asarray(x), jnp.asarray(w)), expected)
+
+
+class Linear(eqx.Module):
+    w: Float[Array, "F"]
+
+    def __call__(self, x: Float[Array, "B F"]) -> Float[Array, "B"]:
+        return jnp.dot(self.w, x)
+
+
+def test_callable_module_as_the_mapped_function():
+    rng = np.random.default_rng(19)
+    w, x = rand(rng, 3), rand(rng, 4, 3)
+    f = filter_multi_vmap(Linear(jnp.asarray(w)), vmap="B")
+    expected = loop_reference(lambda i: np.dot(w, x[i["B"]]), {"B": 4}, "B")
+    assert_same(f(jnp.asarray(x)), expected)
