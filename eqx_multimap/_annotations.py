@@ -23,7 +23,7 @@ import sys
 import types
 import typing
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, get_args, get_origin
 
 import equinox as eqx
@@ -373,8 +373,9 @@ def _element_annotation(ann: Any, value: Any) -> Callable[[Any], Any]:
             return lambda key: args[0]
         if len(args) == len(value):
             return lambda key: args[key.idx]
-    elif isinstance(value, list) and origin is list and len(args) == 1:
-        return lambda key: args[0]
+    elif isinstance(value, (tuple, list)) and origin in (list, Sequence):
+        if len(args) == 1:
+            return lambda key: args[0]
     elif isinstance(value, dict) and origin in (dict, Mapping) and len(args) == 2:
         return lambda key: args[1]
     return lambda key: None
@@ -421,7 +422,7 @@ def _annotation_names(ann: Any, ctx: _Context, path: str, depth: int = 0) -> lis
             for f in dataclasses.fields(ann)
             if not f.metadata.get("static", False)
         ]
-    elif get_origin(ann) in (tuple, list):
+    elif get_origin(ann) in (tuple, list, Sequence):
         parts = [
             _annotation_names(a, ctx, f"{path}[{i}]", depth + 1)
             for i, a in enumerate(get_args(ann))

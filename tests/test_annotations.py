@@ -10,6 +10,7 @@ every index combination of the mapped dims, calling numpy on the slices, then
 
 import itertools as it
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -370,6 +371,24 @@ def test_pytree_annotation_and_jaxtyping_spellings():
         lambda i: a[i["T"]] * b[i["T"]] + y[i["T"]].sum() + z[:, i["T"]].sum(),
         {"T": 4},
         "T F",
+    )
+    assert_same(out, expected)
+
+
+def test_sequence_and_tuple_annotations():
+    @filter_multi_vmap(vmap="T")
+    def f(
+        xs: Sequence[Float[Array, "T F"]],
+        pair: tuple[Float[Array, "F"], Float[Array, "T"]],
+    ) -> Float[Array, "T F"]:
+        assert pair[0].shape == (3,) and pair[1].shape == ()
+        return xs[0] * xs[1] * pair[0] + pair[1]
+
+    rng = np.random.default_rng(20)
+    a, b, c, d = rand(rng, 4, 3), rand(rng, 4, 3), rand(rng, 3), rand(rng, 4)
+    out = f([jnp.asarray(a), jnp.asarray(b)], (jnp.asarray(c), jnp.asarray(d)))
+    expected = loop_reference(
+        lambda i: a[i["T"]] * b[i["T"]] * c + d[i["T"]], {"T": 4}, "T F"
     )
     assert_same(out, expected)
 
