@@ -29,8 +29,10 @@ def dtype_matches(x: Any, dims: Dims) -> bool:
     name = getattr(dtype, "name", str(dtype))
     if name in dims.dtypes:
         return True
-    # jaxtyping spells PRNG key dtypes `key<impl>`; accept any key for `Key`.
-    return name.startswith("key<") and any(d.startswith("key") for d in dims.dtypes)
+    # JAX names PRNG key dtypes `key<impl>`; jaxtyping's `Key` asks for `prng_key`.
+    return name.startswith("key<") and any(
+        d.startswith("key") or d == "prng_key" for d in dims.dtypes
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from ._annotations import fun_annotations, OutAnnotation
 from ._args import bind_call, BoundCall, broadcast_spec, is_array
 from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims, parse_names
@@ -134,11 +135,20 @@ class _MultiVmapWrapper(eqx.Module):
     def __wrapped__(self):
         return self._fun
 
+    @property
+    def __globals__(self) -> dict[str, Any]:
+        # Read by `jaxtyping.jaxtyped` (and `typing.get_type_hints`) to resolve string
+        # annotations, so that `@jaxtyped` can go outside `@filter_multi_vmap`.
+        return getattr(self._fun, "__globals__", {})
+
     def _mapped(self) -> tuple[str, ...]:
         scan = tuple(name for name, _ in self._scan)
         if scan or self._vmap:
             return scan + self._vmap
-        # No strategy: every named dim of `out_dims` is vmapped.
+        # No strategy: every named dim of `out_dims` (or of the return annotation) is
+        # vmapped.
+        if self._out_dims.value is None:
+            return fun_annotations(self._fun).out_names(_fun_name(self._fun))
         return tuple(_names_in(self._out_dims.value))
 
     def __call__(self, /, *args, **kwargs):
@@ -167,7 +177,15 @@ class _MultiVmapWrapper(eqx.Module):
             )
         scan = dict(self._scan)
         vmap = self._vmap if (self._scan or self._vmap) else mapped
-        bound = bind_call(self._fun, fun_name, args, kwargs, self._in_dims.value)
+        annotations = fun_annotations(self._fun)
+        bound = bind_call(
+            self._fun,
+            fun_name,
+            args,
+            kwargs,
+            self._in_dims.value,
+            annotations.in_dims_hook(fun_name, mapped),
+        )
         check = check_inputs(fun_name, bound.leaves, mapped)
         for name in mapped:
             if name not in check.sizes:
@@ -189,7 +207,11 @@ class _MultiVmapWrapper(eqx.Module):
             mapped=mapped,
             scan=scan,
             vmap=tuple(vmap),
-            out_dims=self._out_dims.value,
+            out_dims=(
+                annotations.out_dims(fun_name, mapped)
+                if self._out_dims.value is None
+                else self._out_dims.value
+            ),
             default_out=default_out,
             dyn_index=dyn_index,
         )
@@ -288,6 +310,8 @@ def _call_body(
     args, kwargs = bound.rebuild(values)
     out = fun(*args, **kwargs)
     spec = default_out if out_dims is None else out_dims
+    if isinstance(spec, OutAnnotation):
+        spec = spec.resolve(out, default_out)
     leaf_specs = broadcast_spec(spec, out, f"`{fun_name}`: `out_dims`")
     sizes = dict(check.sizes)
     seen = {k: list(v) for k, v in check.seen.items()}
@@ -388,12 +412,15 @@ def filter_multi_vmap(
         prefix of the argument with dims strings at its leaves. A dims string has
         names (checked to have one size across all arguments), integers (a fixed
         size), `_` (one axis of any size) and at most one `...` (any number of
-        axes).
+        axes). Arguments that `in_dims` does not mention take their dims from their
+        jaxtyping annotations (see "Dims from annotations" below); unannotated ones
+        are not mapped.
     - `out_dims`: the dims of the output, as a dims string or a pytree prefix of the
         output. Each output array must name every mapped dim once; the output's axes
         come back in this order (a transpose is only made when the order differs
-        from the nest's). Defaults to the mapped dims, in the order in which they
-        first appear in the arguments, followed by `...`.
+        from the nest's). Defaults to the return annotation, if there is one; else
+        to the mapped dims, in the order in which they first appear in the
+        arguments, followed by `...`.
     - `vmap`: the dims to `jax.vmap` over, as `"B F"` or `("B", "F")`.
     - `scan`: the dims to `jax.lax.scan` over, as `"T"`, `("T",)`, or a dict
         `{"T": k}` to scan over chunks of `k` elements with a vmap inside each chunk
@@ -403,7 +430,8 @@ def filter_multi_vmap(
 
         The nest is always `scan(scan(... vmap(vmap(fun))))`: the scans outermost in
         the order given, the vmaps inside them in the order given. If neither
-        `vmap` nor `scan` is given, every named dim in `out_dims` is vmapped.
+        `vmap` nor `scan` is given, every named dim in `out_dims` (or, without
+        `out_dims`, in the return annotation) is vmapped.
     - `checkpoint`: if `True`, wrap each scan body in `jax.checkpoint`, so that
         reverse-mode autodiff stores only the scan's inputs, not every intermediate.
     - `verbose`: if `True`, print the nest each time the function is traced.
@@ -433,6 +461,52 @@ def filter_multi_vmap(
         out = scale(jnp.ones((10, 4, 5, 2, 2)), jnp.arange(4.0))
         # out.shape == (4, 10, 5, 2, 2)
         ```
+
+    !!! info "Dims from annotations"
+
+        Jaxtyping annotations give the dims, and the dtypes, without repeating them:
+        like dims strings they describe the *whole* (batched) shapes that the caller
+        passes, and the return annotation gives the output's dims and order.
+
+        ```python
+        class SkyModel(eqx.Module):
+            flux: Float[Array, "S F"]
+            lmn: Float[Array, "S 3"]
+
+        @filter_multi_vmap(scan="T", vmap="B")
+        def predict(
+            sky: SkyModel, vis: Float[Array, "T F B 2 2"], nu: Float[Array, "F"]
+        ) -> Float[Array, "F T B 2 2"]:
+            ...  # vis: (F, 2, 2); sky.flux: (S, F), checked against nu's F
+        ```
+
+        - Array annotations (`Float[Array, ...]`, `Int[...]`, `Shaped[...]`,
+          `Key[...]`, `Float[np.ndarray, ...]`, `PyTree[Float[...]]`, and `X | None`)
+          give a dims string with a dtype check (a mismatch raises
+          [`eqx_multimap.ShapeError`][]). Variadic (`*batch`), broadcastable
+          (`#B`), `?`-dims and symbolic dims are not supported and raise
+          [`eqx_multimap.SpecError`][]; `*_` is `...`.
+        - An `eqx.Module` argument (annotated as one, or just passed) gets its dims
+          from its field annotations, recursively through nested modules and
+          annotated tuples and lists of them; static and unannotated fields are not
+          mapped. A return annotation can be a `Module` type, or a tuple.
+        - Explicit `in_dims` (per argument) and `out_dims` override annotations.
+        - Annotations are read with `typing.get_type_hints` at the first call, so
+          `from __future__ import annotations` and forward references work.
+
+        A runtime type checker goes *outside*, so that it checks the batched shapes
+        that the annotations describe:
+
+        ```python
+        @jaxtyped(typechecker=beartype)
+        @filter_multi_vmap(scan="T", vmap="B")
+        def predict(...): ...
+        ```
+
+        Inside `@filter_multi_vmap` it would see one element, without the mapped
+        dims; that order raises a `SpecError` (unless every mapped argument and the
+        output have explicit `in_dims`/`out_dims`, in which case the annotations are
+        per-element and checked as such).
 
     !!! tip
 
