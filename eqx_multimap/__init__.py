@@ -11,6 +11,9 @@ from ._multi_vmap import (
     OutDims as OutDims,
     ScanSpec as ScanSpec,
 )
+from ._shard import (
+    ShardSpec as ShardSpec,
+)
 
 
 __version__ = importlib.metadata.version("eqx_multimap")
