@@ -84,10 +84,19 @@ class ShardOptions:
     def plan(self, fun_name: str, check: InputCheck) -> "ShardPlan":
         """Resolve the mesh and the local sizes for one call (at trace time)."""
         where = f"`{fun_name}`: `shard={_shard_repr(self.dims)}`"
+        ambient = jax.sharding.get_abstract_mesh()
         if self.mesh is not None:
             mesh: AnyMesh = self.mesh
+            if not ambient.empty and ambient != mesh.abstract_mesh:
+                raise SpecError(
+                    f"{where}: the `mesh` given to `filter_multi_vmap` (axes "
+                    f"{_mesh_desc(mesh)}) differs from the ambient mesh set with "
+                    f"`jax.set_mesh` (axes {_mesh_desc(ambient)}), and "
+                    "`jax.shard_map` needs them to match. Drop `mesh=` to use the "
+                    "ambient mesh, or call outside that `jax.set_mesh`."
+                )
         else:
-            mesh = jax.sharding.get_abstract_mesh()
+            mesh = ambient
             if mesh.empty:
                 raise SpecError(
                     f"{where} needs a device mesh, but none was given and there is "
