@@ -397,6 +397,25 @@ def test_ambient_mesh_under_jit():
     assert shard_shapes(out) == [(1, 2, 3, 2)]
 
 
+def test_inputs_from_process_local_data():
+    # The multi-host recipe of the README, in one process: local data == global.
+    mesh = make_mesh((2, 4), ("x", "y"))
+    vis_np, nu_np = (np.asarray(a) for a in data(2, 8, 4))
+    vis_sharding = NamedSharding(mesh, P(None, "y", "x"))
+    blocks = vis_sharding.addressable_devices_indices_map(vis_np.shape)
+    assert len(blocks) == 8
+    vis = jax.make_array_from_process_local_data(vis_sharding, vis_np, vis_np.shape)
+    nu = jax.make_array_from_process_local_data(NamedSharding(mesh, P()), nu_np)
+    wrapped = filter_multi_vmap(
+        body, in_dims=IN_DIMS, out_dims="F T B 2", shard={"F": "y", "B": "x"}
+    )
+    with jax.set_mesh(mesh):
+        out = jax.jit(wrapped)(vis, nu)
+    np.testing.assert_allclose(out, reference(vis_np, nu_np), rtol=1e-6, atol=1e-6)
+    assert spec_of(out) == ("y", None, "x", None)
+    assert shard_shapes(out) == [(2, 2, 2, 2)]
+
+
 def test_verbose_prints_shard_map_outermost(capsys):
     mesh = make_mesh((2, 4), ("x", "y"))
     wrapped = filter_multi_vmap(
