@@ -1,0 +1,56 @@
+"""Shared timing helpers: compile first, then time candidates side by side."""
+
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+
+def compiled(fn: Callable, *args):
+    """`jax.jit(fn)` lowered and compiled for `args` (compile time kept apart)."""
+    return jax.jit(fn).lower(*args).compile()
+
+
+def time_side_by_side(
+    fns: Sequence[Callable[[], object]], repeats: int = 15, warmup: int = 2
+) -> list[list[float]]:
+    """Run each thunk `repeats` times, interleaved (rotating the order every round),
+    with `jax.block_until_ready`; returns the seconds of every run, per thunk."""
+    for fn in fns:
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in fns]
+    n = len(fns)
+    for r in range(repeats):
+        for k in range(n):
+            i = (k + r) % n
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[i]())
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median of the per-round ratios a/b (robust to drifts in machine load)."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+_NOISE = re.compile(r"(metadata=\{[^}]*\}|HloModule \S+|, entry_computation_layout=.*)")
+
+
+def normalised_hlo(c) -> str:
+    """Optimised HLO text without metadata or module names, for comparing programs."""
+    blocks = c.as_text().split("\n\n")
+    debug = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+    text = "\n\n".join(b for b in blocks if not b.lstrip().startswith(debug))
+    text = _NOISE.sub("", text)
+    text = re.sub(r",?\s*stack_frame_id=\d+", "", text)
+    # Instruction and computation names carry counters that differ between traces.
+    text = re.sub(r"%[\w.\-]+", "%x", text)
+    return re.sub(r"\b[\w\-]+(\.\d+)+\b", "n", text)
