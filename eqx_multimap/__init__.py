@@ -10,8 +10,6 @@ from ._multi_vmap import (
     InDims as InDims,
     OutDims as OutDims,
     ScanSpec as ScanSpec,
-)
-from ._shard import (
     ShardSpec as ShardSpec,
 )
 
