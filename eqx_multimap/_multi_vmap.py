@@ -131,7 +131,7 @@ class _MultiVmapWrapper(eqx.Module):
     _vmap: tuple[str, ...] = eqx.field(static=True)
     _checkpoint: bool = eqx.field(static=True)
     _verbose: bool = eqx.field(static=True)
-    _shard: ShardOptions | None = eqx.field(static=True)
+    _shard: ShardOptions | None = eqx.field(static=True, default=None)
 
     @property
     def __wrapped__(self):
