@@ -10,6 +10,7 @@ from ._multi_vmap import (
     InDims as InDims,
     OutDims as OutDims,
     ScanSpec as ScanSpec,
+    ShardSpec as ShardSpec,
 )
 from ._shim import multi_vmap as multi_vmap
 

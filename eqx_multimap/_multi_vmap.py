@@ -4,6 +4,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload, TypeVar
 
 import equinox as eqx
+import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
@@ -13,6 +14,7 @@ from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims, parse_names
 from ._errors import SpecError
 from ._nest import OutLayout, run_blocks
+from ._shard import parse_shard, ShardOptions, ShardSpec
 
 
 _T = TypeVar("_T")
@@ -130,6 +132,7 @@ class _MultiVmapWrapper(eqx.Module):
     _vmap: tuple[str, ...] = eqx.field(static=True)
     _checkpoint: bool = eqx.field(static=True)
     _verbose: bool = eqx.field(static=True)
+    _shard: ShardOptions | None = eqx.field(static=True, default=None)
 
     @property
     def __wrapped__(self):
@@ -144,15 +147,36 @@ class _MultiVmapWrapper(eqx.Module):
     def _mapped(self) -> tuple[str, ...]:
         scan = tuple(name for name, _ in self._scan)
         if scan or self._vmap:
-            return scan + self._vmap
-        # No strategy: every named dim of `out_dims` (or of the return annotation) is
-        # vmapped.
-        if self._out_dims.value is None:
-            return fun_annotations(self._fun).out_names(_fun_name(self._fun))
-        return tuple(_names_in(self._out_dims.value))
+            mapped = scan + self._vmap
+        elif self._out_dims.value is None:
+            # No strategy: every named dim of the return annotation is vmapped.
+            mapped = fun_annotations(self._fun).out_names(_fun_name(self._fun))
+        else:
+            # No strategy: every named dim of `out_dims` is vmapped.
+            mapped = tuple(_names_in(self._out_dims.value))
+        # A sharded dim in neither `scan` nor `vmap` is vmapped (outermost) locally.
+        shard = self._shard.names if self._shard is not None else ()
+        local = tuple(name for name in shard if name not in mapped)
+        return mapped[: len(scan)] + local + mapped[len(scan) :]
 
     def __call__(self, /, *args, **kwargs):
         call = self._resolve(args, kwargs)
+        if self._shard is not None:
+            plan = self._shard.plan(call.fun_name, call.check)
+            if self._verbose:
+                nest = _describe_nest(
+                    call.fun_name, call.scan, call.vmap, plan.local_sizes
+                )
+                print(plan.describe(nest))
+            outs, layout = plan.run(
+                call.make_core,
+                call.values,
+                call.axes,
+                call.scan,
+                call.vmap,
+                self._checkpoint,
+            )
+            return call.combine(outs, layout)
         if self._verbose:
             print(_describe_nest(call.fun_name, call.scan, call.vmap, call.check.sizes))
         outs, layout = run_blocks(
@@ -176,7 +200,7 @@ class _MultiVmapWrapper(eqx.Module):
                 "give `out_dims` (whose named dims are then all vmapped)."
             )
         scan = dict(self._scan)
-        vmap = self._vmap if (self._scan or self._vmap) else mapped
+        vmap = [name for name in mapped if name not in scan]
         annotations = fun_annotations(self._fun)
         bound = bind_call(
             self._fun,
@@ -190,6 +214,8 @@ class _MultiVmapWrapper(eqx.Module):
         for name in mapped:
             if name not in check.sizes:
                 strategy = "scan" if name in scan else "vmap"
+                if self._shard is not None and name in self._shard.names:
+                    strategy = "shard"
                 known = ", ".join(check.sizes) or "none"
                 raise SpecError(
                     f"`{fun_name}`: `{strategy}` names dim '{name}', but no array "
@@ -361,6 +387,9 @@ def filter_multi_vmap(
     scan: ScanSpec = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    shard: ShardSpec = None,
+    mesh: jax.sharding.Mesh | None = None,
+    pad: bool = False,
 ) -> Callable[[Callable[..., _T]], Callable[..., _T]]: ...
 
 
@@ -374,6 +403,9 @@ def filter_multi_vmap(
     scan: ScanSpec = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    shard: ShardSpec = None,
+    mesh: jax.sharding.Mesh | None = None,
+    pad: bool = False,
 ) -> Callable[..., _T]: ...
 
 
@@ -386,6 +418,9 @@ def filter_multi_vmap(
     scan: ScanSpec = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    shard: ShardSpec = None,
+    mesh: jax.sharding.Mesh | None = None,
+    pad: bool = False,
 ):
     """Map a function over several named dims at once: `scan` outside, `vmap` inside.
 
@@ -435,6 +470,23 @@ def filter_multi_vmap(
     - `checkpoint`: if `True`, wrap each scan body in `jax.checkpoint`, so that
         reverse-mode autodiff stores only the scan's inputs, not every intermediate.
     - `verbose`: if `True`, print the nest each time the function is traced.
+    - `shard`: dims to shard over a device mesh with `jax.shard_map`, as a dict from
+        dim name to mesh axis name, `{"F": "freq"}`, or to a tuple of mesh axis
+        names, `{"F": ("x", "y")}`. Each sharded dim is split into contiguous
+        blocks, one per device along those axes; arrays without a sharded dim are
+        replicated, and the outputs come back sharded (`NamedSharding`) along the
+        same axes. Inside each shard a sharded dim is scanned if it is also in
+        `scan` (chunked scans then chunk each local block) and vmapped otherwise,
+        so the nest is `shard_map(scan(... vmap(fun)))`. A pure map compiles to no
+        collectives. See the README section "Sharding".
+    - `mesh`: the `jax.sharding.Mesh` for `shard`. Defaults to the ambient mesh set
+        with `jax.set_mesh(mesh)`, looked up at trace time.
+    - `pad`: what to do when a sharded dim's size is not a multiple of the number of
+        devices along its mesh axes. If `False` (the default), raise
+        [`eqx_multimap.ShapeError`][]. If `True`, pad the dim with copies of its
+        last element (real data, so the padded calls cannot produce NaNs), and trim
+        the outputs back exactly; a JAX array cannot be sharded unevenly, so the
+        outputs are then gathered (replicated) along that dim.
 
     **Returns:**
 
@@ -522,6 +574,9 @@ def filter_multi_vmap(
             scan=scan,
             checkpoint=checkpoint,
             verbose=verbose,
+            shard=shard,
+            mesh=mesh,
+            pad=pad,
         )
     if not callable(fun):
         raise SpecError(
@@ -542,6 +597,7 @@ def filter_multi_vmap(
     else:
         _validate_tree(in_dims, "`filter_multi_vmap(..., in_dims=...)`")
     _validate_tree(out_dims, "`filter_multi_vmap(..., out_dims=...)`")
+    shard_parsed = parse_shard(shard, mesh, pad)
     wrapper = _MultiVmapWrapper(
         _fun=fun,
         _in_dims=_Frozen(in_dims),
@@ -550,5 +606,6 @@ def filter_multi_vmap(
         _vmap=vmap_parsed,
         _checkpoint=bool(checkpoint),
         _verbose=bool(verbose),
+        _shard=shard_parsed,
     )
     return eqx.module_update_wrapper(wrapper)

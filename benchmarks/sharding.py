@@ -1,0 +1,133 @@
+"""Sharded against unsharded `filter_multi_vmap`, on 1, 2, 4 and 8 simulated devices.
+
+The same per-element function (a 2x2 matrix product with transcendentals, over
+`vis: "T F B 2 2"` and `nu: "F"`) is run twice for each device count `n`: unsharded
+on one device, and with `shard={"F": "d"}` over a mesh of the first `n` devices
+(inputs placed with their sharding beforehand, as they would be in real use). Both
+programs are compiled first, then timed side by side, interleaved, with
+`jax.block_until_ready`. Reported: the medians, and the median of the per-round time
+ratios sharded / unsharded (below 1 means that sharding is faster), plus the number of
+collectives in the sharded program (a pure map should have none).
+
+The devices are *simulated*: `--xla_force_host_platform_device_count=8` makes XLA
+treat one CPU as 8 devices, and they all share this machine's physical cores. So:
+
+- what this can show: the overhead of `shard_map` itself (the `n = 1` row), that the
+  sharded program has no communication, and how far the work spreads over the
+  physical cores (at best `1 / min(n, cores)`: about 0.5 on a 2-core machine);
+- what it cannot show: scaling beyond the number of physical cores, or any cost of
+  real interconnects between devices or hosts.
+
+    python benchmarks/sharding.py           # the full grid
+    python benchmarks/sharding.py --quick   # small sizes, well under a minute
+"""
+
+import os
+import sys
+
+
+# Must be set before JAX initialises its backends.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+sys.path.insert(0, os.path.dirname(__file__))
+
+import argparse
+import re
+
+import jax
+import jax.numpy as jnp
+from _timing import compiled, median, paired_ratio, time_side_by_side
+from eqx_multimap import filter_multi_vmap
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+
+COLLECTIVES = re.compile(
+    r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
+    r"(-start)?\("
+)
+
+
+def body(vis, nu):
+    # vis: (2, 2), nu: ()
+    a = jnp.sin(vis * nu) @ jnp.cos(vis).T
+    return jnp.tanh(a @ vis) + jnp.exp(-(a**2))
+
+
+NESTS = {
+    "vmap T F B": dict(vmap="T F B"),
+    "scan T, vmap F B": dict(scan="T", vmap="F B"),
+}
+
+
+def make(nest: str, mesh=None):
+    kw = dict(in_dims={"vis": "T F B 2 2", "nu": "F"}, out_dims="T F B 2 2")
+    kw.update(NESTS[nest])
+    if mesh is not None:
+        kw.update(shard={"F": "d"}, mesh=mesh)
+    return filter_multi_vmap(body, **kw)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        (t, f, b), repeats = (8, 32, 128), 7
+    else:
+        (t, f, b), repeats = (32, 64, 512), 15
+    repeats = args.repeats or repeats
+    devices = jax.devices()
+    assert len(devices) >= 8, devices
+
+    key_vis, key_nu = jax.random.split(jax.random.key(0))
+    vis = jax.random.normal(key_vis, (t, f, b, 2, 2), jnp.float32)
+    nu = jax.random.normal(key_nu, (f,), jnp.float32)
+    vis1, nu1 = jax.device_put((vis, nu), devices[0])
+
+    print(
+        f"jax {jax.__version__}; {len(devices)} simulated {devices[0].platform} "
+        f"devices on {os.cpu_count()} logical CPUs; T={t} F={f} B={b} (2x2 per "
+        f"element, {vis.nbytes / 2**20:.1f} MiB in); {repeats} repeats"
+    )
+    print()
+    print(
+        "| devices | nest | unsharded (ms) | sharded (ms) | sharded / unsharded "
+        "| collectives |"
+    )
+    print("|---:|---|---:|---:|---:|---:|")
+    for nest in NESTS:
+        unsharded = compiled(make(nest), vis1, nu1)
+        for n in (1, 2, 4, 8):
+            mesh = jax.make_mesh(
+                (n,), ("d",), axis_types=(AxisType.Auto,), devices=devices[:n]
+            )
+            vis_n = jax.device_put(vis, NamedSharding(mesh, P(None, "d")))
+            nu_n = jax.device_put(nu, NamedSharding(mesh, P("d")))
+            sharded = compiled(make(nest, mesh), vis_n, nu_n)
+            n_coll = len(COLLECTIVES.findall(sharded.as_text()))
+            out_s, out_u = sharded(vis_n, nu_n), unsharded(vis1, nu1)
+            err = float(jnp.max(jnp.abs(jax.device_get(out_s) - jax.device_get(out_u))))
+            assert err < 1e-5, err
+            t_u, t_s = time_side_by_side(
+                [lambda: unsharded(vis1, nu1), lambda: sharded(vis_n, nu_n)],
+                repeats=repeats,
+            )
+            print(
+                f"| {n} | {nest} | {1e3 * median(t_u):.2f} | {1e3 * median(t_s):.2f} "
+                f"| {paired_ratio(t_s, t_u):.2f} | {n_coll} |",
+                flush=True,
+            )
+    print()
+    print(
+        f"The simulated devices share {os.cpu_count()} logical CPUs, so a ratio "
+        f"below about 1/{os.cpu_count()} is not possible here, and more devices than "
+        "cores only add scheduling overhead. The n = 1 rows measure the overhead of "
+        "shard_map itself."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,357 @@
+"""Sharding the nest over a device mesh, with JAX's own SPMD (`jax.shard_map`).
+
+`shard={"F": "freq"}` partitions dim `F` contiguously over the mesh axis `freq`: each
+device gets one contiguous block of `F`, and runs the ordinary nest on it (see
+`_nest.run_blocks`) with the *local* sizes. The full nest is therefore
+`shard_map(scan(vmap(... fun)))`. A sharded dim is scanned inside each shard if it is
+also in `scan` (so chunked scans split each local block into chunks and an exact
+remainder), and vmapped otherwise.
+
+Nothing here moves data itself: inputs get `PartitionSpec`s built from their dims
+(an input without a sharded dim is replicated), outputs get `PartitionSpec`s built
+from `out_dims`, and JAX/XLA do the rest. A pure map therefore compiles with no
+collectives at all.
+
+`shard_map` needs its `out_specs` before it traces the body, so the output layout
+(the dims of each output array) is found first by `jax.eval_shape` of the body on
+*one element*, which is cheap: no `vmap` or `scan` is traced for it.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import (
+    AbstractMesh,
+    AxisType,
+    Mesh,
+    NamedSharding,
+    PartitionSpec,
+)
+
+from ._check import InputCheck, Seen
+from ._errors import ShapeError, SpecError
+from ._nest import _final_axis, OutLayout, run_blocks
+
+
+ShardSpec = Mapping[str, str | tuple[str, ...]] | None
+"""Dims to shard over a device mesh: `{"F": "freq"}` (dim `F` over the mesh axis
+`freq`), or `{"F": ("x", "y")}` (dim `F` over both axes, `x` major)."""
+
+AnyMesh = Mesh | AbstractMesh
+Leaves = list[Any]
+AxesList = list[dict[str, int]]
+
+
+def _shard_repr(dims: Sequence[tuple[str, tuple[str, ...]]]) -> str:
+    body = ", ".join(
+        f"{name!r}: {axes[0]!r}" if len(axes) == 1 else f"{name!r}: {axes!r}"
+        for name, axes in dims
+    )
+    return "{" + body + "}"
+
+
+def _axes_desc(axes: tuple[str, ...], mesh: AnyMesh) -> str:
+    """`mesh axis 'freq' (size 4)` or `mesh axes ('x', 'y') (sizes 2 x 4 = 8)`."""
+    if len(axes) == 1:
+        return f"mesh axis {axes[0]!r} (size {mesh.shape[axes[0]]})"
+    sizes = [mesh.shape[a] for a in axes]
+    prod = " x ".join(str(s) for s in sizes)
+    return f"mesh axes {axes!r} (sizes {prod} = {math.prod(sizes)})"
+
+
+def _mesh_desc(mesh: AnyMesh) -> str:
+    return ", ".join(f"{name!r} (size {size})" for name, size in mesh.shape.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOptions:
+    """The parsed `shard=`, `mesh=` and `pad=` of one wrapper. Not a pytree."""
+
+    dims: tuple[tuple[str, tuple[str, ...]], ...]
+    mesh: Mesh | None
+    pad: bool
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.dims)
+
+    def plan(self, fun_name: str, check: InputCheck) -> "ShardPlan":
+        """Resolve the mesh and the local sizes for one call (at trace time)."""
+        where = f"`{fun_name}`: `shard={_shard_repr(self.dims)}`"
+        ambient = jax.sharding.get_abstract_mesh()
+        if self.mesh is not None:
+            mesh: AnyMesh = self.mesh
+            if not ambient.empty and ambient != mesh.abstract_mesh:
+                raise SpecError(
+                    f"{where}: the `mesh` given to `filter_multi_vmap` (axes "
+                    f"{_mesh_desc(mesh)}) differs from the ambient mesh set with "
+                    f"`jax.set_mesh` (axes {_mesh_desc(ambient)}), and "
+                    "`jax.shard_map` needs them to match. Drop `mesh=` to use the "
+                    "ambient mesh, or call outside that `jax.set_mesh`."
+                )
+        else:
+            mesh = ambient
+            if mesh.empty:
+                raise SpecError(
+                    f"{where} needs a device mesh, but none was given and there is "
+                    "no ambient mesh. Pass `filter_multi_vmap(..., mesh=mesh)`, or "
+                    "call the function inside `with jax.set_mesh(mesh):`."
+                )
+            check_axes(self.dims, mesh, f"{where} (with the ambient mesh)")
+        local = dict(check.sizes)
+        padded: dict[str, int] = {}
+        for name, axes in self.dims:
+            n = check.sizes[name]
+            count = math.prod(mesh.shape[a] for a in axes)
+            n_local = -(-n // count)
+            if n % count:
+                if not self.pad:
+                    raise ShapeError(
+                        f"{where}: dim '{name}' has size {n}, which the "
+                        f"{_axes_desc(axes, mesh)} does not divide: every device "
+                        f"must get the same number of elements. The size of '{name}' "
+                        f"was bound by {_seen_desc(check.seen.get(name, []))}. Pass "
+                        f"`pad=True` to pad '{name}' to {n_local * count} with copies "
+                        "of its last element (the outputs are trimmed back to "
+                        f"{n}), or use a size that is a multiple of {count}."
+                    )
+                padded[name] = n_local * count
+            local[name] = n_local
+        return ShardPlan(fun_name, mesh, self.dims, dict(check.sizes), local, padded)
+
+
+def _seen_desc(seen: list[Seen]) -> str:
+    return "; ".join(s.where for s in seen) or "no argument"
+
+
+def check_axes(
+    dims: Sequence[tuple[str, tuple[str, ...]]], mesh: AnyMesh, where: str
+) -> None:
+    for name, axes in dims:
+        for axis in axes:
+            if axis not in mesh.axis_names:
+                raise SpecError(
+                    f"{where}: dim '{name}' is sharded over mesh axis {axis!r}, but "
+                    f"the mesh has no such axis. Its axes are: {_mesh_desc(mesh)}."
+                )
+
+
+def parse_shard(shard: Any, mesh: Any, pad: Any) -> ShardOptions | None:
+    """Validate `shard=`, `mesh=` and `pad=` at decoration time."""
+    if not isinstance(pad, bool):
+        raise SpecError(
+            f"`filter_multi_vmap(..., pad=...)` must be `True` or `False`, but got "
+            f"{pad!r} of type `{type(pad).__name__}`."
+        )
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise SpecError(
+            "`filter_multi_vmap(..., mesh=...)` must be a `jax.sharding.Mesh` (e.g. "
+            "from `jax.make_mesh`) or `None` (use the ambient mesh of "
+            f"`jax.set_mesh`), but got {mesh!r} of type `{type(mesh).__name__}`."
+        )
+    if shard is None:
+        if mesh is not None or pad:
+            given = "mesh" if mesh is not None else "pad"
+            raise SpecError(
+                f"`filter_multi_vmap(..., {given}=...)` is only used with `shard=`, "
+                "which was not given; name the dims to shard, e.g. "
+                "`shard={'F': 'freq'}`."
+            )
+        return None
+    if not isinstance(shard, Mapping):
+        raise SpecError(
+            "`filter_multi_vmap(..., shard=...)` must be a dict from dim name to mesh "
+            "axis name (or a tuple of mesh axis names), e.g. `{'F': 'freq'}`, but got "
+            f"{shard!r} of type `{type(shard).__name__}`."
+        )
+    dims: list[tuple[str, tuple[str, ...]]] = []
+    owner: dict[Any, str] = {}
+    for name, value in shard.items():
+        if not isinstance(name, str) or not name.isidentifier() or name[0] == "_":
+            raise SpecError(
+                f"`filter_multi_vmap(..., shard=...)` has key {name!r}, which is not a "
+                "dim name. Dim names are Python identifiers not starting with `_`, "
+                "e.g. 'F'."
+            )
+        axes = (value,) if isinstance(value, str) else value
+        if (
+            not isinstance(axes, (tuple, list))
+            or not axes
+            or not all(isinstance(a, str) for a in axes)
+        ):
+            raise SpecError(
+                f"`filter_multi_vmap(..., shard={{{name!r}: {value!r}}})`: the value "
+                "must be a mesh axis name such as 'freq', or a non-empty tuple of "
+                "mesh axis names such as ('x', 'y')."
+            )
+        for axis in axes:
+            if axis in owner:
+                other = owner[axis]
+                which = "twice for dim" if other == name else "for both dims"
+                dims_ = f"'{name}'" if other == name else f"'{other}' and '{name}'"
+                raise SpecError(
+                    f"`filter_multi_vmap(..., shard=...)` uses mesh axis {axis!r} "
+                    f"{which} {dims_}; each mesh axis can shard only one dim. To "
+                    "shard one dim over several mesh axes, give a tuple, e.g. "
+                    "`{'F': ('x', 'y')}`."
+                )
+            owner[axis] = name
+        dims.append((name, tuple(axes)))
+    if mesh is not None:
+        check_axes(dims, mesh, f"`filter_multi_vmap(..., shard={_shard_repr(dims)})`")
+    return ShardOptions(tuple(dims), mesh, pad)
+
+
+def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _spec(dim_axes: Mapping[str, int], dims: dict, ndim: int) -> PartitionSpec:
+    """The `PartitionSpec` of an array whose dim `name` is at `dim_axes[name]`."""
+    entries: list[Any] = [None] * ndim
+    for name, axes in dims.items():
+        if name in dim_axes:
+            entries[dim_axes[name]] = _entry(axes)
+    return PartitionSpec(*entries)
+
+
+def _explicit_only(spec: PartitionSpec, mesh: AnyMesh) -> PartitionSpec:
+    """`spec` without the mesh axes of type `Auto` (which `reshard` may not name)."""
+    explicit = {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types)
+        if kind == AxisType.Explicit
+    }
+    entries = []
+    for entry in spec:
+        names = (entry,) if isinstance(entry, str) else (entry or ())
+        kept = tuple(n for n in names if n in explicit)
+        entries.append(None if not kept else _entry(kept))
+    return PartitionSpec(*entries)
+
+
+def _has_explicit(mesh: AnyMesh) -> bool:
+    return any(kind == AxisType.Explicit for kind in mesh.axis_types)
+
+
+def _reshard(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
+    """Give `x` the sharding `spec` on the mesh's `Explicit` axes.
+
+    `shard_map` demands that its inputs' explicit shardings equal `in_specs`; on
+    `Auto` axes it inserts the resharding itself.
+    """
+    if not _has_explicit(mesh):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, _explicit_only(spec, mesh)))
+
+
+def _pad_edge(x: Any, axis: int, extra: int) -> Any:
+    """Pad `x` along `axis` with `extra` copies of its last element (a real slice)."""
+    n = x.shape[axis]
+    last = lax.slice_in_dim(x, n - 1, n, axis=axis)
+    shape = x.shape[:axis] + (extra,) + x.shape[axis + 1 :]
+    return jnp.concatenate([x, jnp.broadcast_to(last, shape)], axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """One call's sharding: the mesh, and the global, local and padded sizes."""
+
+    fun_name: str
+    mesh: AnyMesh
+    dims: tuple[tuple[str, tuple[str, ...]], ...]
+    sizes: dict[str, int]
+    local_sizes: dict[str, int]
+    padded: dict[str, int]
+
+    def describe(self, nest: str) -> str:
+        """Put `shard_map(...)` in front of the (local) nest description."""
+        parts = []
+        for name, axes in self.dims:
+            count = math.prod(self.mesh.shape[a] for a in axes)
+            pad = f", padded to {self.padded[name]}" if name in self.padded else ""
+            over = axes[0] if len(axes) == 1 else axes
+            parts.append(
+                f"{name}={self.sizes[name]} over {over!r}: {count} shards of "
+                f"{self.local_sizes[name]}{pad}"
+            )
+        head = f"{self.fun_name}: "
+        assert nest.startswith(head)
+        return f"{head}shard_map({'; '.join(parts)}) -> {nest[len(head) :]}"
+
+    def run(
+        self,
+        make_core: Callable[[], tuple[Callable[[Leaves], Leaves], Callable]],
+        values: Leaves,
+        leaf_axes: AxesList,
+        scan: dict[str, int | None],
+        vmap: Sequence[str],
+        checkpoint: bool = False,
+    ) -> tuple[Leaves, OutLayout]:
+        """As `run_blocks`, but inside `jax.shard_map`, on each device's block."""
+        dims = dict(self.dims)
+        values = list(values)
+        for name, n_pad in self.padded.items():
+            for i, axes in enumerate(leaf_axes):
+                if name in axes:
+                    values[i] = _pad_edge(
+                        values[i], axes[name], n_pad - self.sizes[name]
+                    )
+        in_specs = [_spec(a, dims, np.ndim(v)) for v, a in zip(values, leaf_axes)]
+        values = [_reshard(v, s, self.mesh) for v, s in zip(values, in_specs)]
+
+        # The output layout, from one element of the body.
+        elements = []
+        for v, axes in zip(values, leaf_axes):
+            drop = set(axes.values())
+            shape = tuple(s for i, s in enumerate(np.shape(v)) if i not in drop)
+            elements.append(jax.ShapeDtypeStruct(shape, v.dtype))
+        core, get_layout = make_core()
+        core_outs = jax.eval_shape(core, elements)
+        n_mapped = len(scan) + len(vmap)
+        out_axes: list[dict[str, int]] = []
+        for out, out_dims in zip(core_outs, get_layout().dims):
+            ndim = len(out.shape) + n_mapped
+            out_axes.append({k: _final_axis(out_dims, k, ndim) for k in dims})
+        out_specs = [
+            _spec(a, dims, len(o.shape) + n_mapped) for a, o in zip(out_axes, core_outs)
+        ]
+
+        box: list[OutLayout] = []
+
+        def body(*local: Any) -> Leaves:
+            outs, layout = run_blocks(
+                make_core,
+                list(local),
+                leaf_axes,
+                self.local_sizes,
+                scan,
+                vmap,
+                checkpoint,
+            )
+            box.append(layout)
+            return outs
+
+        outs = jax.shard_map(
+            body, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=out_specs
+        )(*values)
+        layout = box[-1]
+        if self.padded:
+            trimmed = []
+            for out, axes, spec in zip(outs, out_axes, out_specs):
+                # A JAX array cannot be sharded unevenly: gather the padded dims.
+                gathered = list(spec) + [None] * (out.ndim - len(spec))
+                for name in self.padded:
+                    gathered[axes[name]] = None
+                out = _reshard(out, PartitionSpec(*gathered), self.mesh)
+                for name in self.padded:
+                    out = lax.slice_in_dim(out, 0, self.sizes[name], axis=axes[name])
+                trimmed.append(out)
+            outs = trimmed
+        return outs, layout
