@@ -150,6 +150,7 @@ class Signature:
     out_dims: tuple
     scan: object
     vmap: object
+    sizes: dict
 
 
 @st.composite
@@ -208,7 +209,7 @@ def signatures(draw):
         if not vmapped
         else draw(st.sampled_from([" ".join(vmapped), tuple(vmapped)]))
     )
-    return Signature(mapped, args, tuple(in_dims), tuple(out_dims), scan, vmap)
+    return Signature(mapped, args, tuple(in_dims), tuple(out_dims), scan, vmap, sizes)
 
 
 def _mixing_body(*xs):
@@ -632,6 +633,23 @@ def test_dict_and_tuple_in_dims():
     # A single dims string for every argument.
     same = filter_multi_vmap(lambda p, q: p - q, in_dims="T F", out_dims="F T")
     _assert_same(same(a, a * 2.0), (a - a * 2.0).T)
+
+
+def test_module_typed_spec():
+    class Model(eqx.Module):
+        flux: jax.Array
+        gain: jax.Array
+        label: str = eqx.field(static=True)
+
+    def f(m):
+        assert m.label == "m"
+        return m.flux * m.gain[0]
+
+    model = Model(_rand((4, 3), seed=35), _rand((2,), seed=36), "m")
+    w = filter_multi_vmap(
+        f, in_dims=(Model("T F", None, "m"),), out_dims="F T", scan="T", vmap="F"
+    )
+    _assert_same(w(model), (model.flux * model.gain[0]).T)
 
 
 def test_pytree_argument_with_prefix_dims():
