@@ -52,10 +52,10 @@ def _slice(x: Any, dims: str | None, index: dict[str, int]) -> Any:
     return x[idx]
 
 
-def _to_out_dims(stacked: Any, sizes: list[int], mapped: Sequence[str], dims: str):
+def _to_out_dims(stacked, sizes: list[int], mapped: Sequence[str], dims: str, xp):
     """`stacked` has shape `(prod(sizes), *core)`; lay it out as `dims` says."""
     core = stacked.shape[1:]
-    x = np.reshape(stacked, tuple(sizes) + core)
+    x = xp.reshape(stacked, tuple(sizes) + core)
     toks = _tokens(dims, x.ndim)
     perm = []
     core_axis = len(mapped)
@@ -65,7 +65,7 @@ def _to_out_dims(stacked: Any, sizes: list[int], mapped: Sequence[str], dims: st
         else:
             perm.append(core_axis)
             core_axis += 1
-    return jnp.asarray(np.transpose(x, perm))
+    return jnp.asarray(xp.transpose(x, perm))
 
 
 def loop_reference(
@@ -74,6 +74,7 @@ def loop_reference(
     in_dims: Sequence[str | None],
     mapped: Sequence[str],
     out_dims: Any,
+    xp: Any = np,
 ) -> Any:
     """Map `fun` with a Python loop over every index combination of `mapped` dims.
 
@@ -85,6 +86,8 @@ def loop_reference(
     - `mapped`: the names of the mapped dims; the loop runs over them in this order.
     - `out_dims`: a dims string for every output array, or a pytree prefix of the
         output with dims strings at its leaves.
+    - `xp`: `numpy` (the default) to stack with `np.stack`, or `jax.numpy` for a
+        reference that can be differentiated.
 
     **Returns:**
 
@@ -101,7 +104,7 @@ def loop_reference(
     if outs:
         stacked = jax.tree.map(
             lambda *xs: (
-                np.stack([np.asarray(x) for x in xs]) if eqx.is_array(xs[0]) else xs[0]
+                xp.stack([xp.asarray(x) for x in xs]) if eqx.is_array(xs[0]) else xs[0]
             ),
             *outs,
         )
@@ -125,7 +128,7 @@ def loop_reference(
         struct = jax.eval_shape(call, *(x for x, a in zip(sliced, is_dyn) if a))
         stacked = jax.tree.map(
             lambda s: (
-                np.zeros((0,) + s.shape, s.dtype)
+                xp.zeros((0,) + s.shape, s.dtype)
                 if isinstance(s, jax.ShapeDtypeStruct)
                 else s
             ),
@@ -135,8 +138,8 @@ def loop_reference(
     def layout(d, sub):
         return jax.tree.map(
             lambda leaf: (
-                _to_out_dims(leaf, size_list, mapped, d)
-                if isinstance(leaf, np.ndarray)
+                _to_out_dims(leaf, size_list, mapped, d, xp)
+                if isinstance(leaf, (np.ndarray, jax.Array))
                 else leaf
             ),
             sub,

@@ -218,8 +218,8 @@ def _mixing_body(*xs):
 
 
 @settings(max_examples=40, deadline=None)
-@given(sig=signatures())
-def test_equivalence_random_signatures(sig):
+@given(sig=signatures(), use_jit=st.booleans())
+def test_equivalence_random_signatures(sig, use_jit):
     w = filter_multi_vmap(
         _mixing_body,
         in_dims=sig.in_dims,
@@ -227,9 +227,42 @@ def test_equivalence_random_signatures(sig):
         scan=sig.scan,
         vmap=sig.vmap,
     )
-    out = w(*sig.args)
+    out = jax.jit(w)(*sig.args) if use_jit else w(*sig.args)
     ref = loop_reference(_mixing_body, sig.args, sig.in_dims, sig.mapped, sig.out_dims)
     _assert_same(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(sig=signatures(), checkpoint=st.booleans())
+def test_grad_random_signatures(sig, checkpoint):
+    w = filter_multi_vmap(
+        _mixing_body,
+        in_dims=sig.in_dims,
+        out_dims=sig.out_dims,
+        scan=sig.scan,
+        vmap=sig.vmap,
+        checkpoint=checkpoint,
+    )
+
+    def ref(*args):
+        return loop_reference(
+            _mixing_body, args, sig.in_dims, sig.mapped, sig.out_dims, xp=jnp
+        )
+
+    def loss(fn):
+        def _loss(*args):
+            outs = fn(*args)
+            return sum(
+                (jnp.sum(jnp.cos(o) * (i + 1.0)) for i, o in enumerate(outs)),
+                start=jnp.float32(0),
+            )
+
+        return _loss
+
+    argnums = tuple(range(len(sig.args)))
+    g = jax.jit(jax.grad(loss(w), argnums=argnums))(*sig.args)
+    g_ref = jax.grad(loss(ref), argnums=argnums)(*sig.args)
+    _assert_same(g, g_ref, rtol=1e-4, atol=1e-4)
 
 
 #
