@@ -180,6 +180,24 @@ def bind_call(
             if name is not None and name in in_dims:
                 arg_specs[i] = in_dims[name]
                 used.add(name)
+        # `*args` by its name: one spec for every extra positional argument, or a
+        # tuple/list with one entry per extra positional argument.
+        var_pos_spec = in_dims.get(var_pos, unset) if var_pos is not None else unset
+        n_extra = len(args) - len(positional)
+        if var_pos_spec is not unset:
+            used.add(var_pos)
+            if isinstance(var_pos_spec, (tuple, list)):
+                if len(var_pos_spec) != n_extra:
+                    raise SpecError(
+                        f"`{fun_name}`: `in_dims[{var_pos!r}]` has "
+                        f"{len(var_pos_spec)} entries, one per argument of "
+                        f"`*{var_pos}`, but the function was called with {n_extra}."
+                    )
+                extra = list(var_pos_spec)
+            else:
+                extra = [var_pos_spec] * n_extra
+            for j, s in enumerate(extra):
+                arg_specs[len(positional) + j] = s
         var_kw_spec = in_dims.get(var_kw, unset) if var_kw is not None else unset
         if var_kw_spec is not unset:
             used.add(var_kw)
@@ -193,12 +211,13 @@ def bind_call(
                         kw_specs[k] = var_kw_spec[k]
                 else:
                     kw_specs[k] = var_kw_spec
-        known = set(param_names) | ({var_kw} if var_kw else set())
+        known = set(param_names) | {n for n in (var_pos, var_kw) if n is not None}
         unknown = [k for k in in_dims if k not in used and k not in known]
         if sig is not None and var_kw is None and unknown:
+            all_params = tuple(sig.parameters)
             raise SpecError(
                 f"`{fun_name}`: the following `in_dims` keys did not correspond to any "
-                f"parameter: {tuple(unknown)}. The parameters are {tuple(param_names)}."
+                f"parameter: {tuple(unknown)}. The parameters are {all_params}."
             )
     else:
         raise SpecError(

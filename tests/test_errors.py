@@ -574,3 +574,12 @@ def test_ill_typed_specs(ill_typed_errors, case):
     assert kind == "SpecError", (kind, message)
     for match in _ILL_TYPED[case][1]:
         assert re.search(match, message), (match, message)
+
+
+def test_var_positional_in_dims_length_mismatch():
+    def f(*xs):
+        raise AssertionError("traced")
+
+    w = filter_multi_vmap(f, in_dims={"xs": ("T", "T")}, out_dims="T", scan="T")
+    matches = [r"`in_dims\['xs'\]` has 2 entries", r"`\*xs`", r"called with 3"]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones(3), jnp.ones(3), jnp.ones(3)))
