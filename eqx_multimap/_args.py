@@ -38,8 +38,14 @@ def to_leaf_spec(spec: Any, where: str) -> LeafSpec:
     )
 
 
-def broadcast_spec(spec: Any, value: Any, where: str) -> list[LeafSpec]:
-    """One `LeafSpec` per leaf of `value`, from a spec that is a prefix of `value`."""
+def broadcast_spec(
+    spec: Any, value: Any, where: str, name: str = "value"
+) -> list[LeafSpec]:
+    """One `LeafSpec` per leaf of `value`, from a spec that is a prefix of `value`.
+
+    `name` is how `value` is called in errors (`x`, `output`): JAX's prefix error
+    names the mismatching key path relative to it.
+    """
 
     def _fill(s, sub):
         leaf_spec = to_leaf_spec(s, where)
@@ -50,10 +56,22 @@ def broadcast_spec(spec: Any, value: Any, where: str) -> list[LeafSpec]:
     except SpecError:
         raise
     except (ValueError, TypeError) as e:
+        # JAX calls the root of the key path "tree_map tree"; use the user's name.
+        detail = str(e).replace("the prefix pytree tree_map tree", "the spec")
+        detail = detail.replace("the full pytree", f"`{name}`")
+        detail = detail.replace("tree_map tree", name)
+        detail = detail.replace("pytree structure error: ", "").strip()
+        hint = ""
+        if "different types" in detail and isinstance(spec, dict):
+            hint = (
+                " A dict spec only fits a dict; for the fields of another pytree "
+                "(such as an `equinox.Module`) give a spec of the same type, or one "
+                "dims string (or `None`) for the whole value."
+            )
         raise SpecError(
-            f"{where} must be a dims string, `None`, or a pytree prefix of the value "
+            f"{where} must be a dims string, `None`, or a pytree prefix of `{name}` "
             f"(with dims strings at its leaves); but the spec {spec!r} does not fit "
-            f"the structure {jtu.tree_structure(value)}. ({e})"
+            f"its structure {jtu.tree_structure(value)}: {detail}{hint}"
         ) from None
     return jtu.tree_leaves(full, is_leaf=lambda x: isinstance(x, LeafSpec))
 
@@ -162,6 +180,24 @@ def bind_call(
             if name is not None and name in in_dims:
                 arg_specs[i] = in_dims[name]
                 used.add(name)
+        # `*args` by its name: one spec for every extra positional argument, or a
+        # tuple/list with one entry per extra positional argument.
+        var_pos_spec = in_dims.get(var_pos, unset) if var_pos is not None else unset
+        n_extra = len(args) - len(positional)
+        if var_pos_spec is not unset:
+            used.add(var_pos)
+            if isinstance(var_pos_spec, (tuple, list)):
+                if len(var_pos_spec) != n_extra:
+                    raise SpecError(
+                        f"`{fun_name}`: `in_dims[{var_pos!r}]` has "
+                        f"{len(var_pos_spec)} entries, one per argument of "
+                        f"`*{var_pos}`, but the function was called with {n_extra}."
+                    )
+                extra = list(var_pos_spec)
+            else:
+                extra = [var_pos_spec] * n_extra
+            for j, s in enumerate(extra):
+                arg_specs[len(positional) + j] = s
         var_kw_spec = in_dims.get(var_kw, unset) if var_kw is not None else unset
         if var_kw_spec is not unset:
             used.add(var_kw)
@@ -175,12 +211,13 @@ def bind_call(
                         kw_specs[k] = var_kw_spec[k]
                 else:
                     kw_specs[k] = var_kw_spec
-        known = set(param_names) | ({var_kw} if var_kw else set())
+        known = set(param_names) | {n for n in (var_pos, var_kw) if n is not None}
         unknown = [k for k in in_dims if k not in used and k not in known]
         if sig is not None and var_kw is None and unknown:
+            all_params = tuple(sig.parameters)
             raise SpecError(
                 f"`{fun_name}`: the following `in_dims` keys did not correspond to any "
-                f"parameter: {tuple(unknown)}. The parameters are {tuple(param_names)}."
+                f"parameter: {tuple(unknown)}. The parameters are {all_params}."
             )
     else:
         raise SpecError(
@@ -207,7 +244,7 @@ def bind_call(
     leaves: list[InLeaf] = []
     for name, value, spec in pieces:
         where = f"`{fun_name}`: `in_dims` for argument `{name}`"
-        specs = broadcast_spec(spec, value, where)
+        specs = broadcast_spec(spec, value, where, name)
         paths_and_leaves = jtu.tree_flatten_with_path(value)[0]
         assert len(specs) == len(paths_and_leaves)
         for (path, leaf), leaf_spec in zip(paths_and_leaves, specs):

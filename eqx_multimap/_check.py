@@ -170,7 +170,7 @@ def check_output(
             if not (isinstance(t, NamedDim) and t.name in mapped_set)
         ),
     )
-    shape_desc = "(" + ", ".join(str(s) for s in core_shape) + ")"
+    shape_desc = str(tuple(core_shape))
     token_axes = axes_of(core, len(core_shape))
     if isinstance(token_axes, str):
         raise ShapeError(

@@ -338,7 +338,7 @@ def _call_body(
     spec = default_out if out_dims is None else out_dims
     if isinstance(spec, OutAnnotation):
         spec = spec.resolve(out, default_out)
-    leaf_specs = broadcast_spec(spec, out, f"`{fun_name}`: `out_dims`")
+    leaf_specs = broadcast_spec(spec, out, f"`{fun_name}`: `out_dims`", "output")
     sizes = dict(check.sizes)
     seen = {k: list(v) for k, v in check.seen.items()}
     dyn_out: list[Any] = []

@@ -1,0 +1,585 @@
+"""Error messages, in the style of jaxtyping's `test_messages.py`.
+
+Each failure has a list of regex fragments (the API, the argument path, the dim, the
+sizes); each fragment is checked on its own with `pytest.raises(..., match=...)`.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import pytest
+from eqx_multimap import filter_multi_vmap, parse_dims, ShapeError, SpecError
+from hypothesis import given, settings
+
+from .test_core import signatures
+
+
+class Model(eqx.Module):
+    flux: jax.Array
+    gain: jax.Array
+
+
+def _never_called(*args, **kwargs):
+    raise AssertionError("the body was traced although the inputs are invalid")
+
+
+def _raises_each(error, matches, thunk):
+    for match in matches:
+        with pytest.raises(error, match=match):
+            thunk()
+
+
+def test_error_classes():
+    assert ShapeError.__module__ == "eqx_multimap"
+    assert SpecError.__module__ == "eqx_multimap"
+    assert issubclass(ShapeError, TypeError)
+    assert issubclass(SpecError, ValueError)
+    assert not issubclass(ShapeError, SpecError)
+    assert not issubclass(SpecError, ShapeError)
+
+
+#
+# Bad data: ShapeError, raised before the body is traced.
+#
+
+
+def test_inconsistent_sizes_names_every_path_and_size():
+    calls = []
+
+    def f(model, *, scale, **kwargs):
+        calls.append(1)
+        return model.flux * kwargs["nu"] * scale
+
+    w = filter_multi_vmap(
+        f,
+        in_dims={"model": Model(flux="T F B", gain="F"), "kwargs": {"nu": "F"}},
+        out_dims="T F B",
+        scan="T",
+        vmap="F B",
+    )
+    model = Model(flux=jnp.ones((3, 4, 2)), gain=jnp.ones(6))
+    matches = [
+        r"`filter_multi_vmap\(test_inconsistent_sizes_names_every_path_and_size"
+        r"\.<locals>\.f\)`",
+        r"inconsistent sizes for dim 'F'",
+        r"size 4: `model\.flux` axis 1 \(float32\[3,4,2\], dims 'T F B'\)",
+        r"size 6: `model\.gain` axis 0 \(float32\[6\], dims 'F'\)",
+        r"size 5: `kwargs\['nu'\]` axis 0 \(float32\[5\], dims 'F'\)",
+        r"T=3, B=2",
+    ]
+    _raises_each(ShapeError, matches, lambda: w(model, scale=2.0, nu=jnp.ones(5)))
+    assert calls == []
+
+
+def test_inconsistent_sizes_groups_equal_sizes():
+    w = filter_multi_vmap(
+        _never_called, in_dims=("T F", "F", "F"), out_dims="T F", scan="T"
+    )
+    matches = [
+        r"dim 'F'",
+        r"size 4: `args\[0\]` axis 1 \(float32\[3,4\], dims 'T F'\); `args\[1\]` "
+        r"axis 0",
+        r"size 2: `args\[2\]` axis 0",
+    ]
+    _raises_each(
+        ShapeError, matches, lambda: w(jnp.ones((3, 4)), jnp.ones(4), jnp.ones(2))
+    )
+
+
+def test_inconsistent_core_dim():
+    # `c` is not mapped, but is still checked across arguments.
+    w = filter_multi_vmap(
+        _never_called, in_dims=("T c", "c c"), out_dims="T c", scan="T"
+    )
+    matches = [
+        r"inconsistent sizes for dim 'c'",
+        r"size 2: `args\[0\]` axis 1",
+        r"size 3: `args\[1\]` axis 0 \(float32\[3,3\], dims 'c c'\); `args\[1\]` "
+        r"axis 1",
+        r"T=5",
+    ]
+    _raises_each(ShapeError, matches, lambda: w(jnp.ones((5, 2)), jnp.ones((3, 3))))
+
+
+@pytest.mark.parametrize(
+    "dims, shape, matches",
+    [
+        ("T F", (3,), [r"argument `x`", r"float32\[3\]", r"has rank 1", "exactly 2"]),
+        ("T", (3, 4), [r"argument `x`", r"float32\[3,4\]", r"has rank 2", "exactly 1"]),
+        (
+            "T ... F 2",
+            (3, 4),
+            [
+                r"argument `x`",
+                r"float32\[3,4\]",
+                r"rank 2",
+                r"'T \.\.\. F 2'",
+                "least 3",
+            ],
+        ),
+    ],
+)
+def test_rank_mismatch(dims, shape, matches):
+    def g(x, y):
+        raise AssertionError("traced")
+
+    w = filter_multi_vmap(g, in_dims=(dims, "T"), out_dims="T", scan="T")
+    _raises_each(ShapeError, matches, lambda: w(jnp.ones(shape), jnp.ones(3)))
+
+
+def test_fixed_size_mismatch():
+    w = filter_multi_vmap(_never_called, in_dims="T F 2 2", out_dims="T F", scan="T")
+    matches = [
+        r"argument `args\[0\]`",
+        r"float32\[3,4,2,3\]",
+        r"size 3 at axis 3",
+        r"'T F 2 2'",
+        r"fix that axis to 2",
+    ]
+    _raises_each(ShapeError, matches, lambda: w(jnp.ones((3, 4, 2, 3))))
+
+
+@pytest.mark.parametrize("value", [2.0, 3, "hello", None, len])
+def test_non_array_leaf_with_mapped_dims(value):
+    def g(x, y):
+        raise AssertionError("traced")
+
+    w = filter_multi_vmap(g, in_dims=("T", "T"), out_dims="T", scan="T")
+    if value is None:
+        # `None` is an empty pytree: it has no leaves to give dims to.
+        with pytest.raises(AssertionError, match="traced"):
+            w(jnp.ones(3), value)
+        return
+    matches = [
+        r"argument `y`",
+        rf"is `{type(value).__name__}`",
+        re.escape(repr(value)),
+        r"not an array",
+        r"mapped dim 'T'",
+        r"give it `None` dims",
+    ]
+    _raises_each(ShapeError, matches, lambda: w(jnp.ones(3), value))
+
+
+def test_errors_raised_before_body_is_traced():
+    calls = []
+
+    def body(x, y):
+        calls.append(1)
+        return x * y
+
+    w = filter_multi_vmap(
+        body, in_dims=("T F", "F"), out_dims="F T", scan={"T": 2}, vmap="F"
+    )
+    bad_calls = [
+        (ShapeError, "inconsistent", (jnp.ones((3, 4)), jnp.ones(5))),
+        (ShapeError, "rank", (jnp.ones(3), jnp.ones(3))),
+        (ShapeError, "not an array", (jnp.ones((3, 4)), "nu")),
+    ]
+    for error, match, args in bad_calls:
+        with pytest.raises(error, match=match):
+            w(*args)
+        with pytest.raises(error, match=match):
+            eqx.filter_jit(w)(*args)
+        with pytest.raises(error, match=match):
+            eqx.filter_make_jaxpr(w)(*args)
+    assert calls == []
+    # A valid call traces the body.
+    w(jnp.ones((3, 4)), jnp.ones(4))
+    assert calls
+
+
+@settings(max_examples=25, deadline=None)
+@given(sig=signatures(), data=st.data())
+def test_inconsistent_sizes_random_signatures(sig, data):
+    # Add one argument that disagrees with the others on one mapped dim.
+    name = data.draw(st.sampled_from(sig.mapped))
+    size = sig.sizes[name]
+    bad = data.draw(st.sampled_from([s for s in range(5) if s != size]))
+    args = list(sig.args) + [jnp.ones((2, bad))]
+    in_dims = sig.in_dims + (f"_ {name}",)
+    w = filter_multi_vmap(
+        _never_called,
+        in_dims=in_dims,
+        out_dims=sig.out_dims + (" ".join(sig.mapped),),
+        scan=sig.scan,
+        vmap=sig.vmap,
+    )
+    k = len(args) - 1
+    matches = [
+        rf"inconsistent sizes for dim '{name}'",
+        rf"size {size}: `args\[\d\]` axis \d",
+        rf"size {bad}: `args\[{k}\]` axis 1 \(float32\[2,{bad}\], dims '_ {name}'\)",
+    ]
+    _raises_each(ShapeError, matches, lambda: w(*args))
+
+
+#
+# Bad specs: SpecError.
+#
+
+
+@pytest.mark.parametrize(
+    "dims, matches",
+    [
+        ("T,F", [r"'T,F'", r"spaces, not commas", r"e\.g\. 'T F'"]),
+        ("[T,F,B]", [r"not commas", r"e\.g\. 'T F B'", r"multi_vmap"]),
+        ("[T F]", [r"'\[T F\]'", r"no brackets"]),
+        ("T ... F ...", [r"'T \.\.\. F \.\.\.'", r"`\.\.\.` may appear at most once"]),
+        ("*batch T", [r"dim '\*batch'", r"variadic", r"use `\.\.\.`"]),
+        ("#T F", [r"dim '#T'", r"broadcastable"]),
+        ("~T F", [r"dim '~T'", r"`~`", r"DSA2000-Cal"]),
+        ("T+1", [r"dim 'T\+1'", r"symbolic"]),
+        ("n=3 T", [r"dim 'n=3'", r"symbolic"]),
+        ("T 2*F", [r"dim '2\*F'", r"symbolic"]),
+        ("T$", [r"dim 'T\$'", r"not a name, an integer, `_` or `\.\.\.`"]),
+        ("1x", [r"dim '1x'", r"not a name"]),
+        ("T 2.5", [r"dim '2\.5'", r"not a name"]),
+    ],
+)
+def test_invalid_dims_strings(dims, matches):
+    matches = [r"Invalid dims string"] + matches
+    _raises_each(SpecError, matches, lambda: parse_dims(dims))
+    # At decoration time, in `in_dims` and in `out_dims`.
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(_never_called, in_dims=(dims,), out_dims="T"),
+    )
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(_never_called, in_dims="T", out_dims={"a": dims}),
+    )
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(_never_called, in_dims={"x": {"y": dims}}),
+    )
+
+
+def _f(x):
+    return x
+
+
+def test_not_callable():
+    matches = [r"must wrap a callable", r"3 of type `int`", r"keyword-only"]
+    _raises_each(SpecError, matches, lambda: filter_multi_vmap(3, in_dims="T"))
+
+
+@pytest.mark.parametrize(
+    "strategy, matches",
+    [
+        ({"scan": "X", "vmap": "T"}, [r"`scan` names dim 'X'", r"T, F"]),
+        ({"vmap": "T X"}, [r"`vmap` names dim 'X'", r"T, F"]),
+        ({"scan": {"T": 2, "Y": None}}, [r"`scan` names dim 'Y'"]),
+    ],
+)
+def test_strategy_names_unknown_dim(strategy, matches):
+    w = filter_multi_vmap(_never_called, in_dims=("T F", "F"), out_dims="T", **strategy)
+    matches = matches + [r"no array argument's dims contain it", r"size is unknown"]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones((3, 4)), jnp.ones(4)))
+
+
+def test_strategy_dim_only_on_unmapped_argument():
+    # `F` appears only in the dims of a non-array: its size is unknown.
+    w = filter_multi_vmap(_never_called, in_dims=("T", None), out_dims="T F", vmap="F")
+    with pytest.raises(SpecError, match=r"`vmap` names dim 'F'"):
+        w(jnp.ones(3), 1.0)
+
+
+@pytest.mark.parametrize(
+    "scan, vmap", [("T", "T F"), ({"T": 2}, ("F", "T")), (("F", "T"), "F")]
+)
+def test_dim_in_both_vmap_and_scan(scan, vmap):
+    matches = [r"`filter_multi_vmap`", r"dim '[TF]'", r"both `vmap` and `scan`"]
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(_f, in_dims="T F", scan=scan, vmap=vmap),
+    )
+
+
+@pytest.mark.parametrize("chunk", [0, -1, True, False])
+def test_bad_chunk_sizes(chunk):
+    matches = [
+        re.escape(f"scan={{'T': {chunk!r}}}"),
+        r"chunk size must be a positive `int`",
+        r"or `None`",
+    ]
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(_f, in_dims="T", scan={"T": chunk}),
+    )
+
+
+@pytest.mark.parametrize(
+    "argname, value, matches",
+    [
+        ("scan", "T,F", [r"scan=\.\.\.", r"'T,F'", r"not commas", r"'T F'"]),
+        ("vmap", "T,F", [r"vmap=\.\.\.", r"not commas"]),
+        ("scan", ["_x"], [r"scan=\.\.\.", r"'_x'", r"not a dim name"]),
+        ("vmap", "T F T", [r"vmap=\.\.\.", r"names dim 'T' twice"]),
+        ("scan", {"T": 2, "2x": 1}, [r"scan=\.\.\.", r"'2x'", r"not a dim name"]),
+    ],
+)
+def test_bad_strategy_names(argname, value, matches):
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(_f, in_dims="T F", **{argname: value}),
+    )
+
+
+def test_no_mapped_dims():
+    w = filter_multi_vmap(_never_called, in_dims="T")
+    matches = [r"maps no dims", r"`vmap=` or `scan=`", r"`out_dims`"]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones(3)))
+
+
+def test_in_dims_tuple_length_mismatch():
+    w = filter_multi_vmap(_never_called, in_dims=("T F",), out_dims="T", scan="T")
+    matches = [
+        r"`in_dims` has 1 entries",
+        r"called with 2 positional arguments",
+        r"dict of `in_dims` by parameter name",
+    ]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones((3, 4)), jnp.ones(4)))
+
+
+def test_unknown_in_dims_keys():
+    def g(x, y):
+        raise AssertionError("traced")
+
+    w = filter_multi_vmap(
+        g, in_dims={"x": "T", "z": "T", "w": None}, out_dims="T", scan="T"
+    )
+    matches = [
+        r"`filter_multi_vmap\(test_unknown_in_dims_keys\.<locals>\.g\)`",
+        r"`in_dims` keys did not correspond to any parameter: \('z', 'w'\)",
+        r"The parameters are \('x', 'y'\)",
+    ]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones(3), jnp.ones(3)))
+
+
+@pytest.mark.parametrize(
+    "spec, value, matches",
+    [
+        (
+            {"a": "T", "b": None},
+            {"a": jnp.ones(3), "c": jnp.ones(3)},
+            [r"argument `m`", r"\{'a': 'T', 'b': None\}", r"key path\s+m\b"],
+        ),
+        (
+            ("T", ("T", "T")),
+            (jnp.ones(3), (jnp.ones(3),)),
+            [r"argument `m`", r"key path\s+m\[1\]", r"length 2", r"length 1"],
+        ),
+        (
+            {"flux": "T"},
+            Model(jnp.ones(3), jnp.ones(3)),
+            [r"argument `m`", r"<class 'dict'>", r"Model", r"equinox\.Module"],
+        ),
+    ],
+)
+def test_in_dims_not_a_prefix(spec, value, matches):
+    def g(m):
+        raise AssertionError("traced")
+
+    w = filter_multi_vmap(g, in_dims=(spec,), out_dims="T", scan="T")
+    matches = matches + [r"pytree prefix of `m`", r"does not fit"]
+    _raises_each(SpecError, matches, lambda: w(value))
+
+
+def test_mapped_dim_twice_in_one_array():
+    w = filter_multi_vmap(_never_called, in_dims="T T", out_dims="T", scan="T")
+    matches = [r"argument `args\[0\]`", r"'T T'", r"mapped dim 'T' twice"]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones((3, 3))))
+
+
+#
+# Body outputs that do not match `out_dims`.
+#
+
+
+@pytest.mark.parametrize(
+    "out_dims, matches",
+    [
+        ("T", [r"`out_dims` 'T' for `output`", r"does not contain the mapped dim 'F'"]),
+        ("T F T", [r"'T F T'", r"names more than once the mapped dim 'T'"]),
+        ("F ... c", [r"'F \.\.\. c'", r"does not contain the mapped dim 'T'"]),
+    ],
+)
+def test_out_dims_missing_mapped_dim(out_dims, matches):
+    w = filter_multi_vmap(
+        lambda x, y: x * y,
+        in_dims=("T F", "F"),
+        out_dims=out_dims,
+        scan="T",
+        vmap="F",
+    )
+    matches = matches + [r"each of T, F exactly once"]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones((3, 4)), jnp.ones(4)))
+
+
+def test_out_dims_missing_mapped_dim_in_one_leaf():
+    w = filter_multi_vmap(
+        lambda x: {"a": x, "b": x},
+        in_dims="T F",
+        out_dims={"a": "T F", "b": "F"},
+        scan="T",
+        vmap="F",
+    )
+    with pytest.raises(SpecError, match=r"'F' for `output\['b'\]`.*mapped dim 'T'"):
+        w(jnp.ones((3, 4)))
+
+
+@pytest.mark.parametrize(
+    "body, out_dims, error, matches",
+    [
+        (
+            lambda x: x[0],
+            "T F 3",
+            ShapeError,
+            [r"returned `output`", r"per-element shape \(\)", r"rank 0", r"'T F 3'"],
+        ),
+        (
+            lambda x: x[:2],
+            "T F 3",
+            ShapeError,
+            [r"per-element shape \(2,\)", r"'T F 3'", r"fix the axis at 0 to 3"],
+        ),
+        (
+            lambda x: x[:2],
+            "T c F",
+            ShapeError,
+            [
+                r"inconsistent sizes for dim 'c'",
+                r"size 3: `x` axis 2 \(float32\[3,4,3\], dims 'T F c'\)",
+                r"size 2: `output` \(body output of shape \(2,\)\) axis 0",
+                r"T=3, F=4",
+            ],
+        ),
+        (
+            lambda x: (x[0], x[1]),
+            ("T F", "T F", "T F"),
+            SpecError,
+            [r"`out_dims`", r"pytree prefix of `output`", r"length 3", r"length 2"],
+        ),
+        (
+            lambda x: (x[0], x[1]),
+            ("T F", None),
+            SpecError,
+            [r"`out_dims` gives `None` for `output\[1\]`", r"which is an array"],
+        ),
+    ],
+)
+def test_body_output_does_not_match_out_dims(body, out_dims, error, matches):
+    w = filter_multi_vmap(
+        body, in_dims="T F c", out_dims=out_dims, scan={"T": 2}, vmap="F"
+    )
+    _raises_each(error, matches, lambda: w(jnp.ones((3, 4, 3))))
+
+
+def test_bad_call_arguments():
+    w = filter_multi_vmap(lambda x, y: x, in_dims="T", out_dims="T", scan="T")
+    with pytest.raises(TypeError, match=r"called with bad arguments.*'y'"):
+        w(jnp.ones(3))
+
+
+#
+# Ill-typed specs. The test suite runs the library under jaxtyping's pytest plugin
+# (beartype on every annotated function), which rejects these before the library's
+# own checks run; users normally run without it, so check in a plain subprocess.
+#
+
+_ILL_TYPED = {
+    "in_dims_int_leaf": (
+        "filter_multi_vmap(f, in_dims=(3,))",
+        [r"in_dims=\.\.\.", r"contains 3 of type `int`", r"dims strings"],
+    ),
+    "in_dims_int": (
+        "filter_multi_vmap(f, in_dims=3)",
+        [r"in_dims=\.\.\.", r"contains 3 of type `int`"],
+    ),
+    "out_dims_int": (
+        "filter_multi_vmap(f, in_dims='T', out_dims=0)",
+        [r"out_dims=\.\.\.", r"0 of type `int`"],
+    ),
+    "in_dims_dict_float": (
+        "filter_multi_vmap(f, in_dims={'x': 1.5})",
+        [r"in_dims=\{'x': \.\.\.\}", r"1\.5 of type `float`"],
+    ),
+    "chunk_float": (
+        "filter_multi_vmap(f, in_dims='T', scan={'T': 1.5})",
+        [r"scan=\{'T': 1\.5\}", r"chunk size must be a positive `int`"],
+    ),
+    "chunk_str": (
+        "filter_multi_vmap(f, in_dims='T', scan={'T': '2'})",
+        [r"scan=\{'T': '2'\}", r"positive `int`"],
+    ),
+    "vmap_int_name": (
+        "filter_multi_vmap(f, in_dims='T', vmap=('T', 3))",
+        [r"vmap=\.\.\.", r"got 3", r"not a dim name"],
+    ),
+    "scan_int": (
+        "filter_multi_vmap(f, in_dims='T', scan=3)",
+        [r"scan=\.\.\.", r"must be a dims string", r"got 3"],
+    ),
+}
+
+_SUBPROCESS = textwrap.dedent(
+    """
+    import json, sys
+    from eqx_multimap import filter_multi_vmap
+
+    def f(x):
+        return x
+
+    out = {}
+    for name, expr in json.loads(sys.argv[1]).items():
+        try:
+            eval(expr)
+            out[name] = [None, None]
+        except Exception as e:
+            out[name] = [type(e).__name__, str(e)]
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def ill_typed_errors():
+    cases = {k: expr for k, (expr, _) in _ILL_TYPED.items()}
+    res = subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", sorted(_ILL_TYPED))
+def test_ill_typed_specs(ill_typed_errors, case):
+    kind, message = ill_typed_errors[case]
+    assert kind == "SpecError", (kind, message)
+    for match in _ILL_TYPED[case][1]:
+        assert re.search(match, message), (match, message)
+
+
+def test_var_positional_in_dims_length_mismatch():
+    def f(*xs):
+        raise AssertionError("traced")
+
+    w = filter_multi_vmap(f, in_dims={"xs": ("T", "T")}, out_dims="T", scan="T")
+    matches = [r"`in_dims\['xs'\]` has 2 entries", r"`\*xs`", r"called with 3"]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones(3), jnp.ones(3), jnp.ones(3)))
