@@ -87,6 +87,16 @@ def check_inputs(
                     f"but its dims {dims.source!r} name the mapped dim "
                     f"'{names[0]}'. Pass an array, or give it `None` dims."
                 )
+            if dims is not None and isinstance(leaf.value, (bool, int, float, complex)):
+                # A Python scalar has shape (); check it as `jax.jit` would see it,
+                # so that eager and jitted calls agree.
+                reason = axes_of(dims, 0)
+                if isinstance(reason, str):
+                    raise ShapeError(
+                        f"`{fun_name}`: argument `{leaf.path}` is the Python "
+                        f"`{type(leaf.value).__name__}` {leaf.value!r}, which "
+                        f"{reason}."
+                    )
             axes.append(None)
             continue
         if dims is None:

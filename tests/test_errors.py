@@ -14,6 +14,7 @@ import equinox as eqx
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from eqx_multimap import filter_multi_vmap, parse_dims, ShapeError, SpecError
 from hypothesis import given, settings
@@ -583,3 +584,23 @@ def test_var_positional_in_dims_length_mismatch():
     w = filter_multi_vmap(f, in_dims={"xs": ("T", "T")}, out_dims="T", scan="T")
     matches = [r"`in_dims\['xs'\]` has 2 entries", r"`\*xs`", r"called with 3"]
     _raises_each(SpecError, matches, lambda: w(jnp.ones(3), jnp.ones(3), jnp.ones(3)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_python_scalar_checked_as_rank_zero(jit):
+    # Dims given to a Python scalar describe a rank-0 value, eagerly as under jit.
+    w = filter_multi_vmap(
+        lambda x, y: x * y, in_dims=("T F", "F"), out_dims="F T", scan="T"
+    )
+    call = jax.jit(w) if jit else w
+    matches = [r"argument `y`", r"rank 0", r"dims 'F' need exactly 1"]
+    for match in matches:
+        with pytest.raises(ShapeError, match=match):
+            call(jnp.ones((3, 4)), 1.0)
+    # With dims that fit a scalar, it passes through (eagerly) unchanged.
+    v = filter_multi_vmap(
+        lambda x, y: x * y, in_dims=("T F", "..."), out_dims="F T", scan="T"
+    )
+    out = v(jnp.ones((3, 4)), 2.0)
+    assert out.shape == (4, 3) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, np.full((4, 3), 2.0, np.float32))
