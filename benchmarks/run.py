@@ -683,12 +683,9 @@ def plot_memory(mem: dict, path: str) -> None:
         xs = [
             w + (i - (len(strategies) - 1) / 2) * width for w in range(len(workloads))
         ]
-        axes[0].bar(
-            xs,
-            [max(by[(w, s)]["temp_bytes"], 1) / MiB for w in workloads],
-            width,
-            label=s,
-        )
+        temps = [by[(w, s)]["temp_bytes"] for w in workloads]
+        bars = axes[0].bar(xs, [max(t, 1) / MiB for t in temps], width, label=s)
+        axes[0].bar_label(bars, [_bytes(t) for t in temps], fontsize=7)
         axes[1].bar(xs, [by[(w, s)]["peak_rss"] / MiB for w in workloads], width)
     for ax, title in zip(axes, ["compiled temp bytes (MiB)", "peak RSS (MiB)"]):
         ax.set_xticks(range(len(workloads)), workloads)
