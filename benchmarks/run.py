@@ -111,7 +111,8 @@ def grid_methods(b1: int, auto: dict | None) -> dict[str, Callable]:
         ),
     }
     if auto is not None:
-        methods["ours auto"] = filter_multi_vmap(f, **_GRID_DIMS, **auto)
+        # `vmap=` names the mapped dims; the planner chooses how to map them.
+        methods["ours auto"] = filter_multi_vmap(f, **_GRID_DIMS, vmap="b1 b2", **auto)
     return methods
 
 
@@ -266,7 +267,7 @@ def memory_program(workload: str, strategy: str, chunk: int, budget: int):
     elif strategy == "chunk":
         kw["scan"] = {"n": chunk}
     elif strategy == "auto":
-        kw.update(plan="auto", memory_budget=budget)
+        kw.update(vmap="n", plan="auto", memory_budget=budget)
     else:
         raise ValueError(f"Unrecognised strategy {strategy!r}")
     return filter_multi_vmap(fun, **kw)
@@ -388,7 +389,7 @@ def run_memory(cfg, progress) -> dict:
                 )
         del inputs
     intermediate = n * m * m * 4
-    return dict(rows=rows, n=n, m=m, intermediate=intermediate)
+    return dict(rows=rows, n=n, m=m, intermediate=intermediate, budget=cfg.budget)
 
 
 # ----------------------------------------------------------------------------------
@@ -565,6 +566,11 @@ def memory_markdown(mem: dict) -> str:
         "before the call. Times are side by side in one process.",
         "",
     ]
+    if any(r["strategy"] == "auto" for r in rows):
+        out += [
+            f'`auto` is `plan="auto"` with `memory_budget` = {_bytes(mem["budget"])}.',
+            "",
+        ]
     out.append(
         _table(
             [
