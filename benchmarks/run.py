@@ -635,8 +635,18 @@ def bandwidth_markdown(bw: dict) -> str:
     return "\n".join(out)
 
 
-def plot_grid(grid: dict, path: str) -> None:
+def _pyplot():
+    """`matplotlib.pyplot` on the Agg backend (files only, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_grid(grid: dict, path: str) -> None:
+    plt = _pyplot()
 
     rows = grid["rows"]
     l_sizes = sorted({r["L"] for r in rows})
@@ -677,7 +687,7 @@ def plot_grid(grid: dict, path: str) -> None:
 
 
 def plot_memory(mem: dict, path: str) -> None:
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = mem["rows"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
@@ -706,7 +716,7 @@ def plot_memory(mem: dict, path: str) -> None:
 
 
 def plot_bandwidth(bw: dict, path: str) -> None:
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = bw["rows"]
     labels = [f"{r['function']}\n{r['method']}" for r in rows]
