@@ -90,7 +90,7 @@ def auto_plan_kwargs() -> dict | None:
     Detected by trying: the runner works both before and after the planner lands.
     """
     try:
-        filter_multi_vmap(f, **_GRID_DIMS, plan="auto")  # pyright: ignore
+        filter_multi_vmap(f, **_GRID_DIMS, vmap="b1 b2", plan="auto")  # pyright: ignore
     except TypeError:
         return None
     return {"plan": "auto"}
@@ -236,8 +236,8 @@ def sumexp(x, y):
 
 
 def softmax_matvec(x, y, v):
-    """`softmax(outer(x, y)) @ v`, unnormalised: the `(M, K)` weights are used twice,
-    so XLA must materialise them."""
+    """`softmax(outer(x, y), axis=1) @ v` (without the max shift): the `(M, K)`
+    weights are used twice, so XLA must materialise them."""
     w = jnp.exp(jnp.outer(x, y))
     return (w @ v) / jnp.sum(w, axis=1)
 
