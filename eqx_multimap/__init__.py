@@ -11,6 +11,7 @@ from ._multi_vmap import (
     OutDims as OutDims,
     ScanSpec as ScanSpec,
 )
+from ._planner import explain as explain, Plan as Plan
 
 
 __version__ = importlib.metadata.version("eqx_multimap")

@@ -12,6 +12,7 @@ from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims, parse_names
 from ._errors import SpecError
 from ._nest import OutLayout, run_blocks
+from ._planner import check_plan_options, MemoryBudget, plan_call, PlanMode
 
 
 _T = TypeVar("_T")
@@ -129,6 +130,8 @@ class _MultiVmapWrapper(eqx.Module):
     _vmap: tuple[str, ...] = eqx.field(static=True)
     _checkpoint: bool = eqx.field(static=True)
     _verbose: bool = eqx.field(static=True)
+    _plan: PlanMode | None = eqx.field(static=True, default=None)
+    _memory_budget: MemoryBudget = eqx.field(static=True, default=None)
 
     @property
     def __wrapped__(self):
@@ -143,6 +146,9 @@ class _MultiVmapWrapper(eqx.Module):
 
     def __call__(self, /, *args, **kwargs):
         call = self._resolve(args, kwargs)
+        if self._plan is not None:
+            plan = plan_call(self, call)
+            call.scan, call.vmap = plan.scan, plan.vmap
         if self._verbose:
             print(_describe_nest(call.fun_name, call.scan, call.vmap, call.check.sizes))
         outs, layout = run_blocks(
@@ -337,6 +343,8 @@ def filter_multi_vmap(
     scan: ScanSpec = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    plan: PlanMode | None = None,
+    memory_budget: MemoryBudget = None,
 ) -> Callable[[Callable[..., _T]], Callable[..., _T]]: ...
 
 
@@ -350,6 +358,8 @@ def filter_multi_vmap(
     scan: ScanSpec = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    plan: PlanMode | None = None,
+    memory_budget: MemoryBudget = None,
 ) -> Callable[..., _T]: ...
 
 
@@ -362,6 +372,8 @@ def filter_multi_vmap(
     scan: ScanSpec = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    plan: PlanMode | None = None,
+    memory_budget: MemoryBudget = None,
 ):
     """Map a function over several named dims at once: `scan` outside, `vmap` inside.
 
@@ -406,7 +418,23 @@ def filter_multi_vmap(
         `vmap` nor `scan` is given, every named dim in `out_dims` is vmapped.
     - `checkpoint`: if `True`, wrap each scan body in `jax.checkpoint`, so that
         reverse-mode autodiff stores only the scan's inputs, not every intermediate.
-    - `verbose`: if `True`, print the nest each time the function is traced.
+    - `verbose`: if `True`, print the nest each time the function is traced (and,
+        with `plan="auto"`, the plan table whenever a new signature is planned).
+    - `plan`: `None` (default) runs the nest given by `vmap`/`scan`. `"auto"` lets
+        the planner choose it per call signature: the mapped dims are those named by
+        `vmap` and `scan` (or by `out_dims`), and for them it chooses which to scan,
+        in which order and with which chunk sizes. Candidate nests are compiled
+        (never run) and scored by XLA's memory and cost analyses: full vmap when its
+        temporary memory fits `memory_budget`, else the scan with the largest
+        per-iteration block that fits. Plans are cached per signature; see
+        [`eqx_multimap.explain`][] to inspect one. Planning respects `checkpoint`
+        but budgets the forward pass only.
+    - `memory_budget`: with `plan="auto"`, the temporary memory the mapped
+        computation may use (excluding its inputs and outputs): an `int` in bytes,
+        or a `float` in `(0, 1]` as a fraction of the memory of the first local
+        device. Where the backend reports no device memory (CPU), the fraction is
+        of physical RAM (`os.sysconf`); `explain` says which was used. Defaults to
+        `0.5`.
 
     **Returns:**
 
@@ -448,12 +476,15 @@ def filter_multi_vmap(
             scan=scan,
             checkpoint=checkpoint,
             verbose=verbose,
+            plan=plan,
+            memory_budget=memory_budget,
         )
     if not callable(fun):
         raise SpecError(
             f"`filter_multi_vmap` must wrap a callable, but got {fun!r} of type "
             f"`{type(fun).__name__}`. Options such as `in_dims` are keyword-only."
         )
+    check_plan_options(plan, memory_budget)
     scan_parsed = _parse_scan(scan)
     vmap_parsed = parse_names(vmap, "vmap")
     both = set(vmap_parsed).intersection(name for name, _ in scan_parsed)
@@ -476,5 +507,7 @@ def filter_multi_vmap(
         _vmap=vmap_parsed,
         _checkpoint=bool(checkpoint),
         _verbose=bool(verbose),
+        _plan=plan,
+        _memory_budget=memory_budget,
     )
     return eqx.module_update_wrapper(wrapper)
