@@ -372,7 +372,7 @@ def filter_multi_vmap(
     scan: ScanSpec = None,
     checkpoint: bool = False,
     verbose: bool = False,
-    plan: PlanMode | None = None,
+    plan: str | None = None,  # `PlanMode | None`; checked with a clearer message
     memory_budget: MemoryBudget = None,
 ):
     """Map a function over several named dims at once: `scan` outside, `vmap` inside.

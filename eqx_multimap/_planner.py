@@ -60,7 +60,8 @@ _BANDWIDTH = 1e10
 _LOOP_OVERHEAD = 2e-6
 
 _MAX_CACHE = 256
-_CACHE: "co.OrderedDict[Any, Plan]" = co.OrderedDict()
+# Plans by signature; a string is the message of a signature that no nest fits.
+_CACHE: "co.OrderedDict[Any, Plan | str]" = co.OrderedDict()
 # Counters read by the tests: planning runs (cache misses) and compiles.
 _STATS = {"plans": 0, "compiles": 0}
 
@@ -626,15 +627,30 @@ def plan_call(wrapper: Any, call: Any) -> Plan:
         key = None
     if key is not None and key in _CACHE:
         _CACHE.move_to_end(key)
-        return _CACHE[key]
-    plan = _plan(wrapper, call, budget, source)
-    if key is not None:
-        _CACHE[key] = plan
-        if len(_CACHE) > _MAX_CACHE:
-            _CACHE.popitem(last=False)
+        cached = _CACHE[key]
+        if isinstance(cached, str):  # no nest fit this signature
+            raise SpecError(cached)
+        return cached
+    try:
+        plan = _plan(wrapper, call, budget, source)
+    except _NoFit as e:
+        _store(key, str(e))
+        raise SpecError(str(e)) from None
+    _store(key, plan)
     if wrapper._verbose:
         print(plan)
     return plan
+
+
+def _store(key: Any, value: "Plan | str") -> None:
+    if key is not None:
+        _CACHE[key] = value
+        if len(_CACHE) > _MAX_CACHE:
+            _CACHE.popitem(last=False)
+
+
+class _NoFit(Exception):
+    pass
 
 
 def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
@@ -700,7 +716,7 @@ def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
 
 def _raise_no_fit(fun_name, wrapper, budget, evaluated, sizes) -> None:
     smallest = min(evaluated, key=lambda c: c.temp_bytes or 0)
-    raise SpecError(
+    raise _NoFit(
         f"`{fun_name}` with `plan='auto'`: no nest fits "
         f"`memory_budget={wrapper._memory_budget!r}` ({_fmt_bytes(budget)} of "
         f"temporary memory). The smallest of the {len(evaluated)} compiled "
