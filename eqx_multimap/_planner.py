@@ -12,14 +12,16 @@ compiled against `jax.ShapeDtypeStruct`s of the arguments, never executed:
 The search is bounded:
 
 1. Full vmap is compiled first and chosen whenever it fits.
-2. Otherwise the candidates form a ladder: dims of size > 1, ordered by size (largest
-   first); scan a prefix of them, the outer ones one element at a time and the last
-   one in chunks from a small geometric set (powers of two, moved to a nearby divisor
-   of the size when there is one, so that no remainder block is needed). The ladder is
-   sorted by the number of elements of one loop iteration (the block), which memory
-   grows with; a binary search finds the largest block that fits, then the candidates
-   with that block size (the caller's own nest among them, if it gave one) are
-   compiled too and the cheapest by estimated time wins.
+2. Otherwise the candidates form ladders, one per order of the dims (the output's
+   layout, the inputs' layout, by size): scan a prefix of the dims of size > 1, the
+   outer ones one element at a time and the last one in chunks from a small
+   geometric set (about `n/2, n/4, ...`, moved to a nearby divisor of `n` when there
+   is one, so that no remainder block is needed). A ladder is sorted by the number
+   of elements of one loop iteration (the block), which memory grows with; a binary
+   search finds the largest block that fits. These boundary candidates (and those
+   with the same block in the same ladder) get their costs, as do (on CPU) the
+   largest smaller blocks whose working set should fit in cache (`cache_sizes`),
+   and the cheapest by estimated time (`_seconds`) wins.
 
 Plans are cached per (function, treedef, shapes, dtypes, static leaves, strategy,
 budget), so a second call with the same signature plans nothing.
@@ -27,6 +29,7 @@ budget), so a second call with the same signature plans nothing.
 
 import collections as co
 import dataclasses
+import functools as ft
 import math
 import os
 import time
@@ -39,6 +42,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._args import is_array
+from ._dims import Dims, parse_dims
 from ._errors import SpecError
 from ._nest import _drop_axis, build_nest, Level, run_blocks
 
@@ -52,14 +56,20 @@ MemoryBudget = int | float | None
 DEFAULT_BUDGET_FRACTION = 0.5
 """The budget when `plan="auto"` is given without `memory_budget`."""
 
-# A rough CPU time model, used only to rank candidates that all fit the budget: one
-# loop iteration costs about as much as moving `_LOOP_OVERHEAD * _BANDWIDTH` bytes.
-_FLOPS = 1e10
-_TRANSCENDENTALS = 1e9
-_BANDWIDTH = 1e10
-_LOOP_OVERHEAD = 2e-6
+# The time model that ranks candidates which all fit the budget (see `_seconds`):
+# rough throughputs, and the overhead of one loop iteration.
+_FLOPS = 5e10
+_TRANSCENDENTALS = 5e9
+_LOOP_OVERHEAD = {"cpu": 2e-7}
+_LOOP_OVERHEAD_OTHER = 5e-6  # an accelerator launches kernels per iteration
+# Bytes per second for a working set well within L2, within L2, or beyond (CPU).
+_BANDWIDTH = (5e10, 2.5e10, 1.5e10)
+_BANDWIDTH_OTHER = 5e11
 
 _MAX_CACHE = 256
+# Once planning has compiled this many programs (candidates and loop bodies), it
+# searches no further ladders and costs no extra candidates.
+_MAX_COMPILES = 12
 # Plans by signature; a string is the message of a signature that no nest fits.
 _CACHE: "co.OrderedDict[Any, Plan | str]" = co.OrderedDict()
 # Counters read by the tests: planning runs (cache misses) and compiles.
@@ -90,9 +100,10 @@ class PlanDim:
 class PlanCandidate:
     """One nest the planner considered, with its compiled estimates.
 
-    `temp_bytes`, `flops`, `transcendentals`, `bytes_accessed` and `seconds` (the
-    estimated run time) are `None` when the candidate was not compiled; the costs are
-    also `None` for a compiled candidate that did not fit. `fits` is `None` when
+    `temp_bytes`, `flops`, `transcendentals`, `bytes_accessed`, `working_set` (the
+    memory one loop iteration touches) and `seconds` (the estimated run time) are
+    `None` when the candidate was not compiled; all but `temp_bytes` are also `None`
+    for a compiled candidate that did not fit. `fits` is `None` when
     there is no budget (a fixed nest) or the candidate was not compiled.
     """
 
@@ -105,6 +116,7 @@ class PlanCandidate:
     flops: float | None = None
     transcendentals: float | None = None
     bytes_accessed: float | None = None
+    working_set: int | None = None
     seconds: float | None = None
     fits: bool | None = None
 
@@ -177,7 +189,16 @@ class Plan:
             f"{self.seconds:.2f} s)"
         )
         rows = [
-            ("", "nest", "temp memory", "flops", "bytes accessed", "est. time", "fits")
+            (
+                "",
+                "nest",
+                "temp memory",
+                "flops",
+                "bytes accessed",
+                "working set",
+                "est. time",
+                "fits",
+            )
         ]
         for c in self.candidates:
             mark = "*" if c == self.chosen else ""
@@ -189,6 +210,7 @@ class Plan:
                     "-" if c.temp_bytes is None else _fmt_bytes(c.temp_bytes),
                     _fmt_num(c.flops),
                     _fmt_num(c.bytes_accessed),
+                    "-" if c.working_set is None else _fmt_bytes(c.working_set),
                     "-" if c.seconds is None else f"{c.seconds * 1e3:.3g} ms",
                     fits,
                 )
@@ -357,18 +379,49 @@ def _candidate(scan: ScanNest, vmap: tuple[str, ...], sizes, source) -> PlanCand
     return PlanCandidate(scan, vmap, block, trips, source)
 
 
-def ladder(mapped: tuple[str, ...], sizes: dict[str, int]) -> list[PlanCandidate]:
-    """The scanned candidates, largest block first (full vmap excluded)."""
-    order = sorted((n for n in mapped if sizes[n] > 1), key=lambda n: -sizes[n])
+def ladder(
+    order: tuple[str, ...], layout: tuple[str, ...], sizes: dict[str, int]
+) -> list[PlanCandidate]:
+    """Scanned candidates, largest block first (full vmap excluded).
+
+    Scans a prefix of `order` (dims of size 1 skipped): the outer dims of the prefix
+    one element at a time, the last in chunks. The remaining dims are vmapped, in the
+    order of `layout`.
+    """
+    scannable = [n for n in order if sizes[n] > 1]
     out = []
-    for k in range(1, len(order) + 1):
-        outer, inner = order[: k - 1], order[k - 1]
-        vmap = tuple(n for n in mapped if n not in order[:k])
+    for k in range(1, len(scannable) + 1):
+        outer, inner = scannable[: k - 1], scannable[k - 1]
+        vmap = tuple(n for n in layout if n not in scannable[:k])
         for chunk in _chunk_options(sizes[inner]):
             scan = tuple((n, None) for n in outer) + ((inner, chunk),)
             out.append(_candidate(scan, vmap, sizes, "ladder"))
     out.sort(key=lambda c: -c.block)  # stable: fewer scanned dims first on ties
     return out
+
+
+def dim_orders(call: Any) -> list[tuple[str, ...]]:
+    """Orders in which the planner scans the mapped dims, first one the layout.
+
+    The layout is the order of the mapped dims in the first output's dims: scanning
+    (and vmapping) in that order stacks the output without a transpose. Then the
+    order in which the inputs name them (scanning an input's leading axis needs no
+    copy), then by size, largest first (the fewest scans for a given block).
+    """
+    mapped = tuple(call.mapped)
+    spec = call.default_out if call.out_dims is None else call.out_dims
+    layout = mapped
+    for leaf in jtu.tree_leaves(spec, is_leaf=lambda x: isinstance(x, (str, Dims))):
+        dims = parse_dims(leaf) if isinstance(leaf, str) else leaf
+        if isinstance(dims, Dims):
+            names = [n for n in dims.names if n in mapped]
+            layout = tuple(names) + tuple(n for n in mapped if n not in names)
+            break
+    inputs = tuple(n for n in call.check.seen if n in mapped)
+    inputs += tuple(n for n in mapped if n not in inputs)
+    sizes = call.check.sizes
+    by_size = tuple(sorted(layout, key=lambda n: -sizes[n]))
+    return list(dict.fromkeys([layout, inputs, by_size]))
 
 
 #
@@ -395,6 +448,7 @@ class _Compiler:
         self.fun_specs = jtu.tree_map(_spec, fun_arrays)
         self.dyn_specs = [_spec(v) for v in call.values]
         self.n_compiled = 0
+        self.footprints: dict[tuple, int] = {}
 
     def compile(self, run: Callable[[Any, list], Any], dyn_specs: list) -> Any:
         call, fun_static = self.call, self.fun_static
@@ -419,25 +473,79 @@ class _Compiler:
 
         compiled = self.compile(run, self.dyn_specs)
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
+        self.footprints[(cand.scan, cand.vmap)] = _footprint(compiled)
         fits = None if budget is None else temp <= budget
         if fits is False or not with_cost:
             return dataclasses.replace(cand, temp_bytes=temp, fits=fits)
-        flops, trans, nbytes = _corrected_cost(self, compiled, cand)
-        seconds = (
-            flops / _FLOPS
-            + trans / _TRANSCENDENTALS
-            + nbytes / _BANDWIDTH
-            + (cand.trips if cand.scan else 0) * _LOOP_OVERHEAD
-        )
+        flops, trans, nbytes, ws = _corrected_cost(self, compiled, cand)
         return dataclasses.replace(
             cand,
             temp_bytes=temp,
             flops=flops,
             transcendentals=trans,
             bytes_accessed=nbytes,
-            seconds=seconds,
+            working_set=ws,
+            seconds=_seconds(flops, trans, nbytes, ws, cand.trips if cand.scan else 0),
             fits=fits,
         )
+
+
+@ft.cache
+def cache_sizes() -> tuple[int, int]:
+    """Working-set sizes that run at cache speed: (well within L2, within L2).
+
+    From the CPU's L2 size (Linux sysfs; 1 MiB if unknown). "Well within" is a
+    quarter of it: in `benchmarks/planner.py` on a 2 MiB-L2 machine, memory-bound
+    bodies ran at full speed up to ~256 KiB of working set per loop iteration, and
+    degraded beyond ~512 KiB.
+    """
+    l2 = 2**20
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        entries = []
+    for index in entries:
+        path = os.path.join(root, index)
+        try:
+            with open(os.path.join(path, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(path, "size")) as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if level == 2 and text[:-1].isdigit():
+            l2 = int(text[:-1]) * {"K": 1024, "M": 2**20}.get(text[-1], 1)
+    return l2 // 4, l2
+
+
+def _seconds(flops: float, trans: float, nbytes: float, ws: int, trips: int) -> float:
+    """Estimated run time: compute, memory traffic, and loop overhead.
+
+    On CPU, memory traffic is faster when one loop iteration's working set fits in
+    cache (see `cache_sizes`), so smaller blocks can win; elsewhere it runs at one
+    bandwidth and each loop iteration costs more.
+    """
+    platform = jax.default_backend()
+    if platform == "cpu":
+        well_within, l2 = cache_sizes()
+        bandwidth = _BANDWIDTH[0 if ws <= well_within else 1 if ws <= l2 else 2]
+        overhead = _LOOP_OVERHEAD["cpu"]
+    else:
+        bandwidth, overhead = _BANDWIDTH_OTHER, _LOOP_OVERHEAD_OTHER
+    return (
+        flops / _FLOPS
+        + trans / _TRANSCENDENTALS
+        + nbytes / bandwidth
+        + (trips * overhead)
+    )
+
+
+def _footprint(compiled: Any) -> int:
+    ma = compiled.memory_analysis()
+    return int(
+        ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+    )
 
 
 def _costs(compiled: Any) -> tuple[float, float, float]:
@@ -524,22 +632,25 @@ def _product(choices: list[list[Any]]) -> list[tuple[Any, ...]]:
 
 def _corrected_cost(
     compiler: _Compiler, compiled: Any, cand: PlanCandidate
-) -> tuple[float, float, float]:
-    """Flops, transcendentals, bytes of a candidate, with loop bodies counted fully.
+) -> tuple[float, float, float, int]:
+    """Flops, transcendentals, bytes and working set, loop bodies counted fully.
 
     XLA's cost analysis counts the body of a while loop once. For each block whose
     loops run `trips > 1` times, the block's body (the vmaps inside its scans) is
-    compiled on its own and its cost added `trips - 1` more times.
+    compiled on its own and its cost added `trips - 1` more times. The working set is
+    the largest memory footprint (arguments, outputs, temporaries) of one body, or of
+    the whole candidate when nothing loops.
     """
     total = list(_costs(compiled))
-    if not cand.scan:
-        return total[0], total[1], total[2]
+    ws = 0
     call = compiler.call
     shapes = [s.shape for s in compiler.dyn_specs]
     sizes = call.check.sizes
+    looped = False
     for block in blocks(dict(cand.scan), cand.vmap, sizes, shapes, call.axes):
         if block.trips <= 1:
             continue
+        looped = True
         specs = [
             jax.ShapeDtypeStruct(shape, s.dtype, weak_type=s.weak_type)
             for shape, s in zip(block.shapes, compiler.dyn_specs)
@@ -550,10 +661,14 @@ def _corrected_cost(
             core, _ = call.make_core()
             return build_nest(core, levels, axes, False)(dyn)
 
-        body = _costs(compiler.compile(run, specs))
+        body_compiled = compiler.compile(run, specs)
+        body = _costs(body_compiled)
         for j in range(3):
             total[j] += (block.trips - 1) * body[j]
-    return total[0], total[1], total[2]
+        ws = max(ws, _footprint(body_compiled))
+    if not looped:
+        ws = _footprint(compiled)
+    return total[0], total[1], total[2], ws
 
 
 #
@@ -659,7 +774,15 @@ def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
     sizes = dict(call.check.sizes)
     mapped = tuple(call.mapped)
     compiler = _Compiler(call, wrapper._checkpoint)
-    full = _candidate((), mapped, sizes, "full vmap")
+    orders = dim_orders(call)
+    full = _candidate((), orders[0], sizes, "full vmap")
+    ladders = [ladder(order, orders[0], sizes) for order in orders]
+    considered = {(full.scan, full.vmap): full}
+    for c in sorted((c for steps in ladders for c in steps), key=lambda c: -c.block):
+        considered.setdefault((c.scan, c.vmap), c)
+    if wrapper._scan or wrapper._vmap:
+        given = _candidate(tuple(call.scan.items()), tuple(call.vmap), sizes, "given")
+        considered.setdefault((given.scan, given.vmap), given)
     evaluated: dict[tuple, PlanCandidate] = {}
 
     def evaluate(c: PlanCandidate) -> PlanCandidate:
@@ -668,21 +791,17 @@ def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
             evaluated[k] = compiler.evaluate(c, budget)
         return evaluated[k]
 
-    steps = ladder(mapped, sizes)
-    given = None
-    if wrapper._scan or wrapper._vmap:
-        given = _candidate(tuple(call.scan.items()), tuple(call.vmap), sizes, "given")
-    considered = [full] + steps
-    if given is not None and all(
-        (c.scan, c.vmap) != (given.scan, given.vmap) for c in considered
-    ):
-        considered.append(given)
-
     if any(sizes[n] == 0 for n in mapped):
         chosen = full  # nothing to run; no need to compile anything
     else:
         chosen = evaluate(full)
-        if not chosen.fits and steps:
+        finalists = []
+        for i, steps in enumerate(ladders if not chosen.fits else []):
+            if i > 0 and compiler.n_compiled >= _MAX_COMPILES:
+                break  # bounded planning time: the first ladder is always searched
+            if not steps:
+                continue  # every dim has size 1: nothing to scan
+            # Binary search for the largest block that fits (memory grows with it).
             lo, hi = 0, len(steps) - 1
             while lo < hi:
                 mid = (lo + hi) // 2
@@ -691,15 +810,27 @@ def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
                 else:
                     lo = mid + 1
             best = evaluate(steps[lo])
-            ties = [c for c in considered[1:] if c.block == best.block]
-            finalists = [best] + [evaluate(c) for c in ties]
-            fitting = [c for c in finalists if c.fits]
-            if fitting:
-                chosen = min(fitting, key=lambda c: c.seconds or 0.0)
+            if not best.fits:
+                continue
+            ties = [c for c in steps if c.block == best.block]
+            finalists.extend(evaluate(c) for c in ties)
+            if jax.default_backend() == "cpu" and compiler.n_compiled < _MAX_COMPILES:
+                # Smaller blocks whose working set (estimated from full vmap's,
+                # per element) fits in cache may run faster; cost those too.
+                total = math.prod(sizes[n] for n in mapped)
+                per_element = compiler.footprints[(full.scan, full.vmap)] / total
+                smaller = [c for c in steps[lo:] if c.block < best.block]
+                for level in cache_sizes()[::-1]:
+                    under = [c for c in smaller if c.block * per_element <= level]
+                    if under:
+                        finalists.append(evaluate(under[0]))
+        fitting = [c for c in finalists if c.fits]
+        if fitting:
+            chosen = min(fitting, key=lambda c: c.seconds or 0.0)
         if not chosen.fits:
             tried = list(evaluated.values())
             _raise_no_fit(call.fun_name, wrapper, budget, tried, sizes)
-    candidates = tuple(evaluated.get((c.scan, c.vmap), c) for c in considered)
+    candidates = tuple(evaluated.get(k, c) for k, c in considered.items())
     return Plan(
         fun_name=call.fun_name,
         auto=True,

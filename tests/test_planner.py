@@ -322,16 +322,19 @@ def test_explain_table(getkey):
         f"candidates: {plan.n_candidates} considered, {n_compiled} compiled "
         f"({plan.n_compiled} compiles including loop bodies" in text
     )
-    assert plan.n_candidates == 1 + len(_planner.ladder(("T", "B"), dict(plan.sizes)))
+    # Layout, input and size orders all agree here: one ladder.
+    steps = _planner.ladder(("T", "B"), ("T", "B"), dict(plan.sizes))
+    assert plan.n_candidates == 1 + len(steps)
     chosen_rows = [line for line in lines if line.startswith("* |")]
     assert (
         len(chosen_rows) == 1 and plan.chosen.nest(dict(plan.sizes)) in chosen_rows[0]
     )
     assert chosen_rows[0].rstrip().endswith("yes")
     assert "| no" in text  # full vmap did not fit
-    assert "nest | temp memory | flops | bytes accessed | est. time | fits" in (
-        " ".join(text.split())
+    header = (
+        "nest | temp memory | flops | bytes accessed | working set | est. time | fits"
     )
+    assert header in (" ".join(text.split()))
 
 
 def test_explain_fixed_nest(getkey):
@@ -505,6 +508,7 @@ def test_checkpoint_reduces_grad_memory(getkey):
 
 
 @hypothesis.settings(max_examples=5, deadline=None)
+@hypothesis.example(sizes=[1, 1], elements=1, seed=0)  # nothing to scan
 @hypothesis.given(
     sizes=st.lists(st.integers(1, 9), min_size=2, max_size=3),
     elements=st.integers(1, 40),
