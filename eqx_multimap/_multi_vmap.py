@@ -425,8 +425,11 @@ def filter_multi_vmap(
         `vmap` and `scan` (or by `out_dims`), and for them it chooses which to scan,
         in which order and with which chunk sizes. Candidate nests are compiled
         (never run) and scored by XLA's memory and cost analyses: full vmap when its
-        temporary memory fits `memory_budget`, else the scan with the largest
-        per-iteration block that fits. Plans are cached per signature; see
+        temporary memory fits `memory_budget`; else, for each of a few orders of
+        the dims, the scan with the largest per-iteration block that fits (the
+        closest to full vmap), and of those the one with the lowest estimated time
+        (flops and bytes, with scan bodies counted once per iteration, plus loop
+        overhead). Plans are cached per signature; see
         [`eqx_multimap.explain`][] to inspect one. Planning respects `checkpoint`
         but budgets the forward pass only.
     - `memory_budget`: with `plan="auto"`, the temporary memory the mapped

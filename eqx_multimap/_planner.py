@@ -19,9 +19,8 @@ The search is bounded:
    is one, so that no remainder block is needed). A ladder is sorted by the number
    of elements of one loop iteration (the block), which memory grows with; a binary
    search finds the largest block that fits. These boundary candidates (and those
-   with the same block in the same ladder) get their costs, as do (on CPU) the
-   largest smaller blocks whose working set should fit in cache (`cache_sizes`),
-   and the cheapest by estimated time (`_seconds`) wins.
+   with the same block in the same ladder) get their costs, and the cheapest by
+   estimated time (`_seconds`) wins.
 
 Plans are cached per (function, treedef, shapes, dtypes, static leaves, strategy,
 budget), so a second call with the same signature plans nothing.
@@ -29,7 +28,6 @@ budget), so a second call with the same signature plans nothing.
 
 import collections as co
 import dataclasses
-import functools as ft
 import math
 import os
 import time
@@ -60,15 +58,13 @@ DEFAULT_BUDGET_FRACTION = 0.5
 # rough throughputs, and the overhead of one loop iteration.
 _FLOPS = 5e10
 _TRANSCENDENTALS = 5e9
-_LOOP_OVERHEAD = {"cpu": 2e-7}
-_LOOP_OVERHEAD_OTHER = 5e-6  # an accelerator launches kernels per iteration
-# Bytes per second for a working set well within L2, within L2, or beyond (CPU).
-_BANDWIDTH = (5e10, 2.5e10, 1.5e10)
-_BANDWIDTH_OTHER = 5e11
+_BANDWIDTH = 2e10
+_LOOP_OVERHEAD_CPU = 1e-6
+_LOOP_OVERHEAD_OTHER = 1e-5  # an accelerator launches kernels per iteration
 
 _MAX_CACHE = 256
 # Once planning has compiled this many programs (candidates and loop bodies), it
-# searches no further ladders and costs no extra candidates.
+# searches no further ladders.
 _MAX_COMPILES = 12
 # Plans by signature; a string is the message of a signature that no nest fits.
 _CACHE: "co.OrderedDict[Any, Plan | str]" = co.OrderedDict()
@@ -133,10 +129,14 @@ class Plan:
 
     - `fun_name`: the wrapped function, as in error messages.
     - `auto`: `True` for `plan="auto"`, `False` for a fixed nest.
-    - `dims`: one [`eqx_multimap._planner.PlanDim`][] per mapped dim, in nest order.
+    - `sizes`: `(name, size)` of every dim bound by the arguments.
+    - `dims`: one `PlanDim` (name, size, strategy, chunk, order) per mapped dim, in
+        nest order.
     - `scan`, `vmap`: the chosen strategies, as `filter_multi_vmap` takes them.
     - `chosen`: the chosen candidate.
-    - `candidates`: every candidate considered (compiled or not).
+    - `candidates`: every `PlanCandidate` considered, compiled or not; compiled ones
+        carry their temporary memory, trip-count-corrected cost, working set,
+        estimated time and whether they fit.
     - `budget_bytes`, `budget_source`: the memory budget and where it came from.
     - `n_compiled`: how many compiles planning took (candidates and loop bodies).
     - `seconds`: how long planning took.
@@ -448,7 +448,6 @@ class _Compiler:
         self.fun_specs = jtu.tree_map(_spec, fun_arrays)
         self.dyn_specs = [_spec(v) for v in call.values]
         self.n_compiled = 0
-        self.footprints: dict[tuple, int] = {}
 
     def compile(self, run: Callable[[Any, list], Any], dyn_specs: list) -> Any:
         call, fun_static = self.call, self.fun_static
@@ -473,7 +472,6 @@ class _Compiler:
 
         compiled = self.compile(run, self.dyn_specs)
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
-        self.footprints[(cand.scan, cand.vmap)] = _footprint(compiled)
         fits = None if budget is None else temp <= budget
         if fits is False or not with_cost:
             return dataclasses.replace(cand, temp_bytes=temp, fits=fits)
@@ -485,58 +483,24 @@ class _Compiler:
             transcendentals=trans,
             bytes_accessed=nbytes,
             working_set=ws,
-            seconds=_seconds(flops, trans, nbytes, ws, cand.trips if cand.scan else 0),
+            seconds=_seconds(flops, trans, nbytes, cand.trips if cand.scan else 0),
             fits=fits,
         )
 
 
-@ft.cache
-def cache_sizes() -> tuple[int, int]:
-    """Working-set sizes that run at cache speed: (well within L2, within L2).
+def _seconds(flops: float, trans: float, nbytes: float, trips: int) -> float:
+    """Estimated run time: compute, memory traffic and loop overhead.
 
-    From the CPU's L2 size (Linux sysfs; 1 MiB if unknown). "Well within" is a
-    quarter of it: in `benchmarks/planner.py` on a 2 MiB-L2 machine, memory-bound
-    bodies ran at full speed up to ~256 KiB of working set per loop iteration, and
-    degraded beyond ~512 KiB.
+    A rough model: it only ranks candidates that already fit the budget, and those
+    do nearly the same flops; it separates them by the bytes they move (a small
+    block re-reads shared operands once per iteration) and by their loop trips.
     """
-    l2 = 2**20
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        entries = sorted(os.listdir(root))
-    except OSError:
-        entries = []
-    for index in entries:
-        path = os.path.join(root, index)
-        try:
-            with open(os.path.join(path, "level")) as f:
-                level = int(f.read())
-            with open(os.path.join(path, "size")) as f:
-                text = f.read().strip()
-        except (OSError, ValueError):
-            continue
-        if level == 2 and text[:-1].isdigit():
-            l2 = int(text[:-1]) * {"K": 1024, "M": 2**20}.get(text[-1], 1)
-    return l2 // 4, l2
-
-
-def _seconds(flops: float, trans: float, nbytes: float, ws: int, trips: int) -> float:
-    """Estimated run time: compute, memory traffic, and loop overhead.
-
-    On CPU, memory traffic is faster when one loop iteration's working set fits in
-    cache (see `cache_sizes`), so smaller blocks can win; elsewhere it runs at one
-    bandwidth and each loop iteration costs more.
-    """
-    platform = jax.default_backend()
-    if platform == "cpu":
-        well_within, l2 = cache_sizes()
-        bandwidth = _BANDWIDTH[0 if ws <= well_within else 1 if ws <= l2 else 2]
-        overhead = _LOOP_OVERHEAD["cpu"]
-    else:
-        bandwidth, overhead = _BANDWIDTH_OTHER, _LOOP_OVERHEAD_OTHER
+    cpu = jax.default_backend() == "cpu"
+    overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
     return (
         flops / _FLOPS
         + trans / _TRANSCENDENTALS
-        + nbytes / bandwidth
+        + nbytes / _BANDWIDTH
         + (trips * overhead)
     )
 
@@ -814,16 +778,6 @@ def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
                 continue
             ties = [c for c in steps if c.block == best.block]
             finalists.extend(evaluate(c) for c in ties)
-            if jax.default_backend() == "cpu" and compiler.n_compiled < _MAX_COMPILES:
-                # Smaller blocks whose working set (estimated from full vmap's,
-                # per element) fits in cache may run faster; cost those too.
-                total = math.prod(sizes[n] for n in mapped)
-                per_element = compiler.footprints[(full.scan, full.vmap)] / total
-                smaller = [c for c in steps[lo:] if c.block < best.block]
-                for level in cache_sizes()[::-1]:
-                    under = [c for c in smaller if c.block * per_element <= level]
-                    if under:
-                        finalists.append(evaluate(under[0]))
         fitting = [c for c in finalists if c.fits]
         if fitting:
             chosen = min(fitting, key=lambda c: c.seconds or 0.0)
