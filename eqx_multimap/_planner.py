@@ -460,9 +460,8 @@ class _Compiler:
         _STATS["compiles"] += 1
         return jax.jit(f).lower(dyn_specs, self.fun_specs).compile()
 
-    def evaluate(
-        self, cand: PlanCandidate, budget: int | None, with_cost: bool = True
-    ) -> PlanCandidate:
+    def evaluate(self, cand: PlanCandidate, budget: int | None) -> PlanCandidate:
+        """Compile `cand`: its temporary memory, and if it fits, its costs."""
         scan, vmap, ckpt = dict(cand.scan), cand.vmap, self.checkpoint
 
         def run(call, dyn):
@@ -473,7 +472,7 @@ class _Compiler:
         compiled = self.compile(run, self.dyn_specs)
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
         fits = None if budget is None else temp <= budget
-        if fits is False or not with_cost:
+        if fits is False:
             return dataclasses.replace(cand, temp_bytes=temp, fits=fits)
         flops, trans, nbytes, ws = _corrected_cost(self, compiled, cand)
         return dataclasses.replace(

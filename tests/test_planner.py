@@ -498,6 +498,17 @@ def test_checkpoint_reduces_grad_memory(getkey):
     intermediate = 32 * 128 * 128 * 4
     assert temps[0] >= intermediate
     assert temps[1] < intermediate / 8
+    # The planner passes `checkpoint` through to the nest it chooses.
+    f = filter_multi_vmap(
+        body,
+        in_dims=("T K", "K"),
+        out_dims="T",
+        scan="T",
+        checkpoint=True,
+        plan="auto",
+        memory_budget=2**20,
+    )
+    grads.append(jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1)))(a, b))
     ref = jax.grad(
         lambda a, b: jnp.sum(jax.vmap(body, in_axes=(0, None))(a, b)), argnums=(0, 1)
     )(a, b)
