@@ -12,6 +12,7 @@ from ._multi_vmap import (
     ScanSpec as ScanSpec,
     ShardSpec as ShardSpec,
 )
+from ._planner import explain as explain, Plan as Plan
 from ._shim import multi_vmap as multi_vmap
 
 

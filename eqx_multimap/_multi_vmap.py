@@ -14,6 +14,7 @@ from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims, parse_names
 from ._errors import SpecError
 from ._nest import OutLayout, run_blocks
+from ._planner import check_plan_options, MemoryBudget, plan_call, PlanMode
 from ._shard import parse_shard, ShardOptions, ShardSpec
 
 
@@ -133,6 +134,8 @@ class _MultiVmapWrapper(eqx.Module):
     _checkpoint: bool = eqx.field(static=True)
     _verbose: bool = eqx.field(static=True)
     _shard: ShardOptions | None = eqx.field(static=True, default=None)
+    _plan: PlanMode | None = eqx.field(static=True, default=None)
+    _memory_budget: MemoryBudget = eqx.field(static=True, default=None)
 
     @property
     def __wrapped__(self):
@@ -161,6 +164,9 @@ class _MultiVmapWrapper(eqx.Module):
 
     def __call__(self, /, *args, **kwargs):
         call = self._resolve(args, kwargs)
+        if self._plan is not None:
+            plan = plan_call(self, call)
+            call.scan, call.vmap = plan.scan, plan.vmap
         if self._shard is not None:
             plan = self._shard.plan(call.fun_name, call.check)
             if self._verbose:
@@ -390,6 +396,8 @@ def filter_multi_vmap(
     shard: ShardSpec = None,
     mesh: jax.sharding.Mesh | None = None,
     pad: bool = False,
+    plan: PlanMode | None = None,
+    memory_budget: MemoryBudget = None,
 ) -> Callable[[Callable[..., _T]], Callable[..., _T]]: ...
 
 
@@ -406,6 +414,8 @@ def filter_multi_vmap(
     shard: ShardSpec = None,
     mesh: jax.sharding.Mesh | None = None,
     pad: bool = False,
+    plan: PlanMode | None = None,
+    memory_budget: MemoryBudget = None,
 ) -> Callable[..., _T]: ...
 
 
@@ -421,6 +431,8 @@ def filter_multi_vmap(
     shard: ShardSpec = None,
     mesh: jax.sharding.Mesh | None = None,
     pad: bool = False,
+    plan: str | None = None,  # `PlanMode | None`; checked with a clearer message
+    memory_budget: MemoryBudget = None,
 ):
     """Map a function over several named dims at once: `scan` outside, `vmap` inside.
 
@@ -450,6 +462,7 @@ def filter_multi_vmap(
         axes). Arguments that `in_dims` does not mention take their dims from their
         jaxtyping annotations (see "Dims from annotations" below); unannotated ones
         are not mapped.
+
     - `out_dims`: the dims of the output, as a dims string or a pytree prefix of the
         output. Each output array must name every mapped dim once; the output's axes
         come back in this order (a transpose is only made when the order differs
@@ -467,9 +480,9 @@ def filter_multi_vmap(
         the order given, the vmaps inside them in the order given. If neither
         `vmap` nor `scan` is given, every named dim in `out_dims` (or, without
         `out_dims`, in the return annotation) is vmapped.
+
     - `checkpoint`: if `True`, wrap each scan body in `jax.checkpoint`, so that
         reverse-mode autodiff stores only the scan's inputs, not every intermediate.
-    - `verbose`: if `True`, print the nest each time the function is traced.
     - `shard`: dims to shard over a device mesh with `jax.shard_map`, as a dict from
         dim name to mesh axis name, `{"F": "freq"}`, or to a tuple of mesh axis
         names, `{"F": ("x", "y")}`. Each sharded dim is split into contiguous
@@ -487,6 +500,26 @@ def filter_multi_vmap(
         last element (real data, so the padded calls cannot produce NaNs), and trim
         the outputs back exactly; a JAX array cannot be sharded unevenly, so the
         outputs are then gathered (replicated) along that dim.
+    - `verbose`: if `True`, print the nest each time the function is traced (and,
+        with `plan="auto"`, the plan table whenever a new signature is planned).
+    - `plan`: `None` (default) runs the nest given by `vmap`/`scan`. `"auto"` lets
+        the planner choose it per call signature: the mapped dims are those named by
+        `vmap` and `scan` (or by `out_dims`), and for them it chooses which to scan,
+        in which order and with which chunk sizes. Candidate nests are compiled
+        (never run) and scored by XLA's memory and cost analyses: full vmap when its
+        temporary memory fits `memory_budget`; else, for each of a few orders of
+        the dims, the scan with the largest per-iteration block that fits (the
+        closest to full vmap), and of those the one with the lowest estimated time
+        (flops and bytes, with scan bodies counted once per iteration, plus loop
+        overhead). Plans are cached per signature; see
+        [`eqx_multimap.explain`][] to inspect one. Planning respects `checkpoint`
+        but budgets the forward pass only.
+    - `memory_budget`: with `plan="auto"`, the temporary memory the mapped
+        computation may use (excluding its inputs and outputs): an `int` in bytes,
+        or a `float` in `(0, 1]` as a fraction of the memory of the first local
+        device. Where the backend reports no device memory (CPU), the fraction is
+        of physical RAM (`os.sysconf`); `explain` says which was used. Defaults to
+        `0.5`.
 
     **Returns:**
 
@@ -577,11 +610,19 @@ def filter_multi_vmap(
             shard=shard,
             mesh=mesh,
             pad=pad,
+            plan=plan,
+            memory_budget=memory_budget,
         )
     if not callable(fun):
         raise SpecError(
             f"`filter_multi_vmap` must wrap a callable, but got {fun!r} of type "
             f"`{type(fun).__name__}`. Options such as `in_dims` are keyword-only."
+        )
+    check_plan_options(plan, memory_budget)
+    if plan is not None and shard is not None:
+        raise SpecError(
+            "`filter_multi_vmap(..., plan='auto', shard=...)`: the planner does not "
+            "plan sharded maps yet; give the local nest with `vmap=`/`scan=`."
         )
     scan_parsed = _parse_scan(scan)
     vmap_parsed = parse_names(vmap, "vmap")
@@ -607,5 +648,7 @@ def filter_multi_vmap(
         _checkpoint=bool(checkpoint),
         _verbose=bool(verbose),
         _shard=shard_parsed,
+        _plan=plan,
+        _memory_budget=memory_budget,
     )
     return eqx.module_update_wrapper(wrapper)

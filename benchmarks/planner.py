@@ -1,0 +1,289 @@
+"""How good is `plan="auto"`? Its run time against every candidate it considered.
+
+For each workload, the auto plan is made under a memory budget (a fraction of what
+full vmap needs, when full vmap needs any temporary memory). Then *every* candidate
+nest the planner considered (full vmap and the whole ladder of scans, not only those
+it compiled) is compiled as a fixed nest and timed side by side with the auto plan,
+round-robin, so that machine noise hits all of them alike. Reported:
+
+- `auto / best`: the auto plan's median time over the best median among the
+  candidates that fit the budget (goal: at most 1.10);
+- `auto / fastest`: the same against the fastest candidate ignoring the budget;
+- `temp / budget`: the auto plan's compiled temporary memory over the budget
+  (measured here, independently of the planner; goal: never above 1).
+
+Run: `python benchmarks/planner.py` (a few minutes) or `--quick` (about a minute).
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from eqx_multimap import explain, filter_multi_vmap
+
+
+# Each workload: (name, body, options, args(quick), budget fraction of full vmap).
+
+
+def _elementwise(x, y):
+    return x * y + 1.0  # x: (C,), y: ()
+
+
+def _sumexp(a, b):
+    return jnp.sum(jnp.exp(a[:, None] * b[None, :]))  # fused by XLA: no temp
+
+
+def _sumexp_matmul(a, b):
+    # The (K, K) intermediate feeds a matmul, so it is materialised.
+    return jnp.sum(jnp.exp(a[:, None] * b[None, :]) @ b)
+
+
+def _matmul(x, w):
+    return jnp.tanh(x @ w) @ w.T  # x: (K,), w: (K, M)
+
+
+def _reduce(x):
+    # x: (N, M): a Gram matrix and a sort, neither fused away.
+    return jnp.max(x @ x.T, axis=0), jnp.sum(jnp.sort(x, axis=1)[:, -1])
+
+
+def _mixed(x, y):
+    return jnp.tanh(x[:, None] * x[None, :] * y) @ x  # x: (K,), y: ()
+
+
+def _attention(q, k, v):
+    s = q @ k.T / jnp.sqrt(jnp.float32(q.shape[-1]))  # (L, L)
+    return jax.nn.softmax(s, axis=-1) @ v
+
+
+def _normal(key, shape, scale=0.3):
+    return jax.random.normal(key, shape, jnp.float32) * scale
+
+
+def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
+    k = iter(jax.random.split(jax.random.key(0), 64))
+    q = quick
+    out = []
+    t, b, c = (128, 64, 64) if q else (512, 128, 128)
+    out.append(
+        (
+            "elementwise",
+            _elementwise,
+            dict(in_dims=("T B C", "B"), out_dims="T B C", vmap="T B"),
+            (_normal(next(k), (t, b, c)), _normal(next(k), (b,))),
+            0.125,
+        )
+    )
+    t, b, kk = (64, 32, 64) if q else (256, 64, 128)
+    out.append(
+        (
+            "sumexp (fused)",
+            _sumexp,
+            dict(in_dims=("T B K", "T K"), out_dims="T B", vmap="T B"),
+            (_normal(next(k), (t, b, kk)), _normal(next(k), (t, kk))),
+            0.125,
+        )
+    )
+    t, b, kk = (32, 32, 64) if q else (128, 64, 128)
+    out.append(
+        (
+            "sumexp @ b (big intermediate)",
+            _sumexp_matmul,
+            dict(in_dims=("T B K", "T K"), out_dims="T B", vmap="T B"),
+            (_normal(next(k), (t, b, kk)), _normal(next(k), (t, kk))),
+            0.125,
+        )
+    )
+    b, n, kk, m = (8, 256, 64, 256) if q else (16, 1024, 128, 512)
+    out.append(
+        (
+            "matmul-like",
+            _matmul,
+            dict(in_dims=("B N K", None), out_dims="B N K", vmap="B N"),
+            (_normal(next(k), (b, n, kk)), _normal(next(k), (kk, m), 0.1)),
+            0.25,
+        )
+    )
+    a, n, bb, m = (16, 64, 8, 32) if q else (32, 128, 16, 64)
+    out.append(
+        (
+            "reductions",
+            _reduce,
+            dict(in_dims="A N B M", out_dims=("A B N", "B A"), vmap="A B"),
+            (_normal(next(k), (a, n, bb, m)),),
+            0.2,
+        )
+    )
+    p, qq, r, kk = (3, 200, 7, 32) if q else (3, 1000, 7, 64)
+    out.append(
+        (
+            "mixed sizes",
+            _mixed,
+            dict(
+                in_dims=("P Q R K", "R P"),
+                out_dims="R Q P K",
+                scan={"Q": 8},
+                vmap="P R",
+            ),
+            (_normal(next(k), (p, qq, r, kk)), _normal(next(k), (r, p))),
+            0.1,
+        )
+    )
+    b, h, seq, d = (4, 4, 128, 32) if q else (8, 8, 256, 64)
+    qkv = [_normal(next(k), (b, h, seq, d)) for _ in range(3)]
+    out.append(
+        (
+            "attention",
+            _attention,
+            dict(in_dims="B H L D", out_dims="B H L D", vmap="B H"),
+            tuple(qkv),
+            0.5,
+        )
+    )
+    return out
+
+
+def _compile(fn: Callable, args: tuple) -> Any:
+    return jax.jit(fn).lower(*args).compile()
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict]:
+    rows = []
+    for name, body, kw, args, fraction in workloads(quick):
+        if only is not None and only not in name:
+            continue
+        mapped = tuple(kw.get("scan", ())) + tuple(kw["vmap"].split())
+        full = filter_multi_vmap(body, **{**kw, "scan": None, "vmap": mapped})
+        full_temp = _compile(full, args).memory_analysis().temp_size_in_bytes
+        budget = max(1024, int(full_temp * fraction))
+        auto = filter_multi_vmap(body, plan="auto", memory_budget=budget, **kw)
+        plan = explain(auto, *args)
+        sizes = dict(plan.sizes)
+
+        # Every candidate, as a fixed nest; measured memory decides which fit.
+        timed: list[tuple[str, Any, int]] = []
+        for cand in plan.candidates:
+            fixed = filter_multi_vmap(
+                body, **{**kw, "scan": dict(cand.scan), "vmap": cand.vmap}
+            )
+            compiled = _compile(fixed, args)
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            timed.append((cand.nest(sizes), compiled, temp))
+        auto_compiled = _compile(auto, args)
+        auto_temp = auto_compiled.memory_analysis().temp_size_in_bytes
+        everyone = timed + [("auto", auto_compiled, auto_temp)]
+        for _, fn, _ in everyone:  # warm up
+            jax.block_until_ready(fn(*args))
+        times: list[list[float]] = [[] for _ in everyone]
+        for _ in range(repeats):
+            for i, (_, fn, _) in enumerate(everyone):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[i].append(time.perf_counter() - start)
+        medians = [statistics.median(ts) for ts in times]
+        if verbose:
+            print(plan)
+            for (nest, _, temp), med in zip(everyone, medians):
+                print(f"  {med * 1e3:9.3f} ms  {_fmt_bytes(temp):>10}  {nest}")
+        auto_time = medians[-1]
+        fitting = [i for i, (_, _, temp) in enumerate(timed) if temp <= budget]
+        best = min(fitting, key=lambda i: medians[i]) if fitting else None
+        fastest = min(range(len(timed)), key=lambda i: medians[i])
+        chosen = plan.chosen.nest(sizes)
+        same = [i for i, (nest, _, _) in enumerate(timed) if nest == chosen]
+        rows.append(
+            dict(
+                name=name,
+                sizes=" ".join(f"{n}={s}" for n, s in sizes.items() if n in mapped),
+                budget=budget,
+                full_temp=full_temp,
+                auto_nest=plan.chosen.nest(sizes),
+                auto_temp=auto_temp,
+                auto_time=auto_time,
+                best_nest=None if best is None else timed[best][0],
+                best_time=None if best is None else medians[best],
+                fastest_nest=timed[fastest][0],
+                fastest_time=medians[fastest],
+                n_fit=len(fitting),
+                n_cand=len(timed),
+                same_time=medians[same[0]] if same else float("nan"),
+                n_compiled=plan.n_compiled,
+                plan_seconds=plan.seconds,
+            )
+        )
+        print(
+            f"{name}: auto {auto_time * 1e3:.3f} ms ({rows[-1]['auto_nest']}), "
+            f"best fitting {rows[-1]['best_time'] * 1e3:.3f} ms "
+            f"({rows[-1]['best_nest']})",
+            flush=True,
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "| workload | mapped sizes | budget (full vmap needs) | auto plan | "
+        "temp / budget | auto ms | same nest as a candidate, ms | best fitting "
+        "candidate | best ms | auto / best | auto / fastest (any budget) | "
+        "fit / candidates | planning (compiles) |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ratio = r["auto_time"] / r["best_time"]
+        lines.append(
+            f"| {r['name']} | {r['sizes']} | {_fmt_bytes(r['budget'])} "
+            f"({_fmt_bytes(r['full_temp'])}) | `{r['auto_nest']}` | "
+            f"{r['auto_temp'] / r['budget']:.2f} | {r['auto_time'] * 1e3:.3f} | "
+            f"{r['same_time'] * 1e3:.3f} | `{r['best_nest']}` | "
+            f"{r['best_time'] * 1e3:.3f} | {ratio:.2f} | "
+            f"{r['auto_time'] / r['fastest_time']:.2f} | {r['n_fit']} / "
+            f"{r['n_cand']} | {r['plan_seconds']:.2f} s ({r['n_compiled']}) |"
+        )
+    ratios = [r["auto_time"] / r["best_time"] for r in rows]
+    # The auto plan's nest is also among the candidates: timing it twice shows the
+    # noise of the machine.
+    same = [r["same_time"] / r["best_time"] for r in rows]
+    over = sum(r["auto_temp"] > r["budget"] for r in rows)
+    lines.append("")
+    lines.append(
+        f"auto / best: geometric mean {_gmean(ratios):.3f}, max {max(ratios):.3f}; "
+        f"{sum(x <= 1.10 for x in ratios)} of {len(ratios)} within 1.10x. Its nest "
+        f"timed as a candidate / best: geometric mean {_gmean(same):.3f}. Over "
+        f"budget: {over} of {len(rows)}."
+    )
+    return "\n".join(lines)
+
+
+def _gmean(xs: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(xs))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (~1 min)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--verbose", action="store_true", help="every candidate")
+    parser.add_argument("--only", default=None, help="workloads whose name has this")
+    opts = parser.parse_args()
+    repeats = opts.repeats or (7 if opts.quick else 21)
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, repeats={repeats}")
+    rows = run(opts.quick, repeats, opts.verbose, opts.only)
+    print()
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

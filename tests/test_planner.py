@@ -1,0 +1,557 @@
+import dataclasses
+import os
+
+import equinox as eqx
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from eqx_multimap import _planner, explain, filter_multi_vmap, Plan, SpecError
+
+
+def _temp_bytes(fn, *args) -> int:
+    """Temporary memory of `fn` compiled for `args`' shapes, measured independently."""
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    return jax.jit(fn).lower(*specs).compile().memory_analysis().temp_size_in_bytes
+
+
+def _fixed(fun, plan: Plan, **kwargs):
+    """The planned nest as a plain (non-auto) wrapper."""
+    return filter_multi_vmap(fun, scan=plan.scan, vmap=plan.vmap, **kwargs)
+
+
+# Workload: sum(exp(outer)) through a matmul, so XLA cannot fuse the (K, K)
+# intermediate away and memory grows with the number of elements vmapped at once.
+def _sumexp(a, b):
+    return jnp.sum(jnp.exp(a[:, None] * b[None, :]) @ b)
+
+
+def _sumexp_reference(a, b):
+    return jax.vmap(jax.vmap(_sumexp, in_axes=(0, None)))(a, b)
+
+
+def _sumexp_args(getkey, t=16, bsize=12, k=32):
+    a = jax.random.normal(getkey(), (t, bsize, k), jnp.float32) * 0.1
+    b = jax.random.normal(getkey(), (t, k), jnp.float32) * 0.1
+    return a, b
+
+
+def _sumexp_wrapper(**kwargs):
+    return filter_multi_vmap(
+        _sumexp, in_dims=("T B K", "T K"), out_dims="T B", vmap="T B", **kwargs
+    )
+
+
+# The per-iteration intermediate of one (T, B) element is K*K float32s.
+_ONE = 32 * 32 * 4
+
+
+def test_generous_budget_is_full_vmap(getkey):
+    a, b = _sumexp_args(getkey)
+    f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    plan = explain(f, a, b)
+    assert plan.auto
+    assert plan.scan == {}
+    assert plan.vmap == ("T", "B")
+    assert plan.chosen.source == "full vmap" and plan.chosen.fits
+    assert [(d.name, d.size, d.strategy, d.order) for d in plan.dims] == [
+        ("T", 16, "vmap", 0),
+        ("B", 12, "vmap", 1),
+    ]
+    # Full vmap fits, so it is the only candidate compiled.
+    assert sum(c.temp_bytes is not None for c in plan.candidates) == 1
+    out = f(a, b)
+    ref = _sumexp_reference(a, b)
+    assert out.shape == ref.shape == (16, 12)
+    assert out.dtype == ref.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("elements", [40, 12, 3])
+def test_tight_budget_scans_and_fits(getkey, elements):
+    a, b = _sumexp_args(getkey)
+    budget = elements * _ONE
+    f = _sumexp_wrapper(plan="auto", memory_budget=budget)
+    plan = explain(f, a, b)
+    assert plan.scan, plan
+    assert plan.chosen.fits and plan.chosen.temp_bytes <= budget
+    assert plan.budget_bytes == budget
+    # The full vmap candidate was compiled and did not fit.
+    full = plan.candidates[0]
+    assert full.source == "full vmap" and full.fits is False
+    assert full.temp_bytes > budget
+    # Independently: the chosen nest, compiled as a fixed nest, is within budget.
+    fixed = _fixed(_sumexp, plan, in_dims=("T B K", "T K"), out_dims="T B")
+    assert _temp_bytes(fixed, a, b) <= budget
+    # And the chosen nest vmaps as much as the budget allows: its block is within
+    # a factor of the budget (chunk sizes step by two, outer dims one at a time).
+    assert plan.chosen.block <= elements
+    out = f(a, b)
+    ref = _sumexp_reference(a, b)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    np.testing.assert_allclose(out, ref, rtol=1e-5)
+
+
+def test_no_nest_fits():
+    a = jnp.ones((8, 4, 32))
+    b = jnp.ones((8, 32))
+    f = _sumexp_wrapper(plan="auto", memory_budget=16)
+    plans = _planner._STATS["plans"]
+    for match in [
+        r"filter_multi_vmap\(_sumexp\)",
+        r"no nest fits `memory_budget=16`",
+        r"16 B of temporary memory",
+        r"The smallest of the \d+ compiled candidates needs",
+        r"scan\(T=8\) -> scan\(B=4\) -> body",
+        r"Raise `memory_budget`, or map fewer dims.",
+    ]:
+        with pytest.raises(SpecError, match=match):
+            f(a, b)
+    # The failure is cached too: the same signature does not plan again.
+    assert _planner._STATS["plans"] == plans + 1
+
+
+def _elementwise(x, y):
+    return x * y + 1.0
+
+
+def _matmul(x, w):
+    return jnp.tanh(x @ w) @ w.T  # x: (K,), w: (K, M)
+
+
+def _reduce(x):
+    # x: (N, M); the (N, N) Gram matrix is an intermediate XLA cannot fuse away.
+    return jnp.max(x @ x.T, axis=0), jnp.sum(jnp.sort(x, axis=1)[:, -1])
+
+
+def _mixed(x, y, *, scale, tag):
+    assert tag == "tag"
+    # x: (K,), y: (); an outer product as intermediate
+    return {"z": (jnp.tanh(x[:, None] * x[None, :] * y) @ x) * scale, "n": 3}
+
+
+def _wl_elementwise(getkey):
+    x = jax.random.normal(getkey(), (24, 10))
+    y = jax.random.normal(getkey(), (10,))
+    kw = dict(in_dims=("T B", "B"), out_dims="B T", vmap="T B")
+
+    def ref(x, y):
+        return jax.vmap(jax.vmap(_elementwise), in_axes=(0, None))(x, y).T
+
+    return _elementwise, (x, y), {}, kw, ref(x, y)
+
+
+def _wl_matmul(getkey):
+    x = jax.random.normal(getkey(), (6, 40, 16))
+    w = jax.random.normal(getkey(), (16, 256)) * 0.1
+    kw = dict(in_dims=("B N K", None), out_dims="B N M", scan="N", vmap="B")
+    xs, ws = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    ref = np.stack(
+        [np.stack([np.tanh(xs[i, j] @ ws) @ ws.T for j in range(40)]) for i in range(6)]
+    )
+    return _matmul, (x, w), {}, kw, ref
+
+
+def _wl_reduce(getkey):
+    x = jax.random.normal(getkey(), (5, 9, 4, 33))
+    kw = dict(in_dims="A N B M", out_dims=("A B N", "B A"), vmap="A B")
+    xs = np.asarray(x, np.float64)
+    gram_max = np.empty((5, 4, 9))
+    top = np.empty((4, 5))
+    for a in range(5):
+        for b in range(4):
+            e = xs[a, :, b]
+            gram_max[a, b] = np.max(e @ e.T, axis=0)
+            top[b, a] = np.sum(np.max(e, axis=1))
+    ref = (gram_max, top)
+    return _reduce, (x,), {}, kw, ref
+
+
+def _wl_mixed(getkey):
+    x = jax.random.normal(getkey(), (3, 50, 7, 16))
+    y = jax.random.normal(getkey(), (7, 3))
+    kw = dict(
+        in_dims={"x": "P Q R K", "y": "R P", "scale": None},
+        out_dims={"z": "R Q P K", "n": None},
+        scan={"Q": 8},
+        vmap="P R",
+    )
+    xs, ys = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    z = np.empty((7, 50, 3, 16))
+    for p in range(3):
+        for q in range(50):
+            for r in range(7):
+                e = xs[p, q, r]
+                z[r, q, p] = (np.tanh(np.outer(e, e) * ys[r, p]) @ e) * 2.0
+    return _mixed, (x, y), {"scale": 2.0, "tag": "tag"}, kw, {"z": z, "n": 3}
+
+
+_WORKLOADS = [_wl_elementwise, _wl_matmul, _wl_reduce, _wl_mixed]
+
+
+@pytest.mark.parametrize("workload", _WORKLOADS)
+@pytest.mark.parametrize("budget_kind", ["tight", "generous"])
+def test_auto_matches_reference(getkey, workload, budget_kind):
+    fun, args, kwargs, kw, ref = workload(getkey)
+    # Tight: a third of what full vmap needs (measured independently), so the plan
+    # must scan whenever full vmap needs any temporary memory at all.
+    mapped = tuple(kw.get("scan", ())) + tuple(kw["vmap"].split())
+    full = filter_multi_vmap(fun, **{**kw, "scan": None, "vmap": mapped})
+    full_temp = _temp_bytes(lambda *a: full(*a, **kwargs), *args)
+    budget = 2**30 if budget_kind == "generous" else max(1, full_temp // 3)
+    f = filter_multi_vmap(fun, plan="auto", memory_budget=budget, **kw)
+    plan = explain(f, *args, **kwargs)
+    assert plan.chosen.fits
+    print(full_temp, plan)
+    if budget_kind == "generous" or full_temp == 0:
+        assert plan.scan == {}
+    else:
+        assert plan.scan and plan.chosen.temp_bytes <= budget
+    out = f(*args, **kwargs)
+    out_jit = eqx.filter_jit(f)(*args, **kwargs)
+    for o in (out, out_jit):
+        assert jax.tree.structure(o) == jax.tree.structure(ref)
+        for x, r in zip(jax.tree.leaves(o), jax.tree.leaves(ref)):
+            if isinstance(r, int):
+                assert x == r
+                continue
+            assert x.shape == np.shape(r)
+            assert x.dtype == jnp.float32
+            np.testing.assert_allclose(x, r, rtol=2e-5, atol=2e-5)
+
+
+def test_cost_correction_matches_full_vmap(getkey):
+    # XLA costs a while-loop body once; the planner adds the body `trips - 1` more
+    # times. Every scanned candidate does the same arithmetic as full vmap.
+    a, b = _sumexp_args(getkey, t=12, bsize=10, k=16)
+    f = _sumexp_wrapper()
+    call = f._resolve((a, b), {})
+    compiler = _planner._Compiler(call, False)
+    sizes = call.check.sizes
+    full = compiler.evaluate(_planner._candidate((), ("T", "B"), sizes, "x"), None)
+    scanned = [
+        (("T", 4),),  # 3 chunks of 4
+        (("T", None), ("B", None)),  # 120 trips, nested loops
+        (("B", 4), ("T", 5)),  # two chunked dims: remainders in both, 4 blocks
+    ]
+    for scan in scanned:
+        vmap = tuple(n for n in ("T", "B") if n not in dict(scan))
+        cand = compiler.evaluate(_planner._candidate(scan, vmap, sizes, "x"), None)
+        assert cand.flops == pytest.approx(full.flops, rel=1e-3)
+        assert cand.transcendentals == pytest.approx(full.transcendentals, rel=1e-3)
+        # The uncorrected report undercounts by about the trip count.
+        raw = compiler.compile(
+            lambda c, dyn, scan=scan, vmap=vmap: _planner.run_blocks(
+                c.make_core, dyn, c.axes, c.check.sizes, dict(scan), vmap
+            )[0],
+            compiler.dyn_specs,
+        )
+        raw_flops = _planner._costs(raw)[0]
+        assert raw_flops < 0.5 * full.flops
+
+    # Independently of the planner: an unrolled Python loop over T has the same flops.
+    def unrolled(a, b):
+        return jnp.stack(
+            [jax.vmap(_sumexp, in_axes=(0, None))(a[i], b[i]) for i in range(12)]
+        )
+
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (a, b)]
+    ca = jax.jit(unrolled).lower(*specs).compile().cost_analysis()
+    assert full.flops == pytest.approx(ca["flops"], rel=1e-3)
+
+
+def test_plan_cache(getkey):
+    a, b = _sumexp_args(getkey, t=8, bsize=6, k=16)
+    f = _sumexp_wrapper(plan="auto", memory_budget=8 * 16 * 16 * 4)
+    before = dict(_planner._STATS)
+    out1 = f(a, b)
+    after_first = dict(_planner._STATS)
+    assert after_first["plans"] == before["plans"] + 1
+    assert after_first["compiles"] > before["compiles"]
+    out2 = f(a, b)
+    plan = explain(f, a, b)
+    jitted = eqx.filter_jit(f)(a, b)
+    # Same signature: nothing planned or compiled by the planner again.
+    assert _planner._STATS == after_first
+    ref = _sumexp_reference(a, b)
+    for out in (out1, out2, jitted):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        np.testing.assert_allclose(out, ref, rtol=1e-5)
+    assert plan.scan
+    # A new budget, shape or dtype is a new signature (a generous budget, so that
+    # each of these plans compiles only full vmap).
+    g = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    g(a, b)
+    assert _planner._STATS["plans"] == after_first["plans"] + 1
+    g(a[:4], b[:4])
+    assert _planner._STATS["plans"] == after_first["plans"] + 2
+    g(a.astype(jnp.float16), b.astype(jnp.float16))
+    assert _planner._STATS["plans"] == after_first["plans"] + 3
+    # A fresh wrapper with equal options shares the cache.
+    _sumexp_wrapper(plan="auto", memory_budget=2**30)(a[:4], b[:4])
+    assert _planner._STATS["plans"] == after_first["plans"] + 3
+
+
+def test_explain_table(getkey):
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    budget = 20 * _ONE
+    f = _sumexp_wrapper(plan="auto", memory_budget=budget)
+    plan = explain(
+        f,
+        jax.ShapeDtypeStruct(a.shape, a.dtype),
+        jax.ShapeDtypeStruct(b.shape, b.dtype),
+    )
+    assert isinstance(plan, Plan) and plan is explain(f, a, b)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.auto = False  # pyright: ignore[reportAttributeAccessIssue]
+    text = str(plan)
+    lines = text.splitlines()
+    assert lines[0] == "filter_multi_vmap(_sumexp): plan='auto'"
+    assert f"memory budget: 80.0 KiB of temporary memory (memory_budget={budget})" in (
+        text
+    )
+    assert f"nest: {plan.chosen.nest(dict(plan.sizes))}" in lines
+    for d in plan.dims:
+        chunk = "-" if d.strategy == "vmap" else str(d.chunk or 1)
+        row = [d.name, str(d.size), d.strategy, chunk, str(d.order)]
+        assert any(line.replace(" ", "").split("|") == row for line in lines), row
+    n_compiled = sum(c.temp_bytes is not None for c in plan.candidates)
+    assert (
+        f"candidates: {plan.n_candidates} considered, {n_compiled} compiled "
+        f"({plan.n_compiled} compiles including loop bodies" in text
+    )
+    # Layout, input and size orders all agree here: one ladder.
+    steps = _planner.ladder(("T", "B"), ("T", "B"), dict(plan.sizes))
+    assert plan.n_candidates == 1 + len(steps)
+    chosen_rows = [line for line in lines if line.startswith("* |")]
+    assert (
+        len(chosen_rows) == 1 and plan.chosen.nest(dict(plan.sizes)) in chosen_rows[0]
+    )
+    assert chosen_rows[0].rstrip().endswith("yes")
+    assert "| no" in text  # full vmap did not fit
+    header = (
+        "nest | temp memory | flops | bytes accessed | working set | est. time | fits"
+    )
+    assert header in (" ".join(text.split()))
+
+
+def test_explain_fixed_nest(getkey):
+    a, b = _sumexp_args(getkey, t=8, bsize=6, k=16)
+    f = filter_multi_vmap(
+        _sumexp, in_dims=("T B K", "T K"), out_dims="T B", scan={"T": 4}, vmap="B"
+    )
+    plan = explain(f, a, b)
+    assert not plan.auto and plan.budget_bytes is None
+    assert plan.scan == {"T": 4} and plan.vmap == ("B",)
+    assert [(d.name, d.strategy, d.chunk, d.order) for d in plan.dims] == [
+        ("T", "scan", 4, 0),
+        ("B", "vmap", None, 1),
+    ]
+    (cand,) = plan.candidates
+    assert cand.fits is None and cand.temp_bytes == _temp_bytes(f, a, b)
+    text = str(plan)
+    assert text.splitlines()[0] == "filter_multi_vmap(_sumexp): fixed nest"
+    assert "nest: scan(T: 2 chunks of 4) -> vmap(B=6) -> body" in text
+    assert "memory budget" not in text
+
+
+def test_explain_method_and_errors(getkey):
+    class Model(eqx.Module):
+        w: jax.Array
+
+        @filter_multi_vmap(in_dims={"x": "N K"}, out_dims="N", plan="auto")
+        def __call__(self, x):
+            return jnp.dot(self.w, x)
+
+    model = Model(jax.random.normal(getkey(), (5,)))
+    x = jax.random.normal(getkey(), (7, 5))
+    plan = explain(model.__call__, x)
+    assert plan.vmap == ("N",) and plan.scan == {}
+    out = eqx.filter_jit(model)(x)
+    assert out.shape == (7,)
+    np.testing.assert_allclose(out, np.asarray(x) @ np.asarray(model.w), rtol=1e-5)
+    for bad in (_sumexp, jnp.sum):
+        with pytest.raises(
+            SpecError,
+            match="`eqx_multimap.explain\\(fn, ...\\)`: `fn` "
+            "must be a function returned by `filter_multi_vmap`",
+        ):
+            explain(bad, x)
+
+
+def test_default_budget_is_a_fraction_of_ram(getkey):
+    a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for given, fraction in [(None, 0.5), (0.25, 0.25), (1.0, 1.0)]:
+        f = _sumexp_wrapper(plan="auto", memory_budget=given)
+        plan = explain(f, a, b)
+        assert plan.budget_bytes == int(ram * fraction)
+        assert "physical RAM (os.sysconf), as cpu reports no device memory" in (
+            plan.budget_source
+        )
+        assert f"memory_budget={fraction:g} of " in plan.budget_source
+        assert ("default" in plan.budget_source) == (given is None)
+        assert "physical RAM" in str(plan)
+        assert plan.scan == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs, matches",
+    [
+        (
+            dict(plan="auto", memory_budget=0),
+            [r"memory_budget=0\)`: a budget in bytes must be a positive `int`"],
+        ),
+        (
+            dict(plan="auto", memory_budget=-1024),
+            [r"memory_budget=-1024\)`", "must be a positive `int`"],
+        ),
+        (
+            dict(plan="auto", memory_budget=1.5),
+            [
+                r"memory_budget=1.5\)`: a `float` budget is a fraction of device "
+                r"memory and must be in \(0, 1\]",
+                r"e.g. `memory_budget=2\*\*30`",
+            ],
+        ),
+        (
+            dict(plan="auto", memory_budget=0.0),
+            [r"memory_budget=0.0\)`", r"must be in \(0, 1\]"],
+        ),
+        (
+            dict(plan="auto", memory_budget=float("nan")),
+            [r"memory_budget=nan\)`", r"must be in \(0, 1\]"],
+        ),
+        (
+            dict(plan="auto", memory_budget=True),
+            [
+                r"`filter_multi_vmap\(..., memory_budget=...\)` must be an `int` "
+                r"\(bytes\) or a `float` in \(0, 1\]",
+                "but got True of type `bool`",
+            ],
+        ),
+        (
+            dict(memory_budget=2**20),
+            [
+                r"`filter_multi_vmap\(..., memory_budget=1048576\)` is only used by "
+                "the planner",
+                "pass `plan='auto'` too",
+            ],
+        ),
+        (
+            dict(plan="fast"),
+            [
+                r"`filter_multi_vmap\(..., plan=...\)` must be 'auto' or `None`, but "
+                r"got 'fast'"
+            ],
+        ),
+    ],
+)
+def test_bad_plan_options(kwargs, matches):
+    for match in matches:
+        with pytest.raises(SpecError, match=match):
+            filter_multi_vmap(_sumexp, in_dims="T B", vmap="T", **kwargs)
+        with pytest.raises(SpecError, match=match):
+            filter_multi_vmap(in_dims="T B", vmap="T", **kwargs)(_sumexp)
+
+
+def test_verbose_prints_plan_once(getkey, capsys):
+    a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
+    f = _sumexp_wrapper(plan="auto", memory_budget=2**29, verbose=True)
+    f(a, b)
+    first = capsys.readouterr().out
+    assert "filter_multi_vmap(_sumexp): plan='auto'" in first
+    assert "candidates: " in first
+    assert "filter_multi_vmap(_sumexp): vmap(T=4) -> vmap(B=3) -> body" in first
+    f(a, b)
+    second = capsys.readouterr().out
+    assert "candidates: " not in second  # cached: not planned again
+    assert "filter_multi_vmap(_sumexp): vmap(T=4) -> vmap(B=3) -> body" in second
+
+
+def test_zero_size_dim_plans_nothing():
+    f = _sumexp_wrapper(plan="auto", memory_budget=64)
+    before = _planner._STATS["compiles"]
+    out = f(jnp.ones((0, 3, 8)), jnp.ones((0, 8)))
+    assert _planner._STATS["compiles"] == before
+    assert out.shape == (0, 3) and out.dtype == jnp.float32
+
+
+def test_checkpoint_reduces_grad_memory(getkey):
+    # A scanned body with a (K, K) intermediate: without `checkpoint`, reverse mode
+    # stores the intermediate of every iteration; with it, only the scan's inputs.
+    def body(a, b):
+        return jnp.sum(jnp.sin(a[:, None] * b[None, :]))
+
+    a = jax.random.normal(getkey(), (32, 128))
+    b = jax.random.normal(getkey(), (128,))
+    temps, grads = [], []
+    for checkpoint in (False, True):
+        f = filter_multi_vmap(
+            body, in_dims=("T K", "K"), out_dims="T", scan="T", checkpoint=checkpoint
+        )
+        g = jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1))
+        temps.append(_temp_bytes(g, a, b))
+        grads.append(jax.jit(g)(a, b))
+    intermediate = 32 * 128 * 128 * 4
+    assert temps[0] >= intermediate
+    assert temps[1] < intermediate / 8
+    # The planner passes `checkpoint` through to the nest it chooses.
+    f = filter_multi_vmap(
+        body,
+        in_dims=("T K", "K"),
+        out_dims="T",
+        scan="T",
+        checkpoint=True,
+        plan="auto",
+        memory_budget=2**20,
+    )
+    grads.append(jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1)))(a, b))
+    ref = jax.grad(
+        lambda a, b: jnp.sum(jax.vmap(body, in_axes=(0, None))(a, b)), argnums=(0, 1)
+    )(a, b)
+    for got in grads:
+        for x, r in zip(got, ref):
+            assert x.shape == r.shape and x.dtype == r.dtype
+            np.testing.assert_allclose(x, r, rtol=1e-4, atol=1e-4)
+
+
+@hypothesis.settings(max_examples=5, deadline=None)
+@hypothesis.example(sizes=[1, 1], elements=1, seed=0)  # nothing to scan
+@hypothesis.given(
+    sizes=st.lists(st.integers(1, 9), min_size=2, max_size=3),
+    elements=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_auto_random_signatures(sizes, elements, seed):
+    names = "ABC"[: len(sizes)]
+    k = 8
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(*sizes, k)).astype(np.float32) * 0.3
+    w = rng.normal(size=(k, k)).astype(np.float32) * 0.3
+
+    def body(x, w):
+        return jnp.tanh(x[:, None] * w) @ x
+
+    f = filter_multi_vmap(
+        body,
+        in_dims=(" ".join(names) + " K", None),
+        out_dims=" ".join(reversed(names)) + " K",
+        vmap=" ".join(names),
+        plan="auto",
+        memory_budget=elements * k * k * 4,
+    )
+    try:
+        out = f(jnp.asarray(x), jnp.asarray(w))
+    except SpecError as e:
+        # Only when no nest fits: then even the smallest plan exceeds the budget.
+        assert "no nest fits" in str(e)
+        return
+    ref = np.empty(tuple(reversed(sizes)) + (k,))
+    for idx in np.ndindex(*sizes):
+        e = x[idx].astype(np.float64)
+        ref[tuple(reversed(idx))] = np.tanh(e[:, None] * w) @ e
+    assert out.shape == ref.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
