@@ -13,7 +13,7 @@ from ._args import bind_call, BoundCall, broadcast_spec, is_array
 from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims, parse_names
 from ._errors import SpecError
-from ._nest import OutLayout, run_blocks
+from ._nest import describe_nest, OutLayout, run_blocks
 from ._planner import check_plan_options, MemoryBudget, plan_call, PlanMode
 from ._shard import parse_shard, ShardOptions, ShardSpec
 
@@ -372,16 +372,7 @@ def _call_body(
 def _describe_nest(
     fun_name: str, scan: dict[str, int | None], vmap: Sequence[str], sizes: dict
 ) -> str:
-    parts = []
-    for name, chunk in scan.items():
-        if chunk is None:
-            parts.append(f"scan({name}={sizes[name]})")
-        else:
-            n_full, rest = divmod(sizes[name], chunk)
-            extra = f" + vmap({name} remainder={rest})" if rest else ""
-            parts.append(f"scan({name}: {n_full} chunks of {chunk}){extra}")
-    parts.extend(f"vmap({name}={sizes[name]})" for name in vmap)
-    return f"{fun_name}: " + " -> ".join(parts + ["body"])
+    return f"{fun_name}: {describe_nest(scan, vmap, sizes)}"
 
 
 @overload

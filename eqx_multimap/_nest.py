@@ -251,3 +251,19 @@ def _final_axis(dims: Dims, name: str, ndim: int) -> int:
 
 def nbytes(x: Any) -> int:
     return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+
+
+def describe_nest(
+    scan: dict[str, int | None], vmap: Sequence[str], sizes: dict[str, int]
+) -> str:
+    """The nest as text, e.g. `scan(T=10) -> vmap(F=4) -> body`."""
+    parts = []
+    for name, chunk in scan.items():
+        if chunk is None:
+            parts.append(f"scan({name}={sizes[name]})")
+        else:
+            n_full, rest = divmod(sizes[name], chunk)
+            extra = f" + vmap({name} remainder={rest})" if rest else ""
+            parts.append(f"scan({name}: {n_full} chunks of {chunk}){extra}")
+    parts.extend(f"vmap({name}={sizes[name]})" for name in vmap)
+    return " -> ".join(parts + ["body"])

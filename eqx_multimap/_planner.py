@@ -42,7 +42,7 @@ import numpy as np
 from ._args import is_array
 from ._dims import Dims, parse_dims
 from ._errors import SpecError
-from ._nest import _drop_axis, build_nest, Level, run_blocks
+from ._nest import _drop_axis, build_nest, describe_nest, Level, run_blocks
 
 
 PlanMode = Literal["auto"]
@@ -239,21 +239,6 @@ def _fmt_bytes(n: int | float) -> str:
 
 def _fmt_num(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
-
-
-def describe_nest(
-    scan: dict[str, int | None], vmap: tuple[str, ...], sizes: dict[str, int]
-) -> str:
-    parts = []
-    for name, chunk in scan.items():
-        if chunk is None:
-            parts.append(f"scan({name}={sizes[name]})")
-        else:
-            n_full, rest = divmod(sizes[name], chunk)
-            extra = f" + vmap({name} remainder={rest})" if rest else ""
-            parts.append(f"scan({name}: {n_full} chunks of {chunk}){extra}")
-    parts.extend(f"vmap({name}={sizes[name]})" for name in vmap)
-    return " -> ".join(parts + ["body"])
 
 
 #
