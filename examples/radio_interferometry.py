@@ -61,22 +61,6 @@ class Layout(eqx.Module):
     dec: Float[Array, ""]  # declination of the phase centre, radians
 
 
-# The dims of every argument, written out. They repeat the annotations of the
-# modules above and of `visibility` below; once `filter_multi_vmap` reads dims from
-# annotations, this dict (and `**EXPLICIT_DIMS` in `predict`) is all there is to
-# delete.
-EXPLICIT_DIMS = dict(
-    in_dims={
-        "sky": SkyModel(l="S", m="S", brightness="F S 2 2"),  # pyright: ignore
-        "gains": Gains(jones="T F A 2 2"),  # pyright: ignore
-        "layout": Layout(antennas="A 3", ant1="B", ant2="B", dec=""),  # pyright: ignore
-        "hour_angle": "T",
-        "freq": "F",
-    },
-    out_dims="T F B 2 2",
-)
-
-
 def uvw(
     baseline: Float[Array, "3"], hour_angle: Float[Array, ""], dec: Float[Array, ""]
 ) -> Float[Array, "3"]:
@@ -119,10 +103,13 @@ def visibility(
 
 def predict(t_chunk: int | None = None, verbose: bool = False):
     """`visibility` mapped over `T x F x B`: scan over `T` (in chunks of `t_chunk`
-    times if given), vmap over `F` and `B`; jitted."""
+    times if given), vmap over `F` and `B`; jitted.
+
+    The dims of every argument come from the jaxtyping annotations of `visibility`
+    and of the modules' fields; the output order from its return annotation.
+    """
     mapped = filter_multi_vmap(
         visibility,
-        **EXPLICIT_DIMS,
         scan={"T": t_chunk},
         vmap="F B",
         verbose=verbose,
