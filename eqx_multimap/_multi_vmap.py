@@ -362,7 +362,15 @@ def _call_body(
                 f"array; every output array is mapped over {', '.join(mapped)}, so "
                 "give it a dims string that names them."
             )
-        check_output(fun_name, where, leaf.shape, leaf_spec.dims, mapped, sizes, seen)
+        if leaf_spec.dims is default_out and out_dims is None:
+            source = "the default `out_dims`"
+        elif isinstance(out_dims, OutAnnotation) and leaf_spec.dims is not default_out:
+            source = "the return annotation"
+        else:
+            source = "`out_dims`"
+        check_output(
+            fun_name, where, leaf.shape, leaf_spec.dims, mapped, sizes, seen, source
+        )
         dyn_out.append(leaf)
         dims_list.append(leaf_spec.dims)
         static.append(_DYNAMIC)
