@@ -452,22 +452,21 @@ class FunAnnotations:
     def has_return(self) -> bool:
         return "return" in self.hints
 
-    def _in_ctx(self, fun_name: str, name: str) -> _Context:
-        return _Context(
-            fun_name, f"`in_dims={{{name!r}: ...}}`", f"parameter `{name}`", name
-        )
+    def _in_ctx(self, fun_name: str, name: str, path: str) -> _Context:
+        label = f"parameter `{name}`" if path == name else f"`{path}`"
+        return _Context(fun_name, f"`in_dims={{{name!r}: ...}}`", label, path)
 
     def _out_ctx(self, fun_name: str) -> _Context:
         return _Context(fun_name, "`out_dims=...`", "the return value", "output")
 
     def in_dims_hook(
         self, fun_name: str, mapped: tuple[str, ...]
-    ) -> Callable[[str, Any], Any]:
-        """The `default_dims(param_name, value)` hook of `bind_call`."""
+    ) -> Callable[[str, Any, str], Any]:
+        """The `default_dims(param_name, value, path)` hook of `bind_call`."""
 
-        def default_dims(name: str, value: Any) -> Any:
-            ctx = self._in_ctx(fun_name, name)
-            spec = _spec(self.hints.get(name), value, name, ctx)
+        def default_dims(name: str, value: Any, path: str) -> Any:
+            ctx = self._in_ctx(fun_name, name, path)
+            spec = _spec(self.hints.get(name), value, path, ctx)
             self._check_no_checker_inside(fun_name, ctx.top_label, spec, mapped)
             return spec
 

@@ -108,15 +108,15 @@ def bind_call(
     args: tuple,
     kwargs: dict,
     in_dims: Any,
-    default_dims: Callable[[str, Any], Any] | None = None,
+    default_dims: Callable[[str, Any, str], Any] | None = None,
 ) -> BoundCall:
     """Split `fun(*args, **kwargs)` into leaves with the dims spec of each.
 
     `in_dims` is `None`, a dims string (for every argument), a tuple or list (one
     entry per positional argument) or a dict by parameter name (keyword-only and
-    `**kwargs` entries included). `default_dims(param_name, value)`, if given,
-    supplies a spec for arguments that `in_dims` does not mention (used for
-    annotations).
+    `**kwargs` entries included). `default_dims(param_name, value, path)`, if
+    given, supplies a spec for arguments that `in_dims` does not mention (used for
+    annotations); `path` is the argument as errors name it (`kwargs['nu']`).
     """
     sig = _signature(fun)
     var_pos = var_kw = None
@@ -229,16 +229,24 @@ def bind_call(
     names = [arg_name(i) for i in range(len(args))]
     kw_names = {k: kwarg_name(k)[0] for k in kwargs}
     pieces: list[tuple[str, Any, Any]] = []
+    # An annotation of `*args` or `**kwargs` is that of each of their entries.
     for i, (a, s) in enumerate(zip(args, arg_specs)):
         if s is unset:
-            pname = positional[i] if i < len(positional) else None
-            s = default_dims(pname, a) if (default_dims and pname) else None
+            pname = positional[i] if i < len(positional) else var_pos
+            if default_dims is not None and pname is not None:
+                s = default_dims(pname, a, names[i])
+            else:
+                s = None
         pieces.append((names[i], a, s))
     for k in sorted(kwargs):  # the order in which `jax.tree_util` flattens a dict
         v = kwargs[k]
         s = kw_specs[k]
         if s is unset:
-            s = default_dims(k, v) if (default_dims and k in param_names) else None
+            pname = k if k in param_names else var_kw
+            if default_dims is not None and pname is not None:
+                s = default_dims(pname, v, kw_names[k])
+            else:
+                s = None
         pieces.append((kw_names[k], v, s))
 
     leaves: list[InLeaf] = []

@@ -153,10 +153,12 @@ def check_output(
     mapped: tuple[str, ...],
     sizes: dict[str, int],
     seen: dict[str, list[Seen]],
+    source: str = "`out_dims`",
 ) -> None:
     """Check one output array of the body (shape without mapped dims) against dims.
 
-    Updates `sizes`/`seen` with core dims that only the outputs bind.
+    `source` says where `dims` came from, for errors (`` `out_dims` ``, "the return
+    annotation"). Updates `sizes`/`seen` with core dims that only the outputs bind.
     """
     mapped_set = set(mapped)
     for name in mapped:
@@ -164,7 +166,7 @@ def check_output(
         if count != 1:
             how = "does not contain" if count == 0 else "names more than once"
             raise SpecError(
-                f"`{fun_name}`: `out_dims` {dims.source!r} for `{path}` {how} the "
+                f"`{fun_name}`: {source} {dims.source!r} for `{path}` {how} the "
                 f"mapped dim '{name}'. Every output array is mapped over each of "
                 f"{', '.join(mapped)} exactly once."
             )
@@ -185,8 +187,8 @@ def check_output(
     if isinstance(token_axes, str):
         raise ShapeError(
             f"`{fun_name}`: the function body returned `{path}` with per-element "
-            f"shape {shape_desc}: that shape {token_axes}, the `out_dims` "
-            f"{dims.source!r} without the mapped dims ({' '.join(mapped)})."
+            f"shape {shape_desc}: that shape {token_axes} ({source} "
+            f"{dims.source!r} without the mapped dims {' '.join(mapped)})."
         )
     for tok, ax in zip(core.tokens, token_axes):
         if isinstance(tok, (AnonDim, EllipsisDim)):
@@ -196,8 +198,9 @@ def check_output(
             if size != tok.size:
                 raise ShapeError(
                     f"`{fun_name}`: the function body returned `{path}` with "
-                    f"per-element shape {shape_desc}, but `out_dims` {dims.source!r} "
-                    f"fix the axis at {ax} to {tok.size}."
+                    f"per-element shape {shape_desc}, but {source} {dims.source!r} "
+                    f"{'fix' if source == '`out_dims`' else 'fixes'} the axis at {ax} "
+                    f"to {tok.size}."
                 )
             continue
         where = f"`{path}` (body output of shape {shape_desc}) axis {ax}"

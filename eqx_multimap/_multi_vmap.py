@@ -362,7 +362,16 @@ def _call_body(
                 f"array; every output array is mapped over {', '.join(mapped)}, so "
                 "give it a dims string that names them."
             )
-        check_output(fun_name, where, leaf.shape, leaf_spec.dims, mapped, sizes, seen)
+        # Where the dims came from, for errors.
+        if out_dims is not None and not isinstance(out_dims, OutAnnotation):
+            source = "`out_dims`"
+        elif leaf_spec.dims is default_out:
+            source = "the default `out_dims`"
+        else:
+            source = "the return annotation"
+        check_output(
+            fun_name, where, leaf.shape, leaf_spec.dims, mapped, sizes, seen, source
+        )
         dyn_out.append(leaf)
         dims_list.append(leaf_spec.dims)
         static.append(_DYNAMIC)
@@ -567,6 +576,8 @@ def filter_multi_vmap(
           annotated tuples and lists of them; static and unannotated fields are not
           mapped. A return annotation can be a `Module` type, or a tuple.
         - Explicit `in_dims` (per argument) and `out_dims` override annotations.
+        - The annotation of `*args` or `**kwargs` gives the dims of each of their
+          entries, as in Python (`**kw: Float[Array, "F"]`).
         - Annotations are read with `typing.get_type_hints` at the first call, so
           `from __future__ import annotations` and forward references work.
 

@@ -354,4 +354,8 @@ class ShardPlan:
                     out = lax.slice_in_dim(out, 0, self.sizes[name], axis=axes[name])
                 trimmed.append(out)
             outs = trimmed
+        # A computed empty array with a `NamedSharding` is malformed in JAX (each
+        # device holds the full shape, and `np.asarray` fails): return fresh empty
+        # arrays, which hold no data to shard.
+        outs = [jnp.zeros(o.shape, o.dtype) if o.size == 0 else o for o in outs]
         return outs, layout
