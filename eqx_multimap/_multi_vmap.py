@@ -174,13 +174,9 @@ class _MultiVmapWrapper(eqx.Module):
                     call.fun_name, call.scan, call.vmap, plan.local_sizes
                 )
                 print(plan.describe(nest))
+            make_core, values, axes = call.with_fun_arrays_as_inputs()
             outs, layout = plan.run(
-                call.make_core,
-                call.values,
-                call.axes,
-                call.scan,
-                call.vmap,
-                self._checkpoint,
+                make_core, values, axes, call.scan, call.vmap, self._checkpoint
             )
             return call.combine(outs, layout)
         if self._verbose:
@@ -308,6 +304,39 @@ class _Call:
             return box[-1]
 
         return core, get_layout
+
+    def with_fun_arrays_as_inputs(self):
+        """`make_core`, `values`, `axes` with the array leaves of `fun` (a callable
+        `equinox.Module`, say) appended as unmapped inputs.
+
+        `jax.shard_map` cannot close over arrays sharded on an explicit mesh, so the
+        sharded path passes them in (replicated) instead.
+        """
+        fun_arrays, fun_static = eqx.partition(self.fun, eqx.is_array)
+        fun_leaves, fun_def = jtu.tree_flatten(fun_arrays)
+        if not fun_leaves:
+            return self.make_core, self.values, self.axes
+        n = len(self.dyn_index)
+
+        def make_core():
+            box: list[OutLayout] = []
+
+            def core(dyn):
+                fun_arrays = jtu.tree_unflatten(fun_def, dyn[n:])
+                fun = eqx.combine(fun_arrays, fun_static)
+                inner, get_layout = dataclasses.replace(self, fun=fun).make_core()
+                out = inner(dyn[:n])
+                box.append(get_layout())
+                return out
+
+            def get_layout() -> OutLayout:
+                assert box, "the mapped body was not traced"
+                return box[-1]
+
+            return core, get_layout
+
+        axes = self.axes + [{} for _ in fun_leaves]
+        return make_core, self.values + fun_leaves, axes
 
     def combine(self, outs: list[Any], layout: OutLayout) -> Any:
         treedef, static_leaves = layout.data

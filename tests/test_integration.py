@@ -625,3 +625,34 @@ def test_module_field_errors_with_shard_and_plan():
             [r"dim 'F'", r"size 8: `p\.ws\[0\]` axis 0", r"size 3: `p\.ws\[1\]`"],
             lambda w=w: w(p_bad),
         )
+
+
+@pytest.mark.parametrize("jit", ["none", "filter_jit"])
+def test_sharded_callable_module_with_explicitly_sharded_fields(jit):
+    # `jax.shard_map` cannot close over arrays on an explicit mesh: the array fields
+    # of a callable Module are passed into the shard_map as replicated inputs.
+    class Scale(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, a):
+            return a * self.w + jnp.sum(self.w)
+
+    mesh = _mesh()
+    x = jnp.asarray(_rand((3, 8)))
+    with jax.set_mesh(mesh):
+        module = Scale(jnp.asarray([2.0, -1.0]))  # created on the explicit mesh
+        f = filter_multi_vmap(
+            module, in_dims="T F", out_dims="F T F2", vmap="T", shard={"F": "x"}
+        )
+        f = eqx.filter_jit(f) if jit == "filter_jit" else f
+        out = f(x)
+    ref = np.stack(
+        [
+            np.stack(
+                [np.asarray(x[t, i]) * np.asarray(module.w) + 1.0 for t in range(3)]
+            )
+            for i in range(8)
+        ]
+    )
+    _check(out, ref)
+    _sharded_over(out, mesh, 0, "x")
