@@ -610,11 +610,6 @@ def filter_multi_vmap(
             f"`{type(fun).__name__}`. Options such as `in_dims` are keyword-only."
         )
     check_plan_options(plan, memory_budget)
-    if plan is not None and shard is not None:
-        raise SpecError(
-            "`filter_multi_vmap(..., plan='auto', shard=...)`: the planner does not "
-            "plan sharded maps yet; give the local nest with `vmap=`/`scan=`."
-        )
     scan_parsed = _parse_scan(scan)
     vmap_parsed = parse_names(vmap, "vmap")
     both = set(vmap_parsed).intersection(name for name, _ in scan_parsed)

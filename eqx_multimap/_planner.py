@@ -93,6 +93,23 @@ class PlanDim:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardDim:
+    """A dim split over a device mesh by `shard=`, outside the planned nest.
+
+    - `name`, `size`: the dim and its global size.
+    - `mesh_axes`: the mesh axes it is split over.
+    - `shards`: the number of blocks (devices along those axes).
+    - `local_size`: the size of one device's block (after padding, with `pad=True`).
+    """
+
+    name: str
+    size: int
+    mesh_axes: tuple[str, ...]
+    shards: int
+    local_size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanCandidate:
     """One nest the planner considered, with its compiled estimates.
 
@@ -140,6 +157,9 @@ class Plan:
     - `budget_bytes`, `budget_source`: the memory budget and where it came from.
     - `n_compiled`: how many compiles planning took (candidates and loop bodies).
     - `seconds`: how long planning took.
+    - `shard`: with `shard=`, one `ShardDim` per sharded dim. The nest is then
+        `shard_map` outermost, and `sizes`, `dims`, the candidates and the budget
+        are *per device* (the local nest on one device's block).
     """
 
     fun_name: str
@@ -152,6 +172,7 @@ class Plan:
     budget_source: str
     n_compiled: int
     seconds: float
+    shard: tuple[ShardDim, ...] = ()
 
     @property
     def scan(self) -> dict[str, int | None]:
@@ -173,13 +194,35 @@ class Plan:
                 f"memory budget: {_fmt_bytes(self.budget_bytes)} of temporary memory "
                 f"({self.budget_source})"
             )
-        lines.append(f"nest: {self.chosen.nest(sizes)}")
+        nest = self.chosen.nest(sizes)
+        if self.shard:
+            parts = "; ".join(
+                f"{d.name}={d.size} over {_axes_str(d.mesh_axes)}: {d.shards} shards "
+                f"of {d.local_size}"
+                for d in self.shard
+            )
+            nest = f"shard_map({parts}) -> {nest}"
+            lines.append(
+                "sharded: sizes, candidates and the budget below are per device"
+            )
+        lines.append(f"nest: {nest}")
         lines.append("")
+        sharded = {d.name: d for d in self.shard}
         rows = [("dim", "size", "strategy", "chunk", "order")]
+        if sharded:
+            rows = [rows[0] + ("sharded",)]
         for d in self.dims:
             chunk = "1" if d.chunk is None else str(d.chunk)
             chunk = "-" if d.strategy == "vmap" else chunk
-            rows.append((d.name, str(d.size), d.strategy, chunk, str(d.order)))
+            row = (d.name, str(d.size), d.strategy, chunk, str(d.order))
+            if sharded:
+                s = sharded.get(d.name)
+                row += (
+                    "-"
+                    if s is None
+                    else f"{s.size} over {_axes_str(s.mesh_axes)} ({s.shards} shards)",
+                )
+            rows.append(row)
         lines.extend(_table(rows))
         lines.append("")
         n_cand = sum(c.temp_bytes is not None for c in self.candidates)
@@ -217,6 +260,10 @@ class Plan:
             )
         lines.extend(_table(rows))
         return "\n".join(lines)
+
+
+def _axes_str(axes: tuple[str, ...]) -> str:
+    return repr(axes[0]) if len(axes) == 1 else repr(axes)
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -365,21 +412,27 @@ def _candidate(scan: ScanNest, vmap: tuple[str, ...], sizes, source) -> PlanCand
 
 
 def ladder(
-    order: tuple[str, ...], layout: tuple[str, ...], sizes: dict[str, int]
+    order: tuple[str, ...],
+    layout: tuple[str, ...],
+    sizes: dict[str, int],
+    fixed: ScanNest = (),
+    frozen: frozenset[str] = frozenset(),
 ) -> list[PlanCandidate]:
     """Scanned candidates, largest block first (full vmap excluded).
 
-    Scans a prefix of `order` (dims of size 1 skipped): the outer dims of the prefix
-    one element at a time, the last in chunks. The remaining dims are vmapped, in the
-    order of `layout`.
+    Scans a prefix of `order` (dims of size 1 and `frozen` dims skipped): the outer
+    dims of the prefix one element at a time, the last in chunks, inside the `fixed`
+    scans. The remaining dims are vmapped, in the order of `layout`.
     """
-    scannable = [n for n in order if sizes[n] > 1]
+    scannable = [n for n in order if sizes[n] > 1 and n not in frozen]
+    fixed_names = {n for n, _ in fixed}
     out = []
     for k in range(1, len(scannable) + 1):
         outer, inner = scannable[: k - 1], scannable[k - 1]
-        vmap = tuple(n for n in layout if n not in scannable[:k])
+        scanned = fixed_names.union(scannable[:k])
+        vmap = tuple(n for n in layout if n not in scanned)
         for chunk in _chunk_options(sizes[inner]):
-            scan = tuple((n, None) for n in outer) + ((inner, chunk),)
+            scan = fixed + tuple((n, None) for n in outer) + ((inner, chunk),)
             out.append(_candidate(scan, vmap, sizes, "ladder"))
     out.sort(key=lambda c: -c.block)  # stable: fewer scanned dims first on ties
     return out
@@ -431,7 +484,16 @@ class _Compiler:
         self.checkpoint = checkpoint
         fun_arrays, self.fun_static = eqx.partition(call.fun, eqx.is_array)
         self.fun_specs = jtu.tree_map(_spec, fun_arrays)
-        self.dyn_specs = [_spec(v) for v in call.values]
+        # Mapped axes take the sizes of `call.check` (per device, when sharded).
+        self.dyn_specs = []
+        for v, axes in zip(call.values, call.axes):
+            s = _spec(v)
+            shape = list(s.shape)
+            for name, ax in axes.items():
+                shape[ax] = call.check.sizes[name]
+            self.dyn_specs.append(
+                jax.ShapeDtypeStruct(tuple(shape), s.dtype, weak_type=s.weak_type)
+            )
         self.n_compiled = 0
 
     def compile(self, run: Callable[[Any, list], Any], dyn_specs: list) -> Any:
@@ -650,9 +712,10 @@ def _key_part(x: Any) -> Any:
     return x
 
 
-def _cache_key(wrapper: Any, call: Any, budget: int) -> Any:
+def _cache_key(wrapper: Any, call: Any, budget: int, shard: Any) -> Any:
     fun_arrays, fun_static = eqx.partition(call.fun, eqx.is_array)
     return (
+        shard,
         wrapper._in_dims,
         wrapper._out_dims,
         wrapper._scan,
@@ -680,11 +743,40 @@ def _dims_of(cand: PlanCandidate, sizes: dict[str, int]) -> tuple[PlanDim, ...]:
     return tuple(dims)
 
 
+def _localize(wrapper: Any, call: Any) -> tuple[Any, tuple[ShardDim, ...]]:
+    """With `shard=`, the call as one device sees it: its dims at local sizes.
+
+    The sharded dims are split outside the nest (`shard_map`), so the planner plans,
+    and compiles, the local nest of one device.
+    """
+    if wrapper._shard is None:
+        return call, ()
+    sp = wrapper._shard.plan(call.fun_name, call.check)
+    shard = tuple(
+        ShardDim(
+            name,
+            sp.sizes[name],
+            axes,
+            math.prod(sp.mesh.shape[a] for a in axes),
+            sp.local_sizes[name],
+        )
+        for name, axes in sp.dims
+    )
+    check = dataclasses.replace(call.check, sizes=dict(sp.local_sizes))
+    return dataclasses.replace(call, check=check), shard
+
+
 def plan_call(wrapper: Any, call: Any) -> Plan:
-    """The (cached) automatic plan for a resolved call of a `plan="auto"` wrapper."""
+    """The (cached) automatic plan for a resolved call of a `plan="auto"` wrapper.
+
+    With `shard=`, the plan is for the local nest inside `shard_map`: the sharded
+    dims keep their strategy (scanned if in `scan`, else vmapped) at their local
+    sizes; the other mapped dims are planned, under the budget per device.
+    """
     budget, source = resolve_budget(wrapper._memory_budget)
+    call, shard = _localize(wrapper, call)
     try:
-        key = _cache_key(wrapper, call, budget)
+        key = _cache_key(wrapper, call, budget, shard)
         hash(key)
     except TypeError:
         key = None
@@ -695,7 +787,7 @@ def plan_call(wrapper: Any, call: Any) -> Plan:
             raise SpecError(cached)
         return cached
     try:
-        plan = _plan(wrapper, call, budget, source)
+        plan = _plan(wrapper, call, budget, source, shard)
     except _NoFit as e:
         _store(key, str(e))
         raise SpecError(str(e)) from None
@@ -716,15 +808,21 @@ class _NoFit(Exception):
     pass
 
 
-def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
+def _plan(
+    wrapper: Any, call: Any, budget: int, source: str, shard: tuple[ShardDim, ...]
+) -> Plan:
     _STATS["plans"] += 1
     start = time.perf_counter()
     sizes = dict(call.check.sizes)
     mapped = tuple(call.mapped)
     compiler = _Compiler(call, wrapper._checkpoint)
     orders = dim_orders(call)
-    full = _candidate((), orders[0], sizes, "full vmap")
-    ladders = [ladder(order, orders[0], sizes) for order in orders]
+    # Sharded dims keep their local strategy: scanned (outermost) if in `scan`.
+    frozen = frozenset(d.name for d in shard)
+    fixed = tuple((n, c) for n, c in call.scan.items() if n in frozen)
+    layout = tuple(n for n in orders[0] if n not in dict(fixed))
+    full = _candidate(fixed, layout, sizes, "full vmap")
+    ladders = [ladder(order, orders[0], sizes, fixed, frozen) for order in orders]
     considered = {(full.scan, full.vmap): full}
     for c in sorted((c for steps in ladders for c in steps), key=lambda c: -c.block):
         considered.setdefault((c.scan, c.vmap), c)
@@ -780,6 +878,7 @@ def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
         budget_source=source,
         n_compiled=compiler.n_compiled,
         seconds=time.perf_counter() - start,
+        shard=shard,
     )
 
 
@@ -797,6 +896,7 @@ def _raise_no_fit(fun_name, wrapper, budget, evaluated, sizes) -> None:
 def describe_call(wrapper: Any, call: Any) -> Plan:
     """A `Plan` for a fixed nest: its one candidate compiled, with no budget."""
     start = time.perf_counter()
+    call, shard = _localize(wrapper, call)
     sizes = dict(call.check.sizes)
     compiler = _Compiler(call, wrapper._checkpoint)
     cand = _candidate(tuple(call.scan.items()), tuple(call.vmap), sizes, "given")
@@ -813,6 +913,7 @@ def describe_call(wrapper: Any, call: Any) -> Plan:
         budget_source="",
         n_compiled=compiler.n_compiled,
         seconds=time.perf_counter() - start,
+        shard=shard,
     )
 
 

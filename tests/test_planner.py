@@ -555,3 +555,103 @@ def test_auto_random_signatures(sizes, elements, seed):
         ref[tuple(reversed(idx))] = np.tanh(e[:, None] * w) @ e
     assert out.shape == ref.shape and out.dtype == jnp.float32
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+#
+# plan="auto" with shard=: the local nest is planned, per device
+#
+
+
+def _shard_mesh():
+    return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _loop_sumexp(a, b):
+    """Independent reference: a Python loop over (T, B), in numpy."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    out = np.zeros(a.shape[:2])
+    for t in range(a.shape[0]):
+        for i in range(a.shape[1]):
+            out[t, i] = np.sum(np.exp(np.outer(a[t, i], b[t])) @ b[t])
+    return out
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize(
+    "scan, bsize, pad",
+    [(None, 24, False), ("B", 24, False), ({"B": 2}, 40, False), (None, 20, True)],
+)
+def test_auto_with_shard(getkey, scan, bsize, pad):
+    mesh = _shard_mesh()
+    a, b = _sumexp_args(getkey, t=16, bsize=bsize, k=32)
+    local_b = -(-bsize // 8)
+    vmap = "T" if scan is not None else "T B"
+    # Three (T, B) elements' worth of intermediates per device: T must be scanned.
+    budget = 3 * local_b * _ONE
+    kw = dict(in_dims=("T B K", "T K"), out_dims="T B", vmap=vmap, scan=scan)
+    f = filter_multi_vmap(
+        _sumexp,
+        shard={"B": "x"},
+        mesh=mesh,
+        pad=pad,
+        plan="auto",
+        memory_budget=budget,
+        **kw,
+    )
+    plan = explain(f, a, b)
+    # The shard dim keeps its local strategy; only T is planned, at local sizes.
+    assert plan.shard == (_planner.ShardDim("B", bsize, ("x",), 8, local_b),)
+    assert dict(plan.sizes)["B"] == local_b and dict(plan.sizes)["T"] == 16
+    strategy = {d.name: d.strategy for d in plan.dims}
+    assert strategy["B"] == ("scan" if scan is not None else "vmap")
+    if scan is not None:
+        assert plan.chosen.scan[0] == ("B", None if scan == "B" else 2)
+    assert "T" in plan.scan, "T must be scanned to fit the per-device budget"
+    assert plan.chosen.fits and plan.chosen.temp_bytes <= budget
+    for c in plan.candidates:
+        assert all(n != "B" for n, _ in c.scan) or scan is not None
+    # The budget is per device: the planned local nest, compiled on one device's
+    # block and measured independently, fits it.
+    local = filter_multi_vmap(
+        _sumexp,
+        scan=plan.scan,
+        vmap=plan.vmap,
+        **{k: v for k, v in kw.items() if k not in ("scan", "vmap")},
+    )
+    assert _temp_bytes(local, a[:, :local_b], b) <= budget
+    text = str(plan)
+    assert f"shard_map(B={bsize} over 'x': 8 shards of {local_b})" in text
+    assert "per device" in text and f"{bsize} over 'x' (8 shards)" in text
+
+    ref = _loop_sumexp(a, b)
+    unsharded = filter_multi_vmap(_sumexp, **kw)(a, b)
+    for out in (f(a, b), jax.jit(f)(a, b)):
+        assert out.shape == (16, bsize) and out.dtype == jnp.float32
+        np.testing.assert_allclose(out, unsharded, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+        if not pad:
+            assert out.sharding.spec == jax.sharding.PartitionSpec(None, "x")
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+def test_auto_with_shard_cache_and_ambient_mesh(getkey):
+    mesh = _shard_mesh()
+    a, b = _sumexp_args(getkey, t=8, bsize=16, k=32)
+    f = _sumexp_wrapper(shard={"B": "x"}, plan="auto", memory_budget=2**30)
+    with jax.set_mesh(mesh):
+        plan = explain(f, a, b)
+        before = dict(_planner._STATS)
+        out = f(a, b)
+        assert _planner._STATS["plans"] == before["plans"]  # cached by explain
+    # A generous per-device budget: the local nest is full vmap of T and B's block.
+    assert plan.scan == {} and plan.vmap == ("T", "B")
+    assert dict(plan.sizes) == {"T": 8, "B": 2, "K": 32}
+    np.testing.assert_allclose(out, _loop_sumexp(a, b), rtol=1e-4, atol=1e-4)
+    # Another mesh shape is another plan: local sizes differ.
+    mesh4 = jax.make_mesh(
+        (4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
+    with jax.set_mesh(mesh4):
+        plan4 = explain(f, a, b)
+    assert dict(plan4.sizes)["B"] == 4
+    assert plan4.shard == (_planner.ShardDim("B", 16, ("x",), 4, 4),)
