@@ -28,6 +28,7 @@ budget), so a second call with the same signature plans nothing.
 
 import collections as co
 import dataclasses
+import functools as ft
 import math
 import os
 import time
@@ -61,6 +62,10 @@ _TRANSCENDENTALS = 5e9
 _BANDWIDTH = 2e10
 _LOOP_OVERHEAD_CPU = 1e-6
 _LOOP_OVERHEAD_OTHER = 1e-5  # an accelerator launches kernels per iteration
+# Temporaries of one loop iteration beyond the cache (`cache_bytes`) are written to
+# and read back from DRAM at this rate (CPU only).
+_DRAM_BANDWIDTH = 1e10
+_DEFAULT_CACHE = 2**20
 
 _MAX_CACHE = 256
 # Once planning has compiled this many programs (candidates and loop bodies), it
@@ -132,6 +137,7 @@ class PlanCandidate:
     working_set: int | None = None
     seconds: float | None = None
     fits: bool | None = None
+    spill_bytes: float | None = None
 
     def nest(self, sizes: dict[str, int]) -> str:
         return describe_nest(dict(self.scan), self.vmap, sizes)
@@ -239,6 +245,7 @@ class Plan:
                 "flops",
                 "bytes accessed",
                 "working set",
+                "spill",
                 "est. time",
                 "fits",
             )
@@ -254,11 +261,15 @@ class Plan:
                     _fmt_num(c.flops),
                     _fmt_num(c.bytes_accessed),
                     "-" if c.working_set is None else _fmt_bytes(c.working_set),
+                    "-" if c.spill_bytes is None else _fmt_bytes(c.spill_bytes),
                     "-" if c.seconds is None else f"{c.seconds * 1e3:.3g} ms",
                     fits,
                 )
             )
         lines.extend(_table(rows))
+        if self.auto:
+            lines.append("")
+            lines.append(time_model())
         return "\n".join(lines)
 
 
@@ -521,7 +532,8 @@ class _Compiler:
         fits = None if budget is None else temp <= budget
         if fits is False:
             return dataclasses.replace(cand, temp_bytes=temp, fits=fits)
-        flops, trans, nbytes, ws = _corrected_cost(self, compiled, cand)
+        flops, trans, nbytes, ws, spill = _corrected_cost(self, compiled, cand)
+        trips = cand.trips if cand.scan else 0
         return dataclasses.replace(
             cand,
             temp_bytes=temp,
@@ -529,17 +541,22 @@ class _Compiler:
             transcendentals=trans,
             bytes_accessed=nbytes,
             working_set=ws,
-            seconds=_seconds(flops, trans, nbytes, cand.trips if cand.scan else 0),
+            spill_bytes=spill,
+            seconds=_seconds(flops, trans, nbytes, trips, spill),
             fits=fits,
         )
 
 
-def _seconds(flops: float, trans: float, nbytes: float, trips: int) -> float:
-    """Estimated run time: compute, memory traffic and loop overhead.
+def _seconds(
+    flops: float, trans: float, nbytes: float, trips: int, spill: float = 0.0
+) -> float:
+    """Estimated run time: compute, memory traffic, cache spill and loop overhead.
 
     A rough model: it only ranks candidates that already fit the budget, and those
     do nearly the same flops; it separates them by the bytes they move (a small
-    block re-reads shared operands once per iteration) and by their loop trips.
+    block re-reads shared operands once per iteration), by the temporary bytes that
+    miss the cache (a big block's intermediates go to DRAM and back) and by their
+    loop trips.
     """
     cpu = jax.default_backend() == "cpu"
     overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
@@ -547,6 +564,7 @@ def _seconds(flops: float, trans: float, nbytes: float, trips: int) -> float:
         flops / _FLOPS
         + trans / _TRANSCENDENTALS
         + nbytes / _BANDWIDTH
+        + spill / _DRAM_BANDWIDTH
         + (trips * overhead)
     )
 
@@ -642,17 +660,19 @@ def _product(choices: list[list[Any]]) -> list[tuple[Any, ...]]:
 
 def _corrected_cost(
     compiler: _Compiler, compiled: Any, cand: PlanCandidate
-) -> tuple[float, float, float, int]:
-    """Flops, transcendentals, bytes and working set, loop bodies counted fully.
+) -> tuple[float, float, float, int, float]:
+    """Flops, transcendentals, bytes, working set and spill, loop bodies counted fully.
 
     XLA's cost analysis counts the body of a while loop once. For each block whose
     loops run `trips > 1` times, the block's body (the vmaps inside its scans) is
     compiled on its own and its cost added `trips - 1` more times. The working set is
     the largest memory footprint (arguments, outputs, temporaries) of one body, or of
-    the whole candidate when nothing loops.
+    the whole candidate when nothing loops. The spill is the temporary traffic that
+    misses the cache (see `_spill`), summed over every iteration.
     """
     total = list(_costs(compiled))
     ws = 0
+    spill = 0.0
     call = compiler.call
     shapes = [s.shape for s in compiler.dyn_specs]
     sizes = call.check.sizes
@@ -676,9 +696,67 @@ def _corrected_cost(
         for j in range(3):
             total[j] += (block.trips - 1) * body[j]
         ws = max(ws, _footprint(body_compiled))
+        body_temp = body_compiled.memory_analysis().temp_size_in_bytes
+        spill += block.trips * _spill(body_temp)
     if not looped:
         ws = _footprint(compiled)
-    return total[0], total[1], total[2], ws
+        spill = _spill(compiled.memory_analysis().temp_size_in_bytes)
+    return total[0], total[1], total[2], ws, spill
+
+
+@ft.cache
+def cache_bytes() -> tuple[int, str]:
+    """The cache size that temporaries of one loop iteration should fit in.
+
+    On CPU, the L2 cache of `cpu0` (Linux sysfs), else `_DEFAULT_CACHE`; on other
+    backends `0` (no spill term: temporaries live in device memory anyway).
+    """
+    if jax.default_backend() != "cpu":
+        return 0, f"{jax.default_backend()}: no cache term"
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        entries = []
+    for index in entries:
+        try:
+            with open(os.path.join(root, index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(root, index, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(root, index, "size")) as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if level == 2 and kind != "Instruction" and text[:-1].isdigit():
+            n = int(text[:-1]) * units.get(text[-1], 1)
+            return n, f"L2 of cpu0, {_fmt_bytes(n)} (sysfs)"
+    return _DEFAULT_CACHE, f"default {_fmt_bytes(_DEFAULT_CACHE)} (no sysfs L2)"
+
+
+def time_model() -> str:
+    """The time model of `_seconds`, in words, with this machine's constants."""
+    cpu = jax.default_backend() == "cpu"
+    overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
+    _, where = cache_bytes()
+    return (
+        f"est. time = flops / {_FLOPS:.0e} + transcendentals / "
+        f"{_TRANSCENDENTALS:.0e} + bytes accessed / {_BANDWIDTH:.0e} + spill / "
+        f"{_DRAM_BANDWIDTH:.0e} + loop trips x {overhead:.0e} s; spill = twice the "
+        f"temporary bytes of each loop iteration beyond the cache ({where})"
+    )
+
+
+def _spill(temp: int | float) -> float:
+    """Bytes of one iteration's temporaries that go to DRAM: written and read back.
+
+    The part of the temporaries beyond the cache size (`cache_bytes`), twice.
+    """
+    size, _ = cache_bytes()
+    if size <= 0:
+        return 0.0
+    return 2.0 * max(0.0, float(temp) - size)
 
 
 #
@@ -863,6 +941,20 @@ def _plan(
         fitting = [c for c in finalists if c.fits]
         if fitting:
             chosen = min(fitting, key=lambda c: c.seconds or 0.0)
+        if chosen.fits and chosen.spill_bytes:
+            # Its temporaries miss the cache: also cost the largest block of its
+            # ladder whose temporaries should fit in it (memory scales with the
+            # block), or its smallest block, and keep the cheaper.
+            full_vmap = chosen.source == "full vmap"
+            steps = ladders[0] if full_vmap else _ladder_of(chosen, ladders)
+            cache, _ = cache_bytes()
+            per_element = (chosen.temp_bytes or 0) / max(1, chosen.block)
+            small = [c for c in steps if c.block * per_element <= cache]
+            small = small or steps[-1:]  # else the smallest block
+            if small:
+                extra = evaluate(small[0])
+                if extra.fits and (extra.seconds or 0.0) < (chosen.seconds or 0.0):
+                    chosen = extra
         if not chosen.fits:
             tried = list(evaluated.values())
             _raise_no_fit(call.fun_name, wrapper, budget, tried, sizes)
@@ -880,6 +972,15 @@ def _plan(
         seconds=time.perf_counter() - start,
         shard=shard,
     )
+
+
+def _ladder_of(
+    cand: PlanCandidate, ladders: list[list[PlanCandidate]]
+) -> list[PlanCandidate]:
+    for steps in ladders:
+        if any((c.scan, c.vmap) == (cand.scan, cand.vmap) for c in steps):
+            return steps
+    return []
 
 
 def _raise_no_fit(fun_name, wrapper, budget, evaluated, sizes) -> None:

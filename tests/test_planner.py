@@ -332,9 +332,13 @@ def test_explain_table(getkey):
     assert chosen_rows[0].rstrip().endswith("yes")
     assert "| no" in text  # full vmap did not fit
     header = (
-        "nest | temp memory | flops | bytes accessed | working set | est. time | fits"
+        "nest | temp memory | flops | bytes accessed | working set | spill | est. "
+        "time | fits"
     )
     assert header in (" ".join(text.split()))
+    # The time model is spelled out, with the cache size it used.
+    assert lines[-1].startswith("est. time = flops / 5e+10 + ")
+    assert f"beyond the cache ({_planner.cache_bytes()[1]})" in lines[-1]
 
 
 def test_explain_fixed_nest(getkey):
@@ -655,3 +659,93 @@ def test_auto_with_shard_cache_and_ambient_mesh(getkey):
         plan4 = explain(f, a, b)
     assert dict(plan4.sizes)["B"] == 4
     assert plan4.shard == (_planner.ShardDim("B", 16, ("x",), 4, 4),)
+
+
+#
+# The time model: temporaries beyond the cache
+#
+
+
+FIELDS = ("level", "type", "size")
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _sysfs_l2() -> int | None:
+    """The L2 size of cpu0, read independently of the planner."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    if not os.path.isdir(root):
+        return None
+    for index in os.listdir(root):
+        d = os.path.join(root, index)
+        try:
+            level, kind, size = (_read(os.path.join(d, n)) for n in FIELDS)
+        except OSError:
+            continue
+        if level == "2" and kind in ("Unified", "Data"):
+            scale = {"K": 1024, "M": 1024**2}[size[-1]]
+            return int(size[:-1]) * scale
+    return None
+
+
+def test_cache_size_and_spill():
+    size, where = _planner.cache_bytes()
+    l2 = _sysfs_l2()
+    if l2 is None:
+        assert size == _planner._DEFAULT_CACHE and "default" in where
+    else:
+        assert size == l2 and "L2 of cpu0" in where and "sysfs" in where
+    assert _planner._spill(size) == 0.0
+    assert _planner._spill(size // 2) == 0.0
+    assert _planner._spill(size + 1000) == 2000.0
+    base = _planner._seconds(1e9, 1e6, 1e8, 10)
+    assert _planner._seconds(1e9, 1e6, 1e8, 10, 1e9) == pytest.approx(
+        base + 1e9 / _planner._DRAM_BANDWIDTH
+    )
+
+
+@pytest.fixture
+def small_cache(monkeypatch):
+    """A 16 KiB cache, so that small workloads spill; plans made under it are not
+    kept."""
+    _planner._CACHE.clear()
+    monkeypatch.setattr(_planner, "cache_bytes", lambda: (16 * 1024, "test cache"))
+    yield 16 * 1024
+    _planner._CACHE.clear()
+
+
+def test_full_vmap_that_spills_is_compared_with_scans(getkey, small_cache):
+    # Full vmap fits the budget, but its temporaries (16 * 12 elements of 4 KiB)
+    # exceed the cache: a scan whose iteration fits the cache is costed as well.
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    plan = explain(f, a, b)
+    by_nest = {(c.scan, c.vmap): c for c in plan.candidates}
+    full = by_nest[((), ("T", "B"))]
+    assert full.fits and full.temp_bytes >= 16 * 12 * _ONE
+    assert full.spill_bytes == 2 * (full.temp_bytes - small_cache)
+    costed = [c for c in plan.candidates if c.seconds is not None and c.scan]
+    assert len(costed) == 1, "one scanned candidate costed besides full vmap"
+    (scanned,) = costed
+    # The largest block whose temporaries should fit in the cache: 16 KiB / 4 KiB.
+    assert scanned.block * _ONE <= small_cache < 2 * scanned.block * _ONE
+    assert plan.chosen == min((full, scanned), key=lambda c: c.seconds)
+    assert plan.chosen is scanned, (full.seconds, scanned.seconds)
+    assert "test cache" in str(plan)
+    out = f(a, b)
+    assert out.shape == (16, 12) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, _sumexp_reference(a, b), rtol=2e-5, atol=2e-5)
+
+
+def test_full_vmap_within_cache_is_not_compared(getkey, small_cache):
+    # Every element's temporaries are tiny: full vmap fits the cache, nothing spills,
+    # and it is chosen without costing any scan.
+    a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
+    f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    plan = explain(f, a, b)
+    assert plan.scan == {} and plan.chosen.spill_bytes == 0.0
+    assert plan.chosen.temp_bytes <= small_cache
+    assert sum(c.temp_bytes is not None for c in plan.candidates) == 1
