@@ -502,7 +502,10 @@ def filter_multi_vmap(
         the dims, the scan with the largest per-iteration block that fits (the
         closest to full vmap), and of those the one with the lowest estimated time
         (flops and bytes, with scan bodies counted once per iteration, plus loop
-        overhead). Plans are cached per signature; see
+        overhead). If that choice's temporaries overflow the CPU cache, a block
+        that fits the cache is costed too (spilled temporaries cost DRAM traffic),
+        and the cheaper wins. With `shard=`, the local nest of one device is
+        planned, the budget being per device. Plans are cached per signature; see
         [`eqx_multimap.explain`][] to inspect one. Planning respects `checkpoint`
         but budgets the forward pass only.
     - `memory_budget`: with `plan="auto"`, the temporary memory the mapped

@@ -11,7 +11,7 @@ compiled against `jax.ShapeDtypeStruct`s of the arguments, never executed:
 
 The search is bounded:
 
-1. Full vmap is compiled first and chosen whenever it fits.
+1. Full vmap is compiled first and chosen if it fits (but see 3.).
 2. Otherwise the candidates form ladders, one per order of the dims (the output's
    layout, the inputs' layout, by size): scan a prefix of the dims of size > 1, the
    outer ones one element at a time and the last one in chunks from a small
@@ -21,6 +21,13 @@ The search is bounded:
    search finds the largest block that fits. These boundary candidates (and those
    with the same block in the same ladder) get their costs, and the cheapest by
    estimated time (`_seconds`) wins.
+3. If the choice's temporaries overflow the CPU cache (`cache_bytes`; the time model
+   charges that spill at DRAM bandwidth), the largest block of its ladder whose
+   temporaries should fit the cache is costed too, and the cheaper wins. So full
+   vmap is kept only when its temporary traffic is not the bottleneck.
+
+With `shard=`, the plan is of the local nest of one device (`_localize`): the sharded
+dims keep their strategy, at their local sizes, and the budget is per device.
 
 Plans are cached per (function, treedef, shapes, dtypes, static leaves, strategy,
 budget), so a second call with the same signature plans nothing.
