@@ -23,7 +23,8 @@ The search is bounded:
    estimated time (`_seconds`) wins.
 3. If the choice's temporaries overflow the CPU cache (`cache_bytes`; the time model
    charges that spill at DRAM bandwidth), the largest block of its ladder whose
-   temporaries should fit the cache is costed too, and the cheaper wins. So full
+   temporaries should fit the cache, with no more scanned dims than the choice (one
+   for full vmap), is costed too, and the cheaper wins. So full
    vmap is kept only when its temporary traffic is not the bottleneck.
 
 With `shard=`, the plan is of the local nest of one device (`_localize`): the sharded
@@ -72,7 +73,7 @@ _LOOP_OVERHEAD_OTHER = 1e-5  # an accelerator launches kernels per iteration
 # Temporaries of one loop iteration beyond the cache (`cache_bytes`) are written to
 # and read back from DRAM at this rate (CPU only).
 _DRAM_BANDWIDTH = 1e10
-_DEFAULT_CACHE = 2**20
+_DEFAULT_CACHE = 2**20  # when sysfs gives no L2 size
 
 _MAX_CACHE = 256
 # Once planning has compiled this many programs (candidates and loop bodies), it
@@ -951,9 +952,13 @@ def _plan(
         if chosen.fits and chosen.spill_bytes:
             # Its temporaries miss the cache: also cost the largest block of its
             # ladder whose temporaries should fit in it (memory scales with the
-            # block), or its smallest block, and keep the cheaper.
+            # block), or else its smallest block, and keep the cheaper.
             full_vmap = chosen.source == "full vmap"
             steps = ladders[0] if full_vmap else _ladder_of(chosen, ladders)
+            # No deeper a nest than the choice's (one scan for full vmap): chunk
+            # the scanned dim finer rather than nest another loop inside.
+            depth = max(len(chosen.scan), len(full.scan) + 1)
+            steps = [c for c in steps if len(c.scan) <= depth]
             cache, _ = cache_bytes()
             per_element = (chosen.temp_bytes or 0) / max(1, chosen.block)
             small = [c for c in steps if c.block * per_element <= cache]

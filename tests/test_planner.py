@@ -709,11 +709,11 @@ def test_cache_size_and_spill():
 
 @pytest.fixture
 def small_cache(monkeypatch):
-    """A 16 KiB cache, so that small workloads spill; plans made under it are not
+    """A 64 KiB cache, so that small workloads spill; plans made under it are not
     kept."""
     _planner._CACHE.clear()
-    monkeypatch.setattr(_planner, "cache_bytes", lambda: (16 * 1024, "test cache"))
-    yield 16 * 1024
+    monkeypatch.setattr(_planner, "cache_bytes", lambda: (64 * 1024, "test cache"))
+    yield 64 * 1024
     _planner._CACHE.clear()
 
 
@@ -730,8 +730,11 @@ def test_full_vmap_that_spills_is_compared_with_scans(getkey, small_cache):
     costed = [c for c in plan.candidates if c.seconds is not None and c.scan]
     assert len(costed) == 1, "one scanned candidate costed besides full vmap"
     (scanned,) = costed
-    # The largest block whose temporaries should fit in the cache: 16 KiB / 4 KiB.
-    assert scanned.block * _ONE <= small_cache < 2 * scanned.block * _ONE
+    # The largest block of one scan (no deeper than full vmap + 1) whose
+    # temporaries should fit in the cache: 64 KiB / 4 KiB = 16 elements, so T is
+    # scanned one at a time (12 elements of B per iteration; chunks of 2 are 24).
+    assert scanned.scan == (("T", None),) and scanned.vmap == ("B",)
+    assert scanned.temp_bytes <= small_cache and scanned.spill_bytes == 0.0
     assert plan.chosen == min((full, scanned), key=lambda c: c.seconds)
     assert plan.chosen is scanned, (full.seconds, scanned.seconds)
     assert "test cache" in str(plan)
