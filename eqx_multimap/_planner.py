@@ -558,23 +558,20 @@ class _Compiler:
 def _seconds(
     flops: float, trans: float, nbytes: float, trips: int, spill: float = 0.0
 ) -> float:
-    """Estimated run time: compute, memory traffic, cache spill and loop overhead.
+    """Estimated run time, roofline-like: the larger of compute and memory traffic
+    (including the cache spill), plus loop overhead.
 
     A rough model: it only ranks candidates that already fit the budget, and those
-    do nearly the same flops; it separates them by the bytes they move (a small
-    block re-reads shared operands once per iteration), by the temporary bytes that
-    miss the cache (a big block's intermediates go to DRAM and back) and by their
-    loop trips.
+    do nearly the same flops; when memory-bound, it separates them by the bytes they
+    move (a small block re-reads shared operands once per iteration) and by the
+    temporary bytes that miss the cache (a big block's intermediates go to DRAM and
+    back); when compute-bound, by their loop trips.
     """
     cpu = jax.default_backend() == "cpu"
     overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
-    return (
-        flops / _FLOPS
-        + trans / _TRANSCENDENTALS
-        + nbytes / _BANDWIDTH
-        + spill / _DRAM_BANDWIDTH
-        + (trips * overhead)
-    )
+    compute = flops / _FLOPS + trans / _TRANSCENDENTALS
+    memory = nbytes / _BANDWIDTH + spill / _DRAM_BANDWIDTH
+    return max(compute, memory) + trips * overhead
 
 
 def _footprint(compiled: Any) -> int:
@@ -749,9 +746,9 @@ def time_model() -> str:
     overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
     _, where = cache_bytes()
     return (
-        f"est. time = flops / {_FLOPS:.0e} + transcendentals / "
-        f"{_TRANSCENDENTALS:.0e} + bytes accessed / {_BANDWIDTH:.0e} + spill / "
-        f"{_DRAM_BANDWIDTH:.0e} + loop trips x {overhead:.0e} s; spill = twice the "
+        f"est. time = max(flops / {_FLOPS:.0e} + transcendentals / "
+        f"{_TRANSCENDENTALS:.0e}, bytes accessed / {_BANDWIDTH:.0e} + spill / "
+        f"{_DRAM_BANDWIDTH:.0e}) + loop trips x {overhead:.0e} s; spill = twice the "
         f"temporary bytes of each loop iteration beyond the cache ({where})"
     )
 
