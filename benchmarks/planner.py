@@ -1,16 +1,19 @@
 """How good is `plan="auto"`? Its run time against every candidate it considered.
 
 For each workload, the auto plan is made under a memory budget (a fraction of what
-full vmap needs, when full vmap needs any temporary memory). Then *every* candidate
-nest the planner considered (full vmap and the whole ladder of scans, not only those
-it compiled) is compiled as a fixed nest and timed side by side with the auto plan,
-round-robin, so that machine noise hits all of them alike. Reported:
+full vmap needs, when full vmap needs any temporary memory; for two workloads, twice
+what it needs, so that full vmap fits and the time model alone decides). Then *every*
+candidate nest the planner considered (full vmap and the whole ladder of scans, not
+only those it compiled) is compiled as a fixed nest and timed side by side with the
+auto plan, round-robin, so that machine noise hits all of them alike. Reported:
 
 - `auto / best`: the auto plan's median time over the best median among the
   candidates that fit the budget (goal: at most 1.10);
 - `auto / fastest`: the same against the fastest candidate ignoring the budget;
 - `temp / budget`: the auto plan's compiled temporary memory over the budget
-  (measured here, independently of the planner; goal: never above 1).
+  (measured here, independently of the planner; goal: never above 1);
+- `without spill term`: the plan of the previous time model (no cache-spill term,
+  so full vmap whenever it fits), and its time over the best, from the same run.
 
 Run: `python benchmarks/planner.py` (a few minutes) or `--quick` (about a minute).
 """
@@ -24,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from eqx_multimap import explain, filter_multi_vmap
+from eqx_multimap import _planner, explain, filter_multi_vmap
 
 
 # Each workload: (name, body, options, args(quick), budget fraction of full vmap).
@@ -41,6 +44,10 @@ def _sumexp(a, b):
 def _sumexp_matmul(a, b):
     # The (K, K) intermediate feeds a matmul, so it is materialised.
     return jnp.sum(jnp.exp(a[:, None] * b[None, :]) @ b)
+
+
+def _outer_sumexp(x, y):
+    return jnp.sum(jnp.exp(jnp.outer(x, y)) @ y)  # x: (M,), y: (K,)
 
 
 def _matmul(x, w):
@@ -99,6 +106,28 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
             0.125,
         )
     )
+    # The same with a budget that full vmap fits: does the planner still scan, as
+    # it should when the intermediates spill out of the cache?
+    out.append(
+        (
+            "sumexp @ b, full vmap fits",
+            _sumexp_matmul,
+            dict(in_dims=("T B K", "T K"), out_dims="T B", vmap="T B"),
+            (_normal(next(k), (t, b, kk)), _normal(next(k), (t, kk))),
+            2.0,
+        )
+    )
+    # One element's intermediate is (M, K): 1 MiB quick, 4 MiB full, more than L2.
+    n, mm = (64, 512) if q else (256, 1024)
+    out.append(
+        (
+            "outer sumexp, full vmap fits",
+            _outer_sumexp,
+            dict(in_dims=("n M", "n K"), out_dims="n", vmap="n"),
+            (_normal(next(k), (n, mm), 0.01), _normal(next(k), (n, mm), 0.01)),
+            2.0,
+        )
+    )
     b, n, kk, m = (8, 256, 64, 256) if q else (16, 1024, 128, 512)
     out.append(
         (
@@ -148,6 +177,18 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
     return out
 
 
+def _without_spill(make_plan: Callable[[], Any]) -> Any:
+    """Plan with the cache-spill term off (no cache), the plan cache bypassed."""
+    saved = _planner.cache_bytes
+    _planner._CACHE.clear()
+    _planner.cache_bytes = lambda: (0, "off")
+    try:
+        return make_plan()
+    finally:
+        _planner.cache_bytes = saved
+        _planner._CACHE.clear()
+
+
 def _compile(fn: Callable, args: tuple) -> Any:
     return jax.jit(fn).lower(*args).compile()
 
@@ -170,6 +211,9 @@ def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict
         full_temp = _compile(full, args).memory_analysis().temp_size_in_bytes
         budget = max(1024, int(full_temp * fraction))
         auto = filter_multi_vmap(body, plan="auto", memory_budget=budget, **kw)
+        # The plan without the cache-spill term (the previous time model), timed in
+        # the same round-robin for a side-by-side comparison.
+        base_plan = _without_spill(lambda: explain(auto, *args))
         plan = explain(auto, *args)
         sizes = dict(plan.sizes)
 
@@ -204,6 +248,8 @@ def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict
         fastest = min(range(len(timed)), key=lambda i: medians[i])
         chosen = plan.chosen.nest(sizes)
         same = [i for i, (nest, _, _) in enumerate(timed) if nest == chosen]
+        base_nest = base_plan.chosen.nest(sizes)
+        base = [i for i, (nest, _, _) in enumerate(timed) if nest == base_nest]
         rows.append(
             dict(
                 name=name,
@@ -220,6 +266,8 @@ def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict
                 n_fit=len(fitting),
                 n_cand=len(timed),
                 same_time=medians[same[0]] if same else float("nan"),
+                base_nest=base_nest,
+                base_time=medians[base[0]] if base else float("nan"),
                 n_compiled=plan.n_compiled,
                 plan_seconds=plan.seconds,
             )
@@ -238,11 +286,14 @@ def table(rows: list[dict]) -> str:
         "| workload | mapped sizes | budget (full vmap needs) | auto plan | "
         "temp / budget | auto ms | same nest as a candidate, ms | best fitting "
         "candidate | best ms | auto / best | auto / fastest (any budget) | "
-        "fit / candidates | planning (compiles) |"
+        "fit / candidates | planning (compiles) | without spill term: plan | "
+        "its / best |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ratio = r["auto_time"] / r["best_time"]
+        same = r["base_nest"] == r["auto_nest"]
+        base_nest = "same" if same else f"`{r['base_nest']}`"
         lines.append(
             f"| {r['name']} | {r['sizes']} | {_fmt_bytes(r['budget'])} "
             f"({_fmt_bytes(r['full_temp'])}) | `{r['auto_nest']}` | "
@@ -250,19 +301,23 @@ def table(rows: list[dict]) -> str:
             f"{r['same_time'] * 1e3:.3f} | `{r['best_nest']}` | "
             f"{r['best_time'] * 1e3:.3f} | {ratio:.2f} | "
             f"{r['auto_time'] / r['fastest_time']:.2f} | {r['n_fit']} / "
-            f"{r['n_cand']} | {r['plan_seconds']:.2f} s ({r['n_compiled']}) |"
+            f"{r['n_cand']} | {r['plan_seconds']:.2f} s ({r['n_compiled']}) | "
+            f"{base_nest} | {r['base_time'] / r['best_time']:.2f} |"
         )
     ratios = [r["auto_time"] / r["best_time"] for r in rows]
     # The auto plan's nest is also among the candidates: timing it twice shows the
     # noise of the machine.
     same = [r["same_time"] / r["best_time"] for r in rows]
     over = sum(r["auto_temp"] > r["budget"] for r in rows)
+    base = [r["base_time"] / r["best_time"] for r in rows]
     lines.append("")
     lines.append(
         f"auto / best: geometric mean {_gmean(ratios):.3f}, max {max(ratios):.3f}; "
         f"{sum(x <= 1.10 for x in ratios)} of {len(ratios)} within 1.10x. Its nest "
         f"timed as a candidate / best: geometric mean {_gmean(same):.3f}. Over "
-        f"budget: {over} of {len(rows)}."
+        f"budget: {over} of {len(rows)}. Without the spill term: geometric mean "
+        f"{_gmean(base):.3f}, max {max(base):.3f}; {sum(x <= 1.10 for x in base)} "
+        f"of {len(base)} within 1.10x."
     )
     return "\n".join(lines)
 

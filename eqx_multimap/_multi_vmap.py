@@ -540,7 +540,10 @@ def filter_multi_vmap(
         the dims, the scan with the largest per-iteration block that fits (the
         closest to full vmap), and of those the one with the lowest estimated time
         (flops and bytes, with scan bodies counted once per iteration, plus loop
-        overhead). Plans are cached per signature; see
+        overhead). If that choice's temporaries overflow the CPU cache, a block
+        that fits the cache is costed too (spilled temporaries cost DRAM traffic),
+        and the cheaper wins. With `shard=`, the local nest of one device is
+        planned, the budget being per device. Plans are cached per signature; see
         [`eqx_multimap.explain`][] to inspect one. Planning respects `checkpoint`
         but budgets the forward pass only.
     - `memory_budget`: with `plan="auto"`, the temporary memory the mapped
@@ -650,11 +653,6 @@ def filter_multi_vmap(
             f"`{type(fun).__name__}`. Options such as `in_dims` are keyword-only."
         )
     check_plan_options(plan, memory_budget)
-    if plan is not None and shard is not None:
-        raise SpecError(
-            "`filter_multi_vmap(..., plan='auto', shard=...)`: the planner does not "
-            "plan sharded maps yet; give the local nest with `vmap=`/`scan=`."
-        )
     scan_parsed = _parse_scan(scan)
     vmap_parsed = parse_names(vmap, "vmap")
     both = set(vmap_parsed).intersection(name for name, _ in scan_parsed)

@@ -11,7 +11,7 @@ compiled against `jax.ShapeDtypeStruct`s of the arguments, never executed:
 
 The search is bounded:
 
-1. Full vmap is compiled first and chosen whenever it fits.
+1. Full vmap is compiled first and chosen if it fits (but see 3.).
 2. Otherwise the candidates form ladders, one per order of the dims (the output's
    layout, the inputs' layout, by size): scan a prefix of the dims of size > 1, the
    outer ones one element at a time and the last one in chunks from a small
@@ -21,6 +21,14 @@ The search is bounded:
    search finds the largest block that fits. These boundary candidates (and those
    with the same block in the same ladder) get their costs, and the cheapest by
    estimated time (`_seconds`) wins.
+3. If the choice's temporaries overflow the CPU cache (`cache_bytes`; the time model
+   charges that spill at DRAM bandwidth), the largest block of its ladder whose
+   temporaries should fit the cache, with no more scanned dims than the choice (one
+   for full vmap), is costed too, and the cheaper wins. So full
+   vmap is kept only when its temporary traffic is not the bottleneck.
+
+With `shard=`, the plan is of the local nest of one device (`_localize`): the sharded
+dims keep their strategy, at their local sizes, and the budget is per device.
 
 Plans are cached per (function, treedef, shapes, dtypes, static leaves, strategy,
 budget), so a second call with the same signature plans nothing.
@@ -28,6 +36,7 @@ budget), so a second call with the same signature plans nothing.
 
 import collections as co
 import dataclasses
+import functools as ft
 import math
 import os
 import time
@@ -61,6 +70,10 @@ _TRANSCENDENTALS = 5e9
 _BANDWIDTH = 2e10
 _LOOP_OVERHEAD_CPU = 1e-6
 _LOOP_OVERHEAD_OTHER = 1e-5  # an accelerator launches kernels per iteration
+# Temporaries of one loop iteration beyond the cache (`cache_bytes`) are written to
+# and read back from DRAM at this rate (CPU only).
+_DRAM_BANDWIDTH = 1e10
+_DEFAULT_CACHE = 2**20  # when sysfs gives no L2 size
 
 _MAX_CACHE = 256
 # Once planning has compiled this many programs (candidates and loop bodies), it
@@ -93,6 +106,23 @@ class PlanDim:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardDim:
+    """A dim split over a device mesh by `shard=`, outside the planned nest.
+
+    - `name`, `size`: the dim and its global size.
+    - `mesh_axes`: the mesh axes it is split over.
+    - `shards`: the number of blocks (devices along those axes).
+    - `local_size`: the size of one device's block (after padding, with `pad=True`).
+    """
+
+    name: str
+    size: int
+    mesh_axes: tuple[str, ...]
+    shards: int
+    local_size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanCandidate:
     """One nest the planner considered, with its compiled estimates.
 
@@ -115,6 +145,7 @@ class PlanCandidate:
     working_set: int | None = None
     seconds: float | None = None
     fits: bool | None = None
+    spill_bytes: float | None = None
 
     def nest(self, sizes: dict[str, int]) -> str:
         return describe_nest(dict(self.scan), self.vmap, sizes)
@@ -140,6 +171,9 @@ class Plan:
     - `budget_bytes`, `budget_source`: the memory budget and where it came from.
     - `n_compiled`: how many compiles planning took (candidates and loop bodies).
     - `seconds`: how long planning took.
+    - `shard`: with `shard=`, one `ShardDim` per sharded dim. The nest is then
+        `shard_map` outermost, and `sizes`, `dims`, the candidates and the budget
+        are *per device* (the local nest on one device's block).
     """
 
     fun_name: str
@@ -152,6 +186,7 @@ class Plan:
     budget_source: str
     n_compiled: int
     seconds: float
+    shard: tuple[ShardDim, ...] = ()
 
     @property
     def scan(self) -> dict[str, int | None]:
@@ -173,13 +208,35 @@ class Plan:
                 f"memory budget: {_fmt_bytes(self.budget_bytes)} of temporary memory "
                 f"({self.budget_source})"
             )
-        lines.append(f"nest: {self.chosen.nest(sizes)}")
+        nest = self.chosen.nest(sizes)
+        if self.shard:
+            parts = "; ".join(
+                f"{d.name}={d.size} over {_axes_str(d.mesh_axes)}: {d.shards} shards "
+                f"of {d.local_size}"
+                for d in self.shard
+            )
+            nest = f"shard_map({parts}) -> {nest}"
+            lines.append(
+                "sharded: sizes, candidates and the budget below are per device"
+            )
+        lines.append(f"nest: {nest}")
         lines.append("")
+        sharded = {d.name: d for d in self.shard}
         rows = [("dim", "size", "strategy", "chunk", "order")]
+        if sharded:
+            rows = [rows[0] + ("sharded",)]
         for d in self.dims:
             chunk = "1" if d.chunk is None else str(d.chunk)
             chunk = "-" if d.strategy == "vmap" else chunk
-            rows.append((d.name, str(d.size), d.strategy, chunk, str(d.order)))
+            row = (d.name, str(d.size), d.strategy, chunk, str(d.order))
+            if sharded:
+                s = sharded.get(d.name)
+                row += (
+                    "-"
+                    if s is None
+                    else f"{s.size} over {_axes_str(s.mesh_axes)} ({s.shards} shards)",
+                )
+            rows.append(row)
         lines.extend(_table(rows))
         lines.append("")
         n_cand = sum(c.temp_bytes is not None for c in self.candidates)
@@ -196,6 +253,7 @@ class Plan:
                 "flops",
                 "bytes accessed",
                 "working set",
+                "spill",
                 "est. time",
                 "fits",
             )
@@ -211,12 +269,20 @@ class Plan:
                     _fmt_num(c.flops),
                     _fmt_num(c.bytes_accessed),
                     "-" if c.working_set is None else _fmt_bytes(c.working_set),
+                    "-" if c.spill_bytes is None else _fmt_bytes(c.spill_bytes),
                     "-" if c.seconds is None else f"{c.seconds * 1e3:.3g} ms",
                     fits,
                 )
             )
         lines.extend(_table(rows))
+        if self.auto:
+            lines.append("")
+            lines.append(time_model())
         return "\n".join(lines)
+
+
+def _axes_str(axes: tuple[str, ...]) -> str:
+    return repr(axes[0]) if len(axes) == 1 else repr(axes)
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -365,21 +431,27 @@ def _candidate(scan: ScanNest, vmap: tuple[str, ...], sizes, source) -> PlanCand
 
 
 def ladder(
-    order: tuple[str, ...], layout: tuple[str, ...], sizes: dict[str, int]
+    order: tuple[str, ...],
+    layout: tuple[str, ...],
+    sizes: dict[str, int],
+    fixed: ScanNest = (),
+    frozen: frozenset[str] = frozenset(),
 ) -> list[PlanCandidate]:
     """Scanned candidates, largest block first (full vmap excluded).
 
-    Scans a prefix of `order` (dims of size 1 skipped): the outer dims of the prefix
-    one element at a time, the last in chunks. The remaining dims are vmapped, in the
-    order of `layout`.
+    Scans a prefix of `order` (dims of size 1 and `frozen` dims skipped): the outer
+    dims of the prefix one element at a time, the last in chunks, inside the `fixed`
+    scans. The remaining dims are vmapped, in the order of `layout`.
     """
-    scannable = [n for n in order if sizes[n] > 1]
+    scannable = [n for n in order if sizes[n] > 1 and n not in frozen]
+    fixed_names = {n for n, _ in fixed}
     out = []
     for k in range(1, len(scannable) + 1):
         outer, inner = scannable[: k - 1], scannable[k - 1]
-        vmap = tuple(n for n in layout if n not in scannable[:k])
+        scanned = fixed_names.union(scannable[:k])
+        vmap = tuple(n for n in layout if n not in scanned)
         for chunk in _chunk_options(sizes[inner]):
-            scan = tuple((n, None) for n in outer) + ((inner, chunk),)
+            scan = fixed + tuple((n, None) for n in outer) + ((inner, chunk),)
             out.append(_candidate(scan, vmap, sizes, "ladder"))
     out.sort(key=lambda c: -c.block)  # stable: fewer scanned dims first on ties
     return out
@@ -431,7 +503,16 @@ class _Compiler:
         self.checkpoint = checkpoint
         fun_arrays, self.fun_static = eqx.partition(call.fun, eqx.is_array)
         self.fun_specs = jtu.tree_map(_spec, fun_arrays)
-        self.dyn_specs = [_spec(v) for v in call.values]
+        # Mapped axes take the sizes of `call.check` (per device, when sharded).
+        self.dyn_specs = []
+        for v, axes in zip(call.values, call.axes):
+            s = _spec(v)
+            shape = list(s.shape)
+            for name, ax in axes.items():
+                shape[ax] = call.check.sizes[name]
+            self.dyn_specs.append(
+                jax.ShapeDtypeStruct(tuple(shape), s.dtype, weak_type=s.weak_type)
+            )
         self.n_compiled = 0
 
     def compile(self, run: Callable[[Any, list], Any], dyn_specs: list) -> Any:
@@ -459,7 +540,8 @@ class _Compiler:
         fits = None if budget is None else temp <= budget
         if fits is False:
             return dataclasses.replace(cand, temp_bytes=temp, fits=fits)
-        flops, trans, nbytes, ws = _corrected_cost(self, compiled, cand)
+        flops, trans, nbytes, ws, spill = _corrected_cost(self, compiled, cand)
+        trips = cand.trips if cand.scan else 0
         return dataclasses.replace(
             cand,
             temp_bytes=temp,
@@ -467,26 +549,29 @@ class _Compiler:
             transcendentals=trans,
             bytes_accessed=nbytes,
             working_set=ws,
-            seconds=_seconds(flops, trans, nbytes, cand.trips if cand.scan else 0),
+            spill_bytes=spill,
+            seconds=_seconds(flops, trans, nbytes, trips, spill),
             fits=fits,
         )
 
 
-def _seconds(flops: float, trans: float, nbytes: float, trips: int) -> float:
-    """Estimated run time: compute, memory traffic and loop overhead.
+def _seconds(
+    flops: float, trans: float, nbytes: float, trips: int, spill: float = 0.0
+) -> float:
+    """Estimated run time, roofline-like: the larger of compute and memory traffic
+    (including the cache spill), plus loop overhead.
 
     A rough model: it only ranks candidates that already fit the budget, and those
-    do nearly the same flops; it separates them by the bytes they move (a small
-    block re-reads shared operands once per iteration) and by their loop trips.
+    do nearly the same flops; when memory-bound, it separates them by the bytes they
+    move (a small block re-reads shared operands once per iteration) and by the
+    temporary bytes that miss the cache (a big block's intermediates go to DRAM and
+    back); when compute-bound, by their loop trips.
     """
     cpu = jax.default_backend() == "cpu"
     overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
-    return (
-        flops / _FLOPS
-        + trans / _TRANSCENDENTALS
-        + nbytes / _BANDWIDTH
-        + (trips * overhead)
-    )
+    compute = flops / _FLOPS + trans / _TRANSCENDENTALS
+    memory = nbytes / _BANDWIDTH + spill / _DRAM_BANDWIDTH
+    return max(compute, memory) + trips * overhead
 
 
 def _footprint(compiled: Any) -> int:
@@ -580,17 +665,19 @@ def _product(choices: list[list[Any]]) -> list[tuple[Any, ...]]:
 
 def _corrected_cost(
     compiler: _Compiler, compiled: Any, cand: PlanCandidate
-) -> tuple[float, float, float, int]:
-    """Flops, transcendentals, bytes and working set, loop bodies counted fully.
+) -> tuple[float, float, float, int, float]:
+    """Flops, transcendentals, bytes, working set and spill, loop bodies counted fully.
 
     XLA's cost analysis counts the body of a while loop once. For each block whose
     loops run `trips > 1` times, the block's body (the vmaps inside its scans) is
     compiled on its own and its cost added `trips - 1` more times. The working set is
     the largest memory footprint (arguments, outputs, temporaries) of one body, or of
-    the whole candidate when nothing loops.
+    the whole candidate when nothing loops. The spill is the temporary traffic that
+    misses the cache (see `_spill`), summed over every iteration.
     """
     total = list(_costs(compiled))
     ws = 0
+    spill = 0.0
     call = compiler.call
     shapes = [s.shape for s in compiler.dyn_specs]
     sizes = call.check.sizes
@@ -614,9 +701,67 @@ def _corrected_cost(
         for j in range(3):
             total[j] += (block.trips - 1) * body[j]
         ws = max(ws, _footprint(body_compiled))
+        body_temp = body_compiled.memory_analysis().temp_size_in_bytes
+        spill += block.trips * _spill(body_temp)
     if not looped:
         ws = _footprint(compiled)
-    return total[0], total[1], total[2], ws
+        spill = _spill(compiled.memory_analysis().temp_size_in_bytes)
+    return total[0], total[1], total[2], ws, spill
+
+
+@ft.cache
+def cache_bytes() -> tuple[int, str]:
+    """The cache size that temporaries of one loop iteration should fit in.
+
+    On CPU, the L2 cache of `cpu0` (Linux sysfs), else `_DEFAULT_CACHE`; on other
+    backends `0` (no spill term: temporaries live in device memory anyway).
+    """
+    if jax.default_backend() != "cpu":
+        return 0, f"{jax.default_backend()}: no cache term"
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        entries = []
+    for index in entries:
+        try:
+            with open(os.path.join(root, index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(root, index, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(root, index, "size")) as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if level == 2 and kind != "Instruction" and text[:-1].isdigit():
+            n = int(text[:-1]) * units.get(text[-1], 1)
+            return n, f"L2 of cpu0, {_fmt_bytes(n)} (sysfs)"
+    return _DEFAULT_CACHE, f"default {_fmt_bytes(_DEFAULT_CACHE)} (no sysfs L2)"
+
+
+def time_model() -> str:
+    """The time model of `_seconds`, in words, with this machine's constants."""
+    cpu = jax.default_backend() == "cpu"
+    overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
+    _, where = cache_bytes()
+    return (
+        f"est. time = max(flops / {_FLOPS:.0e} + transcendentals / "
+        f"{_TRANSCENDENTALS:.0e}, bytes accessed / {_BANDWIDTH:.0e} + spill / "
+        f"{_DRAM_BANDWIDTH:.0e}) + loop trips x {overhead:.0e} s; spill = twice the "
+        f"temporary bytes of each loop iteration beyond the cache ({where})"
+    )
+
+
+def _spill(temp: int | float) -> float:
+    """Bytes of one iteration's temporaries that go to DRAM: written and read back.
+
+    The part of the temporaries beyond the cache size (`cache_bytes`), twice.
+    """
+    size, _ = cache_bytes()
+    if size <= 0:
+        return 0.0
+    return 2.0 * max(0.0, float(temp) - size)
 
 
 #
@@ -650,9 +795,10 @@ def _key_part(x: Any) -> Any:
     return x
 
 
-def _cache_key(wrapper: Any, call: Any, budget: int) -> Any:
+def _cache_key(wrapper: Any, call: Any, budget: int, shard: Any) -> Any:
     fun_arrays, fun_static = eqx.partition(call.fun, eqx.is_array)
     return (
+        shard,
         wrapper._in_dims,
         wrapper._out_dims,
         wrapper._scan,
@@ -680,11 +826,40 @@ def _dims_of(cand: PlanCandidate, sizes: dict[str, int]) -> tuple[PlanDim, ...]:
     return tuple(dims)
 
 
+def _localize(wrapper: Any, call: Any) -> tuple[Any, tuple[ShardDim, ...]]:
+    """With `shard=`, the call as one device sees it: its dims at local sizes.
+
+    The sharded dims are split outside the nest (`shard_map`), so the planner plans,
+    and compiles, the local nest of one device.
+    """
+    if wrapper._shard is None:
+        return call, ()
+    sp = wrapper._shard.plan(call.fun_name, call.check)
+    shard = tuple(
+        ShardDim(
+            name,
+            sp.sizes[name],
+            axes,
+            math.prod(sp.mesh.shape[a] for a in axes),
+            sp.local_sizes[name],
+        )
+        for name, axes in sp.dims
+    )
+    check = dataclasses.replace(call.check, sizes=dict(sp.local_sizes))
+    return dataclasses.replace(call, check=check), shard
+
+
 def plan_call(wrapper: Any, call: Any) -> Plan:
-    """The (cached) automatic plan for a resolved call of a `plan="auto"` wrapper."""
+    """The (cached) automatic plan for a resolved call of a `plan="auto"` wrapper.
+
+    With `shard=`, the plan is for the local nest inside `shard_map`: the sharded
+    dims keep their strategy (scanned if in `scan`, else vmapped) at their local
+    sizes; the other mapped dims are planned, under the budget per device.
+    """
     budget, source = resolve_budget(wrapper._memory_budget)
+    call, shard = _localize(wrapper, call)
     try:
-        key = _cache_key(wrapper, call, budget)
+        key = _cache_key(wrapper, call, budget, shard)
         hash(key)
     except TypeError:
         key = None
@@ -695,7 +870,7 @@ def plan_call(wrapper: Any, call: Any) -> Plan:
             raise SpecError(cached)
         return cached
     try:
-        plan = _plan(wrapper, call, budget, source)
+        plan = _plan(wrapper, call, budget, source, shard)
     except _NoFit as e:
         _store(key, str(e))
         raise SpecError(str(e)) from None
@@ -716,15 +891,21 @@ class _NoFit(Exception):
     pass
 
 
-def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
+def _plan(
+    wrapper: Any, call: Any, budget: int, source: str, shard: tuple[ShardDim, ...]
+) -> Plan:
     _STATS["plans"] += 1
     start = time.perf_counter()
     sizes = dict(call.check.sizes)
     mapped = tuple(call.mapped)
     compiler = _Compiler(call, wrapper._checkpoint)
     orders = dim_orders(call)
-    full = _candidate((), orders[0], sizes, "full vmap")
-    ladders = [ladder(order, orders[0], sizes) for order in orders]
+    # Sharded dims keep their local strategy: scanned (outermost) if in `scan`.
+    frozen = frozenset(d.name for d in shard)
+    fixed = tuple((n, c) for n, c in call.scan.items() if n in frozen)
+    layout = tuple(n for n in orders[0] if n not in dict(fixed))
+    full = _candidate(fixed, layout, sizes, "full vmap")
+    ladders = [ladder(order, orders[0], sizes, fixed, frozen) for order in orders]
     considered = {(full.scan, full.vmap): full}
     for c in sorted((c for steps in ladders for c in steps), key=lambda c: -c.block):
         considered.setdefault((c.scan, c.vmap), c)
@@ -765,6 +946,24 @@ def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
         fitting = [c for c in finalists if c.fits]
         if fitting:
             chosen = min(fitting, key=lambda c: c.seconds or 0.0)
+        if chosen.fits and chosen.spill_bytes:
+            # Its temporaries miss the cache: also cost the largest block of its
+            # ladder whose temporaries should fit in it (memory scales with the
+            # block), or else its smallest block, and keep the cheaper.
+            full_vmap = chosen.source == "full vmap"
+            steps = ladders[0] if full_vmap else _ladder_of(chosen, ladders)
+            # No deeper a nest than the choice's (one scan for full vmap): chunk
+            # the scanned dim finer rather than nest another loop inside.
+            depth = max(len(chosen.scan), len(full.scan) + 1)
+            steps = [c for c in steps if len(c.scan) <= depth]
+            cache, _ = cache_bytes()
+            per_element = (chosen.temp_bytes or 0) / max(1, chosen.block)
+            small = [c for c in steps if c.block * per_element <= cache]
+            small = small or steps[-1:]  # else the smallest block
+            if small:
+                extra = evaluate(small[0])
+                if extra.fits and (extra.seconds or 0.0) < (chosen.seconds or 0.0):
+                    chosen = extra
         if not chosen.fits:
             tried = list(evaluated.values())
             _raise_no_fit(call.fun_name, wrapper, budget, tried, sizes)
@@ -780,7 +979,17 @@ def _plan(wrapper: Any, call: Any, budget: int, source: str) -> Plan:
         budget_source=source,
         n_compiled=compiler.n_compiled,
         seconds=time.perf_counter() - start,
+        shard=shard,
     )
+
+
+def _ladder_of(
+    cand: PlanCandidate, ladders: list[list[PlanCandidate]]
+) -> list[PlanCandidate]:
+    for steps in ladders:
+        if any((c.scan, c.vmap) == (cand.scan, cand.vmap) for c in steps):
+            return steps
+    return []
 
 
 def _raise_no_fit(fun_name, wrapper, budget, evaluated, sizes) -> None:
@@ -797,6 +1006,7 @@ def _raise_no_fit(fun_name, wrapper, budget, evaluated, sizes) -> None:
 def describe_call(wrapper: Any, call: Any) -> Plan:
     """A `Plan` for a fixed nest: its one candidate compiled, with no budget."""
     start = time.perf_counter()
+    call, shard = _localize(wrapper, call)
     sizes = dict(call.check.sizes)
     compiler = _Compiler(call, wrapper._checkpoint)
     cand = _candidate(tuple(call.scan.items()), tuple(call.vmap), sizes, "given")
@@ -813,6 +1023,7 @@ def describe_call(wrapper: Any, call: Any) -> Plan:
         budget_source="",
         n_compiled=compiler.n_compiled,
         seconds=time.perf_counter() - start,
+        shard=shard,
     )
 
 

@@ -332,9 +332,13 @@ def test_explain_table(getkey):
     assert chosen_rows[0].rstrip().endswith("yes")
     assert "| no" in text  # full vmap did not fit
     header = (
-        "nest | temp memory | flops | bytes accessed | working set | est. time | fits"
+        "nest | temp memory | flops | bytes accessed | working set | spill | est. "
+        "time | fits"
     )
     assert header in (" ".join(text.split()))
+    # The time model is spelled out, with the cache size it used.
+    assert lines[-1].startswith("est. time = max(flops / 5e+10 + ")
+    assert f"beyond the cache ({_planner.cache_bytes()[1]})" in lines[-1]
 
 
 def test_explain_fixed_nest(getkey):
@@ -555,3 +559,199 @@ def test_auto_random_signatures(sizes, elements, seed):
         ref[tuple(reversed(idx))] = np.tanh(e[:, None] * w) @ e
     assert out.shape == ref.shape and out.dtype == jnp.float32
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+#
+# plan="auto" with shard=: the local nest is planned, per device
+#
+
+
+def _shard_mesh():
+    return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _loop_sumexp(a, b):
+    """Independent reference: a Python loop over (T, B), in numpy."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    out = np.zeros(a.shape[:2])
+    for t in range(a.shape[0]):
+        for i in range(a.shape[1]):
+            out[t, i] = np.sum(np.exp(np.outer(a[t, i], b[t])) @ b[t])
+    return out
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize(
+    "scan, bsize, pad",
+    [(None, 24, False), ("B", 24, False), ({"B": 2}, 40, False), (None, 20, True)],
+)
+def test_auto_with_shard(getkey, scan, bsize, pad):
+    mesh = _shard_mesh()
+    a, b = _sumexp_args(getkey, t=16, bsize=bsize, k=32)
+    local_b = -(-bsize // 8)
+    vmap = "T" if scan is not None else "T B"
+    # Three (T, B) elements' worth of intermediates per device: T must be scanned.
+    budget = 3 * local_b * _ONE
+    kw = dict(in_dims=("T B K", "T K"), out_dims="T B", vmap=vmap, scan=scan)
+    f = filter_multi_vmap(
+        _sumexp,
+        shard={"B": "x"},
+        mesh=mesh,
+        pad=pad,
+        plan="auto",
+        memory_budget=budget,
+        **kw,
+    )
+    plan = explain(f, a, b)
+    # The shard dim keeps its local strategy; only T is planned, at local sizes.
+    assert plan.shard == (_planner.ShardDim("B", bsize, ("x",), 8, local_b),)
+    assert dict(plan.sizes)["B"] == local_b and dict(plan.sizes)["T"] == 16
+    strategy = {d.name: d.strategy for d in plan.dims}
+    assert strategy["B"] == ("scan" if scan is not None else "vmap")
+    if scan is not None:
+        assert plan.chosen.scan[0] == ("B", None if scan == "B" else 2)
+    assert "T" in plan.scan, "T must be scanned to fit the per-device budget"
+    assert plan.chosen.fits and plan.chosen.temp_bytes <= budget
+    for c in plan.candidates:
+        assert all(n != "B" for n, _ in c.scan) or scan is not None
+    # The budget is per device: the planned local nest, compiled on one device's
+    # block and measured independently, fits it.
+    local = filter_multi_vmap(
+        _sumexp,
+        scan=plan.scan,
+        vmap=plan.vmap,
+        **{k: v for k, v in kw.items() if k not in ("scan", "vmap")},
+    )
+    assert _temp_bytes(local, a[:, :local_b], b) <= budget
+    text = str(plan)
+    assert f"shard_map(B={bsize} over 'x': 8 shards of {local_b})" in text
+    assert "per device" in text and f"{bsize} over 'x' (8 shards)" in text
+
+    ref = _loop_sumexp(a, b)
+    unsharded = filter_multi_vmap(_sumexp, **kw)(a, b)
+    for out in (f(a, b), jax.jit(f)(a, b)):
+        assert out.shape == (16, bsize) and out.dtype == jnp.float32
+        np.testing.assert_allclose(out, unsharded, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+        if not pad:
+            assert out.sharding.spec == jax.sharding.PartitionSpec(None, "x")
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+def test_auto_with_shard_cache_and_ambient_mesh(getkey):
+    mesh = _shard_mesh()
+    a, b = _sumexp_args(getkey, t=8, bsize=16, k=32)
+    f = _sumexp_wrapper(shard={"B": "x"}, plan="auto", memory_budget=2**30)
+    with jax.set_mesh(mesh):
+        plan = explain(f, a, b)
+        before = dict(_planner._STATS)
+        out = f(a, b)
+        assert _planner._STATS["plans"] == before["plans"]  # cached by explain
+    # A generous per-device budget: the local nest is full vmap of T and B's block.
+    assert plan.scan == {} and plan.vmap == ("T", "B")
+    assert dict(plan.sizes) == {"T": 8, "B": 2, "K": 32}
+    np.testing.assert_allclose(out, _loop_sumexp(a, b), rtol=1e-4, atol=1e-4)
+    # Another mesh shape is another plan: local sizes differ.
+    mesh4 = jax.make_mesh(
+        (4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
+    with jax.set_mesh(mesh4):
+        plan4 = explain(f, a, b)
+    assert dict(plan4.sizes)["B"] == 4
+    assert plan4.shard == (_planner.ShardDim("B", 16, ("x",), 4, 4),)
+
+
+#
+# The time model: temporaries beyond the cache
+#
+
+
+FIELDS = ("level", "type", "size")
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _sysfs_l2() -> int | None:
+    """The L2 size of cpu0, read independently of the planner."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    if not os.path.isdir(root):
+        return None
+    for index in os.listdir(root):
+        d = os.path.join(root, index)
+        try:
+            level, kind, size = (_read(os.path.join(d, n)) for n in FIELDS)
+        except OSError:
+            continue
+        if level == "2" and kind in ("Unified", "Data"):
+            scale = {"K": 1024, "M": 1024**2}[size[-1]]
+            return int(size[:-1]) * scale
+    return None
+
+
+def test_cache_size_and_spill():
+    size, where = _planner.cache_bytes()
+    l2 = _sysfs_l2()
+    if l2 is None:
+        assert size == _planner._DEFAULT_CACHE and "default" in where
+    else:
+        assert size == l2 and "L2 of cpu0" in where and "sysfs" in where
+    assert _planner._spill(size) == 0.0
+    assert _planner._spill(size // 2) == 0.0
+    assert _planner._spill(size + 1000) == 2000.0
+    # Roofline-like: the larger of compute and memory, plus 10 loop trips.
+    trips = 10 * _planner._LOOP_OVERHEAD_CPU
+    compute = 1e9 / 5e10 + 1e6 / 5e9
+    assert _planner._seconds(1e9, 1e6, 1e8, 10) == pytest.approx(compute + trips)
+    memory = 1e8 / 2e10 + 1e9 / _planner._DRAM_BANDWIDTH  # spill-bound
+    assert memory > compute
+    assert _planner._seconds(1e9, 1e6, 1e8, 10, 1e9) == pytest.approx(memory + trips)
+
+
+@pytest.fixture
+def small_cache(monkeypatch):
+    """A 64 KiB cache, so that small workloads spill; plans made under it are not
+    kept."""
+    _planner._CACHE.clear()
+    monkeypatch.setattr(_planner, "cache_bytes", lambda: (64 * 1024, "test cache"))
+    yield 64 * 1024
+    _planner._CACHE.clear()
+
+
+def test_full_vmap_that_spills_is_compared_with_scans(getkey, small_cache):
+    # Full vmap fits the budget, but its temporaries (16 * 12 elements of 4 KiB)
+    # exceed the cache: a scan whose iteration fits the cache is costed as well.
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    plan = explain(f, a, b)
+    by_nest = {(c.scan, c.vmap): c for c in plan.candidates}
+    full = by_nest[((), ("T", "B"))]
+    assert full.fits and full.temp_bytes >= 16 * 12 * _ONE
+    assert full.spill_bytes == 2 * (full.temp_bytes - small_cache)
+    costed = [c for c in plan.candidates if c.seconds is not None and c.scan]
+    assert len(costed) == 1, "one scanned candidate costed besides full vmap"
+    (scanned,) = costed
+    # The largest block of one scan (no deeper than full vmap + 1) whose
+    # temporaries should fit in the cache: 64 KiB / 4 KiB = 16 elements, so T is
+    # scanned one at a time (12 elements of B per iteration; chunks of 2 are 24).
+    assert scanned.scan == (("T", None),) and scanned.vmap == ("B",)
+    assert scanned.temp_bytes <= small_cache and scanned.spill_bytes == 0.0
+    assert plan.chosen == min((full, scanned), key=lambda c: c.seconds)
+    assert plan.chosen is scanned, (full.seconds, scanned.seconds)
+    assert "test cache" in str(plan)
+    out = f(a, b)
+    assert out.shape == (16, 12) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, _sumexp_reference(a, b), rtol=2e-5, atol=2e-5)
+
+
+def test_full_vmap_within_cache_is_not_compared(getkey, small_cache):
+    # Every element's temporaries are tiny: full vmap fits the cache, nothing spills,
+    # and it is chosen without costing any scan.
+    a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
+    f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    plan = explain(f, a, b)
+    assert plan.scan == {} and plan.chosen.spill_bytes == 0.0
+    assert plan.chosen.temp_bytes <= small_cache
+    assert sum(c.temp_bytes is not None for c in plan.candidates) == 1
