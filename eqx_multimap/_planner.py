@@ -1055,13 +1055,28 @@ def explain(fn: Callable, /, *args, **kwargs) -> Plan:
     from ._multi_vmap import _MultiVmapWrapper
 
     wrapper = fn
+    # Look through decorators applied outside (`jaxtyped`, `beartype`, `filter_jit`,
+    # `functools.wraps`), which expose what they wrap as `__wrapped__`.
+    for _ in range(32):
+        if isinstance(wrapper, _MultiVmapWrapper) or (
+            isinstance(wrapper, jtu.Partial)
+            and isinstance(wrapper.func, _MultiVmapWrapper)
+        ):
+            break
+        inner = getattr(wrapper, "__wrapped__", None)
+        if inner is None:
+            break
+        wrapper = inner
+    fn_given, fn = fn, wrapper
+    wrapper = fn
     if isinstance(fn, jtu.Partial) and isinstance(fn.func, _MultiVmapWrapper):
         wrapper, args = fn.func, tuple(fn.args) + args
         kwargs = {**fn.keywords, **kwargs}
     if not isinstance(wrapper, _MultiVmapWrapper):
         raise SpecError(
             "`eqx_multimap.explain(fn, ...)`: `fn` must be a function returned by "
-            f"`filter_multi_vmap`, but got {fn!r} of type `{type(fn).__name__}`."
+            f"`filter_multi_vmap`, but got {fn_given!r} of type "
+            f"`{type(fn_given).__name__}`."
         )
     box: list[Plan] = []
 

@@ -656,3 +656,21 @@ def test_sharded_callable_module_with_explicitly_sharded_fields(jit):
     )
     _check(out, ref)
     _sharded_over(out, mesh, 0, "x")
+
+
+def test_explain_looks_through_outer_decorators():
+    from beartype import beartype
+    from jaxtyping import jaxtyped
+
+    @jaxtyped(typechecker=beartype)
+    @filter_multi_vmap(vmap="T")
+    def g(x: Float[Array, "T F"]) -> Float[Array, "T F"]:
+        return 2 * x
+
+    x = _rand((3, 4))
+    _check(g(x), 2 * np.asarray(x))
+    for fn in (g, eqx.filter_jit(g)):
+        text = str(explain(fn, x))
+        assert "vmap(T=3)" in text
+    with pytest.raises(SpecError, match=r"must be a function returned by"):
+        explain(lambda x: x, x)
