@@ -281,16 +281,24 @@ class _Call:
         assert all(a is not None for a in axes)
         return axes  # pyright: ignore[reportReturnType]
 
-    def make_core(self):
+    def make_core(self, rebuild_fun: Callable[[list[Any]], Callable] | None = None):
+        """The innermost (per-element) function over the array leaves, and a getter
+        for the output layout it records while traced.
+
+        With `rebuild_fun`, the leaves after the call's own rebuild `fun` (see
+        `with_fun_arrays_as_inputs`).
+        """
         box: list[OutLayout] = []
+        n = len(self.dyn_index)
 
         def core(dyn):
+            fun = self.fun if rebuild_fun is None else rebuild_fun(dyn[n:])
             out, layout = _call_body(
-                self.fun,
+                fun,
                 self.fun_name,
                 self.bound,
                 self.dyn_index,
-                dyn,
+                dyn[:n],
                 self.out_dims,
                 self.default_out,
                 self.mapped,
@@ -316,26 +324,12 @@ class _Call:
         fun_leaves, fun_def = jtu.tree_flatten(fun_arrays)
         if not fun_leaves:
             return self.make_core, self.values, self.axes
-        n = len(self.dyn_index)
 
-        def make_core():
-            box: list[OutLayout] = []
-
-            def core(dyn):
-                fun_arrays = jtu.tree_unflatten(fun_def, dyn[n:])
-                fun = eqx.combine(fun_arrays, fun_static)
-                inner, get_layout = dataclasses.replace(self, fun=fun).make_core()
-                out = inner(dyn[:n])
-                box.append(get_layout())
-                return out
-
-            def get_layout() -> OutLayout:
-                assert box, "the mapped body was not traced"
-                return box[-1]
-
-            return core, get_layout
+        def rebuild_fun(leaves: list[Any]) -> Callable:
+            return eqx.combine(jtu.tree_unflatten(fun_def, leaves), fun_static)
 
         axes = self.axes + [{} for _ in fun_leaves]
+        make_core = ft.partial(self.make_core, rebuild_fun)
         return make_core, self.values + fun_leaves, axes
 
     def combine(self, outs: list[Any], layout: OutLayout) -> Any:
