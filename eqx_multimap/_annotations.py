@@ -31,7 +31,7 @@ import jax.tree_util as jtu
 from jaxtyping import AbstractArray, PyTree
 
 from ._args import broadcast_spec, is_array, LeafSpec
-from ._check import dtype_matches
+from ._check import dtype_matches, misplaced_mapped_dim
 from ._dims import Dims, parse_dims
 from ._errors import ShapeError, SpecError
 
@@ -563,17 +563,17 @@ class OutAnnotation:
 
     def _check_leaf(self, where: str, leaf: Any, dims: Dims) -> None:
         fun_name = self.ctx.fun_name
-        for name in self.mapped:
-            count = dims.names.count(name)
-            if count != 1:
-                how = "do not contain" if count == 0 else "name more than once"
-                raise SpecError(
-                    f"`{fun_name}`: the return annotation gives `{where}` the dims "
-                    f"{dims.source!r}, which {how} the mapped dim '{name}'. Every "
-                    f"output array is mapped over each of {', '.join(self.mapped)} "
-                    "exactly once; fix the return annotation, or override it with "
-                    "`out_dims=...`."
-                )
+        bad = misplaced_mapped_dim(dims, self.mapped)
+        if bad is not None:
+            name, count = bad
+            how = "do not contain" if count == 0 else "name more than once"
+            raise SpecError(
+                f"`{fun_name}`: the return annotation gives `{where}` the dims "
+                f"{dims.source!r}, which {how} the mapped dim '{name}'. Every "
+                f"output array is mapped over each of {', '.join(self.mapped)} "
+                "exactly once; fix the return annotation, or override it with "
+                "`out_dims=...`."
+            )
         if not dtype_matches(leaf, dims):
             raise ShapeError(
                 f"`{fun_name}`: the function body returned `{where}` with dtype "
