@@ -493,37 +493,18 @@ def grid_markdown(grid: dict) -> str:
         "timed side by side in the same rounds; below 1 is faster than `vmap`."
     )
     out.append("")
-    out.append("### Time ratio against full `vmap` (paired)")
-    out.append("")
-    out.append(
-        _table(
-            head + families,
-            [
-                list(c) + [f"{by[c + (fam,)]['ratio_vs_vmap']:.2f}" for fam in families]
-                for c in cells
-            ],
-        )
-    )
-    out += ["", "### Median time (ms)", ""]
-    out.append(
-        _table(
-            head + families,
-            [
-                list(c) + [f"{by[c + (fam,)]['median_ms']:.3g}" for fam in families]
-                for c in cells
-            ],
-        )
-    )
-    out += ["", "### Compile time (s), lower + compile, timed apart", ""]
-    out.append(
-        _table(
-            head + families,
-            [
-                list(c) + [f"{by[c + (fam,)]['compile_s']:.3f}" for fam in families]
-                for c in cells
-            ],
-        )
-    )
+    tables = [
+        ("Time ratio against full `vmap` (paired)", "ratio_vs_vmap", ".2f"),
+        ("Median time (ms)", "median_ms", ".3g"),
+        ("Compile time (s), lower + compile, timed apart", "compile_s", ".3f"),
+    ]
+    for k, (title, key, fmt) in enumerate(tables):
+        out += ([] if k == 0 else [""]) + [f"### {title}", ""]
+        rows = [
+            list(c) + [format(by[c + (fam,)][key], fmt) for fam in families]
+            for c in cells
+        ]
+        out.append(_table(head + families, rows))
     out += ["", "### Summary", ""]
     for fam in families[1:]:
         ratios = [by[c + (fam,)]["ratio_vs_vmap"] for c in cells]
