@@ -12,6 +12,7 @@ then transposed once (only if needed) into the order of `out_dims`.
 """
 
 import dataclasses
+import functools as ft
 import itertools as it
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -71,18 +72,57 @@ def build_nest(
         def scanned(leaves: Leaves) -> Leaves:
             xs = [jnp.moveaxis(leaves[i], in_axes[i], 0) for i in mapped]
 
-            def body(carry, x):
+            def run(x: Leaves) -> Leaves:
                 current = list(leaves)
                 for i, xi in zip(mapped, x):
                     current[i] = xi
-                return carry, body_fn(current)
+                return body_fn(current)
 
-            _, ys = lax.scan(body, None, xs, length=level.size)
+            if xs and level.size > 0 and ISOLATE_SLICES_ON_CPU:
+                # Slice each iteration's elements with `take` (see there).
+                def body(index, _):
+                    return index + 1, run(take(xs, index, level.size))
+
+                _, ys = lax.scan(body, jnp.int32(0), None, length=level.size)
+            else:
+                _, ys = lax.scan(lambda c, x: (c, run(x)), None, xs, length=level.size)
             return ys
 
         return scanned
     else:
         raise ValueError(f"Unrecognised level kind '{level.kind}'.")
+
+
+# Read at trace time by `take`; `benchmarks/overhead.py` turns it off to compare
+# with a hand-written `lax.scan`.
+ISOLATE_SLICES_ON_CPU = True
+
+
+def _index(xs: Leaves, index: Any) -> Leaves:
+    return [lax.dynamic_index_in_dim(x, index, 0, keepdims=False) for x in xs]
+
+
+def _index_isolated(xs: Leaves, index: Any, length: int) -> Leaves:
+    # `index < length` always holds; the conditional only keeps XLA from fusing the
+    # slices into the loop body's kernels.
+    return lax.cond(index < length, _index, lambda xs, _: _index(xs, 0), xs, index)
+
+
+def take(xs: Leaves, index: Any, length: int) -> Leaves:
+    """Element `index` of each scanned leaf (along axis 0), for one loop iteration.
+
+    On CPU the slices are taken inside a conditional, so that each is its own small
+    copy rather than fused into the first kernels of the loop body. XLA:CPU does fuse
+    it there (as `lax.scan` slices its `xs`), and the kernel then reloads the slice
+    index in its innermost loop, so LLVM does not vectorise it: for a body with
+    transcendentals and a materialised intermediate (`tanh(outer(x, x)) @ x`) a loop of
+    3 or more trips ran 4-9x slower per trip than the same body unrolled. The copy
+    costs about 5% on a purely elementwise body (see `benchmarks/overhead.py`). Other
+    platforms slice as `lax.scan` does.
+    """
+    return lax.platform_dependent(
+        xs, index, cpu=ft.partial(_index_isolated, length=length), default=_index
+    )
 
 
 def _split_axis(x: Any, axis: int, sizes: tuple[int, int]) -> Any:

@@ -1,11 +1,15 @@
-"""Test helpers: `tree_allclose`, and an independent loop reference for mapping.
+"""Test helpers: `tree_allclose`, `load_benchmark`, and an independent loop reference
+for mapping.
 
 `loop_reference` deliberately shares no code with `eqx_multimap`: it reads the dims
 strings with its own few lines, slices with numpy-style indexing one index
 combination at a time, and stacks the per-element results with `np.stack`.
 """
 
+import importlib.util
 import itertools as it
+import pathlib
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +21,16 @@ import numpy as np
 
 def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8):
     return eqx.tree_equal(x, y, typematch=True, rtol=rtol, atol=atol)
+
+
+def load_benchmark(name: str) -> types.ModuleType:
+    """The module `benchmarks/<name>.py`, which is not part of the package."""
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _tokens(dims: str, ndim: int) -> list[str]:

@@ -2,21 +2,16 @@
 sections and reports work (on tiny sizes; the timings themselves are not tested)."""
 
 import csv
-import importlib.util
 import itertools as it
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from .helpers import load_benchmark
 
-_PATH = pathlib.Path(__file__).parent.parent / "benchmarks" / "run.py"
-_spec = importlib.util.spec_from_file_location("benchmarks_run", _PATH)
-assert _spec is not None and _spec.loader is not None
-run = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run)
+run = load_benchmark("run")
 
 
 def _tiny_config(**changes):

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import jax.test_util as jtu_test
 import numpy as np
 import pytest
-from eqx_multimap import filter_multi_vmap, SpecError
+from eqx_multimap import _nest, filter_multi_vmap, SpecError
 from hypothesis import given, settings
 
-from .helpers import loop_reference, tree_allclose
+from .helpers import load_benchmark, loop_reference, tree_allclose
 
 
 def _rand(shape, seed=0, dtype=np.float32):
@@ -285,6 +285,29 @@ def test_scan_lowers_to_loop():
     assert "scan" not in _primitives(jax.make_jaxpr(vmapped)(x))
     for w in (scanned, one, chunked, vmapped):
         _assert_same(w(x), jnp.sin(x))
+
+
+def _optimised_hlo(fn, *args) -> str:
+    timing = load_benchmark("_timing")
+    return timing.normalised_hlo(jax.jit(fn).lower(*args).compile())
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only workaround")
+def test_scanned_slices_isolated_on_cpu(monkeypatch):
+    # On CPU each scanned leaf is sliced inside a conditional (`_nest.take`), so that
+    # XLA does not fuse the slice into the body's kernels, where it stops LLVM from
+    # vectorising them. Turned off, the program is the hand-written `lax.scan`.
+    x = _rand((5, 3, 8), seed=12)
+    body = lambda a: jnp.tanh(a[:, None] * a[None, :]) @ a
+    w = filter_multi_vmap(body, in_dims="T B K", out_dims="T B K", scan="T", vmap="B")
+    hand = lambda xs: lax.scan(lambda c, x: (c, jax.vmap(body)(x)), None, xs)[1]
+    expected = hand(x)
+    assert "conditional(" in _optimised_hlo(w, x)
+    _assert_same(w(x), expected, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(_nest, "ISOLATE_SLICES_ON_CPU", False)
+    w = filter_multi_vmap(body, in_dims="T B K", out_dims="T B K", scan="T", vmap="B")
+    assert _optimised_hlo(w, x) == _optimised_hlo(hand, x)
+    _assert_same(w(x), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_scan_is_outermost_in_declared_order():
