@@ -14,10 +14,19 @@ def compiled(fn: Callable, *args):
 
 
 def time_side_by_side(
-    fns: Sequence[Callable[[], object]], repeats: int = 15, warmup: int = 2
+    fns: Sequence[Callable[[], object]],
+    repeats: int = 15,
+    warmup: int = 2,
+    settle: int = 0,
 ) -> list[list[float]]:
     """Run each thunk `repeats` times, interleaved (rotating the order every round),
-    with `jax.block_until_ready`; returns the seconds of every run, per thunk."""
+    with `jax.block_until_ready`; returns the seconds of every run, per thunk.
+
+    `settle`: untimed calls of a thunk right before each timed one. The first call
+    after another program can pay for that program's leftovers (the heap that
+    `malloc` trimmed, caches): with programs whose temporaries differ a lot, this
+    made identical executables differ by 1.3x; a settled call is what a caller
+    that calls one program repeatedly sees."""
     for fn in fns:
         for _ in range(warmup):
             jax.block_until_ready(fn())
@@ -26,6 +35,8 @@ def time_side_by_side(
     for r in range(repeats):
         for k in range(n):
             i = (k + r) % n
+            for _ in range(settle):
+                jax.block_until_ready(fns[i]())
             t0 = time.perf_counter()
             jax.block_until_ready(fns[i]())
             times[i].append(time.perf_counter() - t0)

@@ -5,28 +5,36 @@ full vmap needs, when full vmap needs any temporary memory; for two workloads, t
 what it needs, so that full vmap fits and the time model alone decides). Then *every*
 candidate nest the planner considered (full vmap and the whole ladder of scans, not
 only those it compiled) is compiled as a fixed nest and timed side by side with the
-auto plan, round-robin, so that machine noise hits all of them alike. Reported:
+auto plan, round-robin (the order rotating every round), so that machine noise
+hits all of them alike; each timed call follows an untimed call of the same program,
+so that none pays for the heap or caches its predecessor left behind. Reported:
 
 - `auto / best`: the auto plan's median time over the best median among the
   candidates that fit the budget (goal: at most 1.10);
 - `auto / fastest`: the same against the fastest candidate ignoring the budget;
 - `temp / budget`: the auto plan's compiled temporary memory over the budget
   (measured here, independently of the planner; goal: never above 1);
-- `without spill term`: the plan of the previous time model (no cache-spill term,
-  so full vmap whenever it fits), and its time over the best, from the same run.
+- `without fresh-memory term`: the plan of a time model that ignores the page faults
+  of temporaries allocated afresh on every call (so full vmap whenever it fits), and
+  its time over the best, from the same run.
 
 Run: `python benchmarks/planner.py` (a few minutes) or `--quick` (about a minute).
 """
 
 import argparse
+import os
 import statistics
-import time
+import sys
 from collections.abc import Callable
 from typing import Any
+
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import normalised_hlo, time_side_by_side
 from eqx_multimap import _planner, explain, filter_multi_vmap
 
 
@@ -107,7 +115,7 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
         )
     )
     # The same with a budget that full vmap fits: does the planner still scan, as
-    # it should when the intermediates spill out of the cache?
+    # it should when its temporaries are page-faulted in afresh on every call?
     out.append(
         (
             "sumexp @ b, full vmap fits",
@@ -177,15 +185,15 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
     return out
 
 
-def _without_spill(make_plan: Callable[[], Any]) -> Any:
-    """Plan with the cache-spill term off (no cache), the plan cache bypassed."""
-    saved = _planner.cache_bytes
+def _without_fresh(make_plan: Callable[[], Any]) -> Any:
+    """Plan with the fresh-memory term off, the plan cache bypassed."""
+    saved = _planner.fresh_threshold
     _planner._CACHE.clear()
-    _planner.cache_bytes = lambda: (0, "off")
+    _planner.fresh_threshold = lambda: (None, "off")
     try:
         return make_plan()
     finally:
-        _planner.cache_bytes = saved
+        _planner.fresh_threshold = saved
         _planner._CACHE.clear()
 
 
@@ -211,12 +219,14 @@ def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict
         full_temp = _compile(full, args).memory_analysis().temp_size_in_bytes
         budget = max(1024, int(full_temp * fraction))
         auto = filter_multi_vmap(body, plan="auto", memory_budget=budget, **kw)
-        # The plan without the cache-spill term (the previous time model), timed in
-        # the same round-robin for a side-by-side comparison.
-        base_plan = _without_spill(lambda: explain(auto, *args))
+        # The plan without the fresh-memory term, timed in the same round-robin for a
+        # side-by-side comparison.
+        base_plan = _without_fresh(lambda: explain(auto, *args))
         plan = explain(auto, *args)
         sizes = dict(plan.sizes)
 
+        auto_compiled = _compile(auto, args)
+        auto_temp = auto_compiled.memory_analysis().temp_size_in_bytes
         # Every candidate, as a fixed nest; measured memory decides which fit.
         timed: list[tuple[str, Any, int]] = []
         for cand in plan.candidates:
@@ -226,17 +236,13 @@ def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict
             compiled = _compile(fixed, args)
             temp = compiled.memory_analysis().temp_size_in_bytes
             timed.append((cand.nest(sizes), compiled, temp))
-        auto_compiled = _compile(auto, args)
-        auto_temp = auto_compiled.memory_analysis().temp_size_in_bytes
         everyone = timed + [("auto", auto_compiled, auto_temp)]
-        for _, fn, _ in everyone:  # warm up
-            jax.block_until_ready(fn(*args))
-        times: list[list[float]] = [[] for _ in everyone]
-        for _ in range(repeats):
-            for i, (_, fn, _) in enumerate(everyone):
-                start = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                times[i].append(time.perf_counter() - start)
+        # Each timed call follows an untimed one of the same program (`settle`).
+        times = time_side_by_side(
+            [lambda fn=fn: fn(*args) for _, fn, _ in everyone],
+            repeats=repeats,
+            settle=1,
+        )
         medians = [statistics.median(ts) for ts in times]
         if verbose:
             print(plan)
@@ -266,6 +272,8 @@ def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict
                 n_fit=len(fitting),
                 n_cand=len(timed),
                 same_time=medians[same[0]] if same else float("nan"),
+                same_hlo=bool(same)
+                and normalised_hlo(auto_compiled) == normalised_hlo(timed[same[0]][1]),
                 base_nest=base_nest,
                 base_time=medians[base[0]] if base else float("nan"),
                 n_compiled=plan.n_compiled,
@@ -284,9 +292,10 @@ def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict
 def table(rows: list[dict]) -> str:
     head = (
         "| workload | mapped sizes | budget (full vmap needs) | auto plan | "
-        "temp / budget | auto ms | same nest as a candidate, ms | best fitting "
-        "candidate | best ms | auto / best | auto / fastest (any budget) | "
-        "fit / candidates | planning (compiles) | without spill term: plan | "
+        "temp / budget | auto ms | same nest as a candidate, ms (same HLO) | "
+        "best fitting candidate | best ms | auto / best | "
+        "auto / fastest (any budget) | fit / candidates | planning (compiles) | "
+        "without fresh-memory term: plan | "
         "its / best |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -298,7 +307,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['name']} | {r['sizes']} | {_fmt_bytes(r['budget'])} "
             f"({_fmt_bytes(r['full_temp'])}) | `{r['auto_nest']}` | "
             f"{r['auto_temp'] / r['budget']:.2f} | {r['auto_time'] * 1e3:.3f} | "
-            f"{r['same_time'] * 1e3:.3f} | `{r['best_nest']}` | "
+            f"{r['same_time'] * 1e3:.3f} ({'yes' if r['same_hlo'] else 'no'}) | "
+            f"`{r['best_nest']}` | "
             f"{r['best_time'] * 1e3:.3f} | {ratio:.2f} | "
             f"{r['auto_time'] / r['fastest_time']:.2f} | {r['n_fit']} / "
             f"{r['n_cand']} | {r['plan_seconds']:.2f} s ({r['n_compiled']}) | "
@@ -314,8 +324,11 @@ def table(rows: list[dict]) -> str:
     lines.append(
         f"auto / best: geometric mean {_gmean(ratios):.3f}, max {max(ratios):.3f}; "
         f"{sum(x <= 1.10 for x in ratios)} of {len(ratios)} within 1.10x. Its nest "
-        f"timed as a candidate / best: geometric mean {_gmean(same):.3f}. Over "
-        f"budget: {over} of {len(rows)}. Without the spill term: geometric mean "
+        f"timed as a candidate / best: geometric mean {_gmean(same):.3f}, max "
+        f"{max(same):.3f}; {sum(x <= 1.10 for x in same)} of {len(same)} within "
+        f"1.10x; same HLO as the auto program in {sum(r['same_hlo'] for r in rows)} "
+        f"of {len(rows)}. Over "
+        f"budget: {over} of {len(rows)}. Without the fresh-memory term: geometric mean "
         f"{_gmean(base):.3f}, max {max(base):.3f}; {sum(x <= 1.10 for x in base)} "
         f"of {len(base)} within 1.10x."
     )

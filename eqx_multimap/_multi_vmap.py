@@ -534,9 +534,10 @@ def filter_multi_vmap(
         the dims, the scan with the largest per-iteration block that fits (the
         closest to full vmap), and of those the one with the lowest estimated time
         (flops and bytes, with scan bodies counted once per iteration, plus loop
-        overhead). If that choice's temporaries overflow the CPU cache, a block
-        that fits the cache is costed too (spilled temporaries cost DRAM traffic),
-        and the cheaper wins. With `shard=`, the local nest of one device is
+        overhead). On CPU, temporaries above 32 MiB are allocated, and
+        page-faulted in, afresh on every call, which the estimate charges; so when
+        the choice's are, the largest block below that is costed too, and the
+        cheaper wins. With `shard=`, the local nest of one device is
         planned, the budget being per device. Plans are cached per signature; see
         [`eqx_multimap.explain`][] to inspect one. Planning respects `checkpoint`
         but budgets the forward pass only.

@@ -11,7 +11,8 @@ compiled against `jax.ShapeDtypeStruct`s of the arguments, never executed:
 
 The search is bounded:
 
-1. Full vmap is compiled first and chosen if it fits (but see 3.).
+1. Full vmap is compiled first and chosen if it fits, unless its temporaries are
+   allocated afresh on every call (see 3.).
 2. Otherwise the candidates form ladders, one per order of the dims (the output's
    layout, the inputs' layout, by size): scan a prefix of the dims of size > 1, the
    outer ones one element at a time and the last one in chunks from a small
@@ -21,11 +22,13 @@ The search is bounded:
    search finds the largest block that fits. These boundary candidates (and those
    with the same block in the same ladder) get their costs, and the cheapest by
    estimated time (`_seconds`) wins.
-3. If the choice's temporaries overflow the CPU cache (`cache_bytes`; the time model
-   charges that spill at DRAM bandwidth), the largest block of its ladder whose
-   temporaries should fit the cache, with no more scanned dims than the choice (one
-   for full vmap), is costed too, and the cheaper wins. So full
-   vmap is kept only when its temporary traffic is not the bottleneck.
+3. On CPU, temporaries above `fresh_threshold()` (glibc's malloc hands blocks that
+   big out as fresh `mmap`s) are page-faulted in again on *every* call, at about
+   3 GB/s: measured, 32.3 MiB of temporaries cost 8258 page faults and 11 ms per
+   call, 28.2 MiB none. So when the largest fitting block of a ladder is above the
+   threshold, a second binary search finds its largest block below it, which is
+   costed too. The time model charges the fresh bytes (`_PAGE_BANDWIDTH`), so the
+   cheaper of the two wins, and full vmap is kept only when that cost is worth it.
 
 With `shard=`, the plan is of the local nest of one device (`_localize`): the sharded
 dims keep their strategy, at their local sizes, and the budget is per device.
@@ -70,10 +73,12 @@ _TRANSCENDENTALS = 5e9
 _BANDWIDTH = 2e10
 _LOOP_OVERHEAD_CPU = 1e-6
 _LOOP_OVERHEAD_OTHER = 1e-5  # an accelerator launches kernels per iteration
-# Temporaries of one loop iteration beyond the cache (`cache_bytes`) are written to
-# and read back from DRAM at this rate (CPU only).
-_DRAM_BANDWIDTH = 1e10
-_DEFAULT_CACHE = 2**20  # when sysfs gives no L2 size
+# Temporaries allocated afresh on every call (`fresh_threshold`) are page-faulted in
+# at this rate (CPU only; measured 2.9-4.3 GB/s on a 2-core x86-64 machine).
+_PAGE_BANDWIDTH = 3e9
+# glibc's malloc serves blocks above its mmap threshold with a fresh `mmap` each time;
+# the threshold adapts to the blocks freed, up to this size (64-bit Linux).
+_MMAP_THRESHOLD_MAX = 32 * 2**20
 
 _MAX_CACHE = 256
 # Once planning has compiled this many programs (candidates and loop bodies), it
@@ -127,10 +132,11 @@ class PlanCandidate:
     """One nest the planner considered, with its compiled estimates.
 
     `temp_bytes`, `flops`, `transcendentals`, `bytes_accessed`, `working_set` (the
-    memory one loop iteration touches) and `seconds` (the estimated run time) are
-    `None` when the candidate was not compiled; all but `temp_bytes` are also `None`
-    for a compiled candidate that did not fit. `fits` is `None` when
-    there is no budget (a fixed nest) or the candidate was not compiled.
+    memory one loop iteration touches), `fresh_bytes` (the temporary bytes allocated,
+    and page-faulted in, afresh on every call: see `fresh_threshold`) and `seconds`
+    (the estimated run time) are `None` when the candidate was not compiled; all but
+    `temp_bytes` are also `None` for a compiled candidate that did not fit. `fits` is
+    `None` when there is no budget (a fixed nest) or the candidate was not compiled.
     """
 
     scan: ScanNest
@@ -145,7 +151,7 @@ class PlanCandidate:
     working_set: int | None = None
     seconds: float | None = None
     fits: bool | None = None
-    spill_bytes: float | None = None
+    fresh_bytes: int | None = None
 
     def nest(self, sizes: dict[str, int]) -> str:
         return describe_nest(dict(self.scan), self.vmap, sizes)
@@ -253,7 +259,7 @@ class Plan:
                 "flops",
                 "bytes accessed",
                 "working set",
-                "spill",
+                "fresh",
                 "est. time",
                 "fits",
             )
@@ -269,7 +275,7 @@ class Plan:
                     _fmt_num(c.flops),
                     _fmt_num(c.bytes_accessed),
                     "-" if c.working_set is None else _fmt_bytes(c.working_set),
-                    "-" if c.spill_bytes is None else _fmt_bytes(c.spill_bytes),
+                    "-" if c.fresh_bytes is None else _fmt_bytes(c.fresh_bytes),
                     "-" if c.seconds is None else f"{c.seconds * 1e3:.3g} ms",
                     fits,
                 )
@@ -540,8 +546,9 @@ class _Compiler:
         fits = None if budget is None else temp <= budget
         if fits is False:
             return dataclasses.replace(cand, temp_bytes=temp, fits=fits)
-        flops, trans, nbytes, ws, spill = _corrected_cost(self, compiled, cand)
+        flops, trans, nbytes, ws = _corrected_cost(self, compiled, cand)
         trips = cand.trips if cand.scan else 0
+        fresh = _fresh(temp)
         return dataclasses.replace(
             cand,
             temp_bytes=temp,
@@ -549,29 +556,29 @@ class _Compiler:
             transcendentals=trans,
             bytes_accessed=nbytes,
             working_set=ws,
-            spill_bytes=spill,
-            seconds=_seconds(flops, trans, nbytes, trips, spill),
+            fresh_bytes=fresh,
+            seconds=_seconds(flops, trans, nbytes, trips, float(fresh)),
             fits=fits,
         )
 
 
 def _seconds(
-    flops: float, trans: float, nbytes: float, trips: int, spill: float = 0.0
+    flops: float, trans: float, nbytes: float, trips: int, fresh: float = 0.0
 ) -> float:
-    """Estimated run time, roofline-like: the larger of compute and memory traffic
-    (including the cache spill), plus loop overhead.
+    """Estimated run time, roofline-like: the larger of compute and memory traffic,
+    plus the page faults of fresh temporaries, plus loop overhead.
 
     A rough model: it only ranks candidates that already fit the budget, and those
     do nearly the same flops; when memory-bound, it separates them by the bytes they
-    move (a small block re-reads shared operands once per iteration) and by the
-    temporary bytes that miss the cache (a big block's intermediates go to DRAM and
-    back); when compute-bound, by their loop trips.
+    move (a small block re-reads shared operands once per iteration); on CPU, by the
+    temporaries that every call page-faults in afresh (a big block's); and when
+    compute-bound, by their loop trips.
     """
     cpu = jax.default_backend() == "cpu"
     overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
     compute = flops / _FLOPS + trans / _TRANSCENDENTALS
-    memory = nbytes / _BANDWIDTH + spill / _DRAM_BANDWIDTH
-    return max(compute, memory) + trips * overhead
+    memory = nbytes / _BANDWIDTH
+    return max(compute, memory) + fresh / _PAGE_BANDWIDTH + trips * overhead
 
 
 def _footprint(compiled: Any) -> int:
@@ -665,19 +672,17 @@ def _product(choices: list[list[Any]]) -> list[tuple[Any, ...]]:
 
 def _corrected_cost(
     compiler: _Compiler, compiled: Any, cand: PlanCandidate
-) -> tuple[float, float, float, int, float]:
-    """Flops, transcendentals, bytes, working set and spill, loop bodies counted fully.
+) -> tuple[float, float, float, int]:
+    """Flops, transcendentals, bytes and working set, loop bodies counted fully.
 
     XLA's cost analysis counts the body of a while loop once. For each block whose
     loops run `trips > 1` times, the block's body (the vmaps inside its scans) is
     compiled on its own and its cost added `trips - 1` more times. The working set is
     the largest memory footprint (arguments, outputs, temporaries) of one body, or of
-    the whole candidate when nothing loops. The spill is the temporary traffic that
-    misses the cache (see `_spill`), summed over every iteration.
+    the whole candidate when nothing loops.
     """
     total = list(_costs(compiled))
     ws = 0
-    spill = 0.0
     call = compiler.call
     shapes = [s.shape for s in compiler.dyn_specs]
     sizes = call.check.sizes
@@ -701,67 +706,53 @@ def _corrected_cost(
         for j in range(3):
             total[j] += (block.trips - 1) * body[j]
         ws = max(ws, _footprint(body_compiled))
-        body_temp = body_compiled.memory_analysis().temp_size_in_bytes
-        spill += block.trips * _spill(body_temp)
     if not looped:
         ws = _footprint(compiled)
-        spill = _spill(compiled.memory_analysis().temp_size_in_bytes)
-    return total[0], total[1], total[2], ws, spill
+    return total[0], total[1], total[2], ws
 
 
 @ft.cache
-def cache_bytes() -> tuple[int, str]:
-    """The cache size that temporaries of one loop iteration should fit in.
+def fresh_threshold() -> tuple[int | None, str]:
+    """The size above which temporaries are allocated afresh on every call.
 
-    On CPU, the L2 cache of `cpu0` (Linux sysfs), else `_DEFAULT_CACHE`; on other
-    backends `0` (no spill term: temporaries live in device memory anyway).
+    On CPU, XLA allocates a program's temporaries with `malloc` on every call.
+    glibc's malloc serves blocks above its mmap threshold with a new `mmap`, whose
+    pages the kernel faults in (and zeroes) on first touch; smaller blocks are reused
+    from the heap. The threshold is `MALLOC_MMAP_THRESHOLD_` when set, else the
+    largest value of glibc's dynamic threshold, 32 MiB. Other backends pool device
+    memory: `None`, no such cost.
     """
     if jax.default_backend() != "cpu":
-        return 0, f"{jax.default_backend()}: no cache term"
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        entries = sorted(os.listdir(root))
-    except OSError:
-        entries = []
-    for index in entries:
-        try:
-            with open(os.path.join(root, index, "level")) as f:
-                level = int(f.read())
-            with open(os.path.join(root, index, "type")) as f:
-                kind = f.read().strip()
-            with open(os.path.join(root, index, "size")) as f:
-                text = f.read().strip()
-        except (OSError, ValueError):
-            continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        if level == 2 and kind != "Instruction" and text[:-1].isdigit():
-            n = int(text[:-1]) * units.get(text[-1], 1)
-            return n, f"L2 of cpu0, {_fmt_bytes(n)} (sysfs)"
-    return _DEFAULT_CACHE, f"default {_fmt_bytes(_DEFAULT_CACHE)} (no sysfs L2)"
+        return None, f"{jax.default_backend()}: pooled device memory, no fresh pages"
+    env = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    if env.isdigit():
+        return int(env), f"MALLOC_MMAP_THRESHOLD_={env}"
+    n = _MMAP_THRESHOLD_MAX
+    return n, f"{_fmt_bytes(n)}, glibc malloc's largest mmap threshold"
+
+
+def _fresh(temp: int) -> int:
+    """The temporary bytes that each call allocates, and page-faults in, afresh."""
+    threshold, _ = fresh_threshold()
+    return temp if threshold is not None and temp > threshold else 0
 
 
 def time_model() -> str:
     """The time model of `_seconds`, in words, with this machine's constants."""
     cpu = jax.default_backend() == "cpu"
     overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
-    _, where = cache_bytes()
+    threshold, where = fresh_threshold()
+    fresh = (
+        "fresh = the temporary bytes when above "
+        f"{where} (allocated and page-faulted in on every call), else 0"
+        if threshold is not None
+        else f"fresh = 0 ({where})"
+    )
     return (
         f"est. time = max(flops / {_FLOPS:.0e} + transcendentals / "
-        f"{_TRANSCENDENTALS:.0e}, bytes accessed / {_BANDWIDTH:.0e} + spill / "
-        f"{_DRAM_BANDWIDTH:.0e}) + loop trips x {overhead:.0e} s; spill = twice the "
-        f"temporary bytes of each loop iteration beyond the cache ({where})"
+        f"{_TRANSCENDENTALS:.0e}, bytes accessed / {_BANDWIDTH:.0e}) + fresh / "
+        f"{_PAGE_BANDWIDTH:.0e} + loop trips x {overhead:.0e} s; {fresh}"
     )
-
-
-def _spill(temp: int | float) -> float:
-    """Bytes of one iteration's temporaries that go to DRAM: written and read back.
-
-    The part of the temporaries beyond the cache size (`cache_bytes`), twice.
-    """
-    size, _ = cache_bytes()
-    if size <= 0:
-        return 0.0
-    return 2.0 * max(0.0, float(temp) - size)
 
 
 #
@@ -924,46 +915,27 @@ def _plan(
         chosen = full  # nothing to run; no need to compile anything
     else:
         chosen = evaluate(full)
-        finalists = []
-        for i, steps in enumerate(ladders if not chosen.fits else []):
+        finalists = [chosen]
+        # Full vmap is kept if it fits and allocates nothing afresh per call.
+        search = not chosen.fits or bool(chosen.fresh_bytes)
+        for i, steps in enumerate(ladders if search else []):
             if i > 0 and compiler.n_compiled >= _MAX_COMPILES:
                 break  # bounded planning time: the first ladder is always searched
-            if not steps:
-                continue  # every dim has size 1: nothing to scan
             # Binary search for the largest block that fits (memory grows with it).
-            lo, hi = 0, len(steps) - 1
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if evaluate(steps[mid]).fits:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            best = evaluate(steps[lo])
-            if not best.fits:
+            j = _first(steps, 0, lambda c: bool(evaluate(c).fits))
+            if j is None:
                 continue
-            ties = [c for c in steps if c.block == best.block]
-            finalists.extend(evaluate(c) for c in ties)
+            finalists.extend(evaluate(c) for c in steps if c.block == steps[j].block)
+            if evaluate(steps[j]).fresh_bytes:
+                # And for the largest whose temporaries are reused from call to call.
+                k = _first(steps, j, lambda c: not evaluate(c).fresh_bytes)
+                if k is not None:
+                    finalists.extend(
+                        evaluate(c) for c in steps if c.block == steps[k].block
+                    )
         fitting = [c for c in finalists if c.fits]
         if fitting:
             chosen = min(fitting, key=lambda c: c.seconds or 0.0)
-        if chosen.fits and chosen.spill_bytes:
-            # Its temporaries miss the cache: also cost the largest block of its
-            # ladder whose temporaries should fit in it (memory scales with the
-            # block), or else its smallest block, and keep the cheaper.
-            full_vmap = chosen.source == "full vmap"
-            steps = ladders[0] if full_vmap else _ladder_of(chosen, ladders)
-            # No deeper a nest than the choice's (one scan for full vmap): chunk
-            # the scanned dim finer rather than nest another loop inside.
-            depth = max(len(chosen.scan), len(full.scan) + 1)
-            steps = [c for c in steps if len(c.scan) <= depth]
-            cache, _ = cache_bytes()
-            per_element = (chosen.temp_bytes or 0) / max(1, chosen.block)
-            small = [c for c in steps if c.block * per_element <= cache]
-            small = small or steps[-1:]  # else the smallest block
-            if small:
-                extra = evaluate(small[0])
-                if extra.fits and (extra.seconds or 0.0) < (chosen.seconds or 0.0):
-                    chosen = extra
         if not chosen.fits:
             tried = list(evaluated.values())
             _raise_no_fit(call.fun_name, wrapper, budget, tried, sizes)
@@ -983,13 +955,21 @@ def _plan(
     )
 
 
-def _ladder_of(
-    cand: PlanCandidate, ladders: list[list[PlanCandidate]]
-) -> list[PlanCandidate]:
-    for steps in ladders:
-        if any((c.scan, c.vmap) == (cand.scan, cand.vmap) for c in steps):
-            return steps
-    return []
+def _first(
+    steps: list[PlanCandidate], start: int, ok: Callable[[PlanCandidate], bool]
+) -> int | None:
+    """The first index from `start` at which `ok` holds, by binary search: `ok` is
+    monotone along a ladder (false for big blocks, true from some block on)."""
+    if start >= len(steps):
+        return None
+    lo, hi = start, len(steps) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(steps[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if ok(steps[lo]) else None
 
 
 def _raise_no_fit(fun_name, wrapper, budget, evaluated, sizes) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from .helpers import load_benchmark
 
+
 run = load_benchmark("run")
 
 

@@ -332,13 +332,13 @@ def test_explain_table(getkey):
     assert chosen_rows[0].rstrip().endswith("yes")
     assert "| no" in text  # full vmap did not fit
     header = (
-        "nest | temp memory | flops | bytes accessed | working set | spill | est. "
+        "nest | temp memory | flops | bytes accessed | working set | fresh | est. "
         "time | fits"
     )
     assert header in (" ".join(text.split()))
-    # The time model is spelled out, with the cache size it used.
+    # The time model is spelled out, with the threshold of fresh temporaries.
     assert lines[-1].startswith("est. time = max(flops / 5e+10 + ")
-    assert f"beyond the cache ({_planner.cache_bytes()[1]})" in lines[-1]
+    assert _planner.fresh_threshold()[1] in lines[-1]
 
 
 def test_explain_fixed_nest(getkey):
@@ -662,96 +662,96 @@ def test_auto_with_shard_cache_and_ambient_mesh(getkey):
 
 
 #
-# The time model: temporaries beyond the cache
+# The time model: temporaries allocated afresh on every call
 #
 
 
-FIELDS = ("level", "type", "size")
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read().strip()
-
-
-def _sysfs_l2() -> int | None:
-    """The L2 size of cpu0, read independently of the planner."""
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    if not os.path.isdir(root):
-        return None
-    for index in os.listdir(root):
-        d = os.path.join(root, index)
-        try:
-            level, kind, size = (_read(os.path.join(d, n)) for n in FIELDS)
-        except OSError:
-            continue
-        if level == "2" and kind in ("Unified", "Data"):
-            scale = {"K": 1024, "M": 1024**2}[size[-1]]
-            return int(size[:-1]) * scale
-    return None
-
-
-def test_cache_size_and_spill():
-    size, where = _planner.cache_bytes()
-    l2 = _sysfs_l2()
-    if l2 is None:
-        assert size == _planner._DEFAULT_CACHE and "default" in where
-    else:
-        assert size == l2 and "L2 of cpu0" in where and "sysfs" in where
-    assert _planner._spill(size) == 0.0
-    assert _planner._spill(size // 2) == 0.0
-    assert _planner._spill(size + 1000) == 2000.0
-    # Roofline-like: the larger of compute and memory, plus 10 loop trips.
+def test_fresh_threshold_and_time_model(monkeypatch):
+    if jax.default_backend() != "cpu":
+        assert _planner.fresh_threshold()[0] is None
+        return
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    _planner.fresh_threshold.cache_clear()
+    try:
+        threshold, where = _planner.fresh_threshold()
+        assert threshold == 32 * 2**20 and "glibc" in where
+        assert _planner._fresh(threshold) == 0
+        assert _planner._fresh(threshold + 1) == threshold + 1
+        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
+        _planner.fresh_threshold.cache_clear()
+        assert _planner.fresh_threshold() == (2**20, "MALLOC_MMAP_THRESHOLD_=1048576")
+        assert _planner._fresh(2**20 + 8) == 2**20 + 8
+    finally:
+        _planner.fresh_threshold.cache_clear()
+    # Roofline-like: the larger of compute and memory, plus 10 loop trips, plus the
+    # page faults of fresh temporaries.
     trips = 10 * _planner._LOOP_OVERHEAD_CPU
     compute = 1e9 / 5e10 + 1e6 / 5e9
+    assert compute > 1e8 / 2e10
     assert _planner._seconds(1e9, 1e6, 1e8, 10) == pytest.approx(compute + trips)
-    memory = 1e8 / 2e10 + 1e9 / _planner._DRAM_BANDWIDTH  # spill-bound
-    assert memory > compute
-    assert _planner._seconds(1e9, 1e6, 1e8, 10, 1e9) == pytest.approx(memory + trips)
+    memory = 1e10 / 2e10
+    assert _planner._seconds(1e9, 1e6, 1e10, 10) == pytest.approx(memory + trips)
+    fresh = 3e8 / _planner._PAGE_BANDWIDTH
+    assert _planner._seconds(1e9, 1e6, 1e8, 10, 3e8) == pytest.approx(
+        compute + fresh + trips
+    )
 
 
 @pytest.fixture
-def small_cache(monkeypatch):
-    """A 64 KiB cache, so that small workloads spill; plans made under it are not
-    kept."""
+def small_threshold(monkeypatch):
+    """Temporaries above 64 KiB count as fresh; plans made so are not kept."""
     _planner._CACHE.clear()
-    monkeypatch.setattr(_planner, "cache_bytes", lambda: (64 * 1024, "test cache"))
+    monkeypatch.setattr(
+        _planner, "fresh_threshold", lambda: (64 * 1024, "test threshold")
+    )
     yield 64 * 1024
     _planner._CACHE.clear()
 
 
-def test_full_vmap_that_spills_is_compared_with_scans(getkey, small_cache):
-    # Full vmap fits the budget, but its temporaries (16 * 12 elements of 4 KiB)
-    # exceed the cache: a scan whose iteration fits the cache is costed as well.
+def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
+    getkey, small_threshold
+):
+    # Full vmap fits the budget, but its temporaries (16 * 12 elements of 4 KiB) are
+    # above the threshold: the largest scan below it is costed as well, and wins.
     a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
     f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
     plan = explain(f, a, b)
     by_nest = {(c.scan, c.vmap): c for c in plan.candidates}
     full = by_nest[((), ("T", "B"))]
     assert full.fits and full.temp_bytes >= 16 * 12 * _ONE
-    assert full.spill_bytes == 2 * (full.temp_bytes - small_cache)
+    assert full.fresh_bytes == full.temp_bytes
     costed = [c for c in plan.candidates if c.seconds is not None and c.scan]
-    assert len(costed) == 1, "one scanned candidate costed besides full vmap"
-    (scanned,) = costed
-    # The largest block of one scan (no deeper than full vmap + 1) whose
-    # temporaries should fit in the cache: 64 KiB / 4 KiB = 16 elements, so T is
-    # scanned one at a time (12 elements of B per iteration; chunks of 2 are 24).
-    assert scanned.scan == (("T", None),) and scanned.vmap == ("B",)
-    assert scanned.temp_bytes <= small_cache and scanned.spill_bytes == 0.0
-    assert plan.chosen == min((full, scanned), key=lambda c: c.seconds)
-    assert plan.chosen is scanned, (full.seconds, scanned.seconds)
-    assert "test cache" in str(plan)
+    assert costed, "scanned candidates costed besides full vmap"
+    below = [c for c in costed if c.temp_bytes <= small_threshold]
+    assert below and all(c.fresh_bytes == 0 for c in below)
+    assert all(c.fresh_bytes == c.temp_bytes for c in costed if c not in below)
+    # The largest block below the threshold: 64 KiB / 4 KiB = 16 elements at most.
+    largest = max(c.block for c in below)
+    assert 8 <= largest <= 16
+    steps = _planner.ladder(("T", "B"), ("T", "B"), dict(plan.sizes))
+    bigger = [c for c in steps if c.block > largest]
+    assert all(
+        by_nest[(c.scan, c.vmap)].temp_bytes is None
+        or by_nest[(c.scan, c.vmap)].temp_bytes > small_threshold
+        for c in bigger
+    )
+    assert plan.chosen == min(costed + [full], key=lambda c: c.seconds)
+    assert plan.chosen.scan and plan.chosen.fresh_bytes == 0, (
+        full.seconds,
+        plan.chosen.seconds,
+    )
+    assert "test threshold" in str(plan)
     out = f(a, b)
     assert out.shape == (16, 12) and out.dtype == jnp.float32
     np.testing.assert_allclose(out, _sumexp_reference(a, b), rtol=2e-5, atol=2e-5)
 
 
-def test_full_vmap_within_cache_is_not_compared(getkey, small_cache):
-    # Every element's temporaries are tiny: full vmap fits the cache, nothing spills,
-    # and it is chosen without costing any scan.
+def test_full_vmap_below_threshold_is_not_compared(getkey, small_threshold):
+    # Every element's temporaries are tiny: full vmap is below the threshold, and it
+    # is chosen without costing any scan.
     a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
     f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
     plan = explain(f, a, b)
-    assert plan.scan == {} and plan.chosen.spill_bytes == 0.0
-    assert plan.chosen.temp_bytes <= small_cache
+    assert plan.scan == {} and plan.chosen.fresh_bytes == 0
+    assert plan.chosen.temp_bytes <= small_threshold
     assert sum(c.temp_bytes is not None for c in plan.candidates) == 1
