@@ -718,15 +718,14 @@ def fresh_threshold() -> tuple[int | None, str]:
     On CPU, XLA allocates a program's temporaries with `malloc` on every call.
     glibc's malloc serves blocks above its mmap threshold with a new `mmap`, whose
     pages the kernel faults in (and zeroes) on first touch; smaller blocks are reused
-    from the heap. The threshold is `MALLOC_MMAP_THRESHOLD_` when set, else the
-    largest value of glibc's dynamic threshold, 32 MiB. Other backends pool device
-    memory: `None`, no such cost.
+    from the heap. That threshold adapts to the blocks freed, up to 32 MiB. (The
+    `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` variables move it, but
+    measured, blocks of 258 MiB were still page-faulted in on every call with both
+    set to GiBs, so the planner assumes glibc's defaults.) Other backends pool
+    device memory: `None`, no such cost.
     """
     if jax.default_backend() != "cpu":
         return None, f"{jax.default_backend()}: pooled device memory, no fresh pages"
-    env = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
-    if env.isdigit():
-        return int(env), f"MALLOC_MMAP_THRESHOLD_={env}"
     n = _MMAP_THRESHOLD_MAX
     return n, f"{_fmt_bytes(n)}, glibc malloc's largest mmap threshold"
 

@@ -666,23 +666,18 @@ def test_auto_with_shard_cache_and_ambient_mesh(getkey):
 #
 
 
-def test_fresh_threshold_and_time_model(monkeypatch):
+def test_fresh_threshold_and_time_model():
     if jax.default_backend() != "cpu":
         assert _planner.fresh_threshold()[0] is None
         return
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    _planner.fresh_threshold.cache_clear()
-    try:
-        threshold, where = _planner.fresh_threshold()
-        assert threshold == 32 * 2**20 and "glibc" in where
-        assert _planner._fresh(threshold) == 0
-        assert _planner._fresh(threshold + 1) == threshold + 1
-        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
-        _planner.fresh_threshold.cache_clear()
-        assert _planner.fresh_threshold() == (2**20, "MALLOC_MMAP_THRESHOLD_=1048576")
-        assert _planner._fresh(2**20 + 8) == 2**20 + 8
-    finally:
-        _planner.fresh_threshold.cache_clear()
+    threshold, where = _planner.fresh_threshold()
+    assert (
+        threshold == 32 * 2**20
+        and where == "32.0 MiB, glibc malloc's largest mmap threshold"
+    )
+    assert _planner._fresh(0) == 0
+    assert _planner._fresh(threshold) == 0
+    assert _planner._fresh(threshold + 1) == threshold + 1
     # Roofline-like: the larger of compute and memory, plus 10 loop trips, plus the
     # page faults of fresh temporaries.
     trips = 10 * _planner._LOOP_OVERHEAD_CPU
