@@ -116,9 +116,9 @@ def take(xs: Leaves, index: Any, length: int) -> Leaves:
     it there (as `lax.scan` slices its `xs`), and the kernel then reloads the slice
     index in its innermost loop, so LLVM does not vectorise it: for a body with
     transcendentals and a materialised intermediate (`tanh(outer(x, x)) @ x`) a loop of
-    3 or more trips ran 4-9x slower per trip than the same body unrolled. The copy
-    costs about 5% on a purely elementwise body (see `benchmarks/overhead.py`). Other
-    platforms slice as `lax.scan` does.
+    3 or more trips ran 4-9x slower per trip than a loop of 2. The copy costs about
+    5% on a purely elementwise body (see `benchmarks/overhead.py`). Other platforms
+    slice as `lax.scan` does.
     """
     return lax.platform_dependent(
         xs, index, cpu=ft.partial(_index_isolated, length=length), default=_index
