@@ -293,6 +293,11 @@ def nbytes(x: Any) -> int:
     return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
 
 
+def plural(n: int, word: str) -> str:
+    """`"1 chunk"`, `"3 chunks"`."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def describe_nest(
     scan: dict[str, int | None], vmap: Sequence[str], sizes: dict[str, int]
 ) -> str:
@@ -304,6 +309,6 @@ def describe_nest(
         else:
             n_full, rest = divmod(sizes[name], chunk)
             extra = f" + vmap({name} remainder={rest})" if rest else ""
-            parts.append(f"scan({name}: {n_full} chunks of {chunk}){extra}")
+            parts.append(f"scan({name}: {plural(n_full, 'chunk')} of {chunk}){extra}")
     parts.extend(f"vmap({name}={sizes[name]})" for name in vmap)
     return " -> ".join(parts + ["body"])

@@ -54,7 +54,7 @@ import numpy as np
 from ._args import is_array
 from ._dims import Dims, parse_dims
 from ._errors import SpecError
-from ._nest import _drop_axis, build_nest, describe_nest, Level, run_blocks
+from ._nest import _drop_axis, build_nest, describe_nest, Level, plural, run_blocks
 
 
 PlanMode = Literal["auto"]
@@ -217,8 +217,8 @@ class Plan:
         nest = self.chosen.nest(sizes)
         if self.shard:
             parts = "; ".join(
-                f"{d.name}={d.size} over {_axes_str(d.mesh_axes)}: {d.shards} shards "
-                f"of {d.local_size}"
+                f"{d.name}={d.size} over {_axes_str(d.mesh_axes)}: "
+                f"{plural(d.shards, 'shard')} of {d.local_size}"
                 for d in self.shard
             )
             nest = f"shard_map({parts}) -> {nest}"
@@ -240,7 +240,8 @@ class Plan:
                 row += (
                     "-"
                     if s is None
-                    else f"{s.size} over {_axes_str(s.mesh_axes)} ({s.shards} shards)",
+                    else f"{s.size} over {_axes_str(s.mesh_axes)} "
+                    f"({plural(s.shards, 'shard')})",
                 )
             rows.append(row)
         lines.extend(_table(rows))

@@ -36,7 +36,7 @@ from jax.sharding import (
 
 from ._check import InputCheck, Seen
 from ._errors import ShapeError, SpecError
-from ._nest import _final_axis, OutLayout, run_blocks
+from ._nest import _final_axis, OutLayout, plural, run_blocks
 
 
 ShardSpec = Mapping[str, str | tuple[str, ...]] | None
@@ -278,7 +278,7 @@ class ShardPlan:
             pad = f", padded to {self.padded[name]}" if name in self.padded else ""
             over = axes[0] if len(axes) == 1 else axes
             parts.append(
-                f"{name}={self.sizes[name]} over {over!r}: {count} shards of "
+                f"{name}={self.sizes[name]} over {over!r}: {plural(count, 'shard')} of "
                 f"{self.local_sizes[name]}{pad}"
             )
         head = f"{self.fun_name}: "

@@ -852,3 +852,11 @@ def test_var_positional_in_dims_by_name():
             f, in_dims={"scale": "F", "xs": spec}, out_dims="F T", scan="T", vmap="F"
         )
         _assert_same(w(scale, a, b), ref)
+
+
+def test_describe_nest_counts():
+    sizes = {"T": 5, "F": 4}
+    assert _nest.describe_nest({"T": 3}, ("F",), sizes) == (
+        "scan(T: 1 chunk of 3) + vmap(T remainder=2) -> vmap(F=4) -> body"
+    )
+    assert _nest.describe_nest({"F": 2}, (), sizes) == "scan(F: 2 chunks of 2) -> body"

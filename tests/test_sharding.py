@@ -433,7 +433,7 @@ def test_verbose_prints_shard_map_outermost(capsys):
     printed = capsys.readouterr().out.strip()
     assert printed == (
         "filter_multi_vmap(body): shard_map(F=12 over 'y': 4 shards of 3; T=3 over "
-        "'x': 2 shards of 2, padded to 4) -> scan(F: 1 chunks of 2) + vmap(F "
+        "'x': 2 shards of 2, padded to 4) -> scan(F: 1 chunk of 2) + vmap(F "
         "remainder=1) -> vmap(T=2) -> vmap(B=2) -> body"
     )
 
