@@ -15,7 +15,7 @@ them inside a conditional instead, so that XLA does not fuse the slice into the 
 kernels and stop LLVM from vectorising them: see `eqx_multimap._nest.take`; that is
 the only difference, and what the ratios measure for scans).
 
-    python benchmarks/overhead.py            # the quick grid (about two minutes)
+    python benchmarks/overhead.py            # the quick grid (under a minute)
     python benchmarks/overhead.py --full     # b1, b2 in {100, 1000, 3000}
 """
 

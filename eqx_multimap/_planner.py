@@ -55,6 +55,7 @@ from ._args import is_array
 from ._dims import Dims, parse_dims
 from ._errors import SpecError
 from ._nest import _drop_axis, build_nest, describe_nest, Level, plural, run_blocks
+from ._shard import axes_str, describe_split
 
 
 PlanMode = Literal["auto"]
@@ -217,8 +218,7 @@ class Plan:
         nest = self.chosen.nest(sizes)
         if self.shard:
             parts = "; ".join(
-                f"{d.name}={d.size} over {_axes_str(d.mesh_axes)}: "
-                f"{plural(d.shards, 'shard')} of {d.local_size}"
+                describe_split(d.name, d.size, d.mesh_axes, d.shards, d.local_size)
                 for d in self.shard
             )
             nest = f"shard_map({parts}) -> {nest}"
@@ -240,7 +240,7 @@ class Plan:
                 row += (
                     "-"
                     if s is None
-                    else f"{s.size} over {_axes_str(s.mesh_axes)} "
+                    else f"{s.size} over {axes_str(s.mesh_axes)} "
                     f"({plural(s.shards, 'shard')})",
                 )
             rows.append(row)
@@ -286,10 +286,6 @@ class Plan:
             lines.append("")
             lines.append(time_model())
         return "\n".join(lines)
-
-
-def _axes_str(axes: tuple[str, ...]) -> str:
-    return repr(axes[0]) if len(axes) == 1 else repr(axes)
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -923,15 +919,15 @@ def _plan(
                 break  # bounded planning time: the first ladder is always searched
             # Binary search for the largest block that fits (memory grows with it).
             j = _first(steps, 0, lambda c: bool(evaluate(c).fits))
-            if j is None:
-                continue
-            finalists.extend(evaluate(c) for c in steps if c.block == steps[j].block)
-            if evaluate(steps[j]).fresh_bytes:
-                # And for the largest whose temporaries are reused from call to call.
+            # And for the largest whose temporaries are reused from call to call.
+            if j is not None and evaluate(steps[j]).fresh_bytes:
                 k = _first(steps, j, lambda c: not evaluate(c).fresh_bytes)
-                if k is not None:
+            else:
+                k = None
+            for edge in (j, k):
+                if edge is not None:  # the boundary block, and its ties in the ladder
                     finalists.extend(
-                        evaluate(c) for c in steps if c.block == steps[k].block
+                        evaluate(c) for c in steps if c.block == steps[edge].block
                     )
         fitting = [c for c in finalists if c.fits]
         if fitting:

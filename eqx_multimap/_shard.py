@@ -40,6 +40,29 @@ from ._nest import _final_axis, OutLayout, plural, run_blocks
 
 
 ShardSpec = Mapping[str, str | tuple[str, ...]] | None
+
+
+def axes_str(axes: tuple[str, ...]) -> str:
+    """The mesh axes of a sharded dim as descriptions show them: `'x'`, `('x', 'y')`."""
+    return repr(axes[0]) if len(axes) == 1 else repr(axes)
+
+
+def describe_split(
+    name: str,
+    size: int,
+    axes: tuple[str, ...],
+    shards: int,
+    local_size: int,
+    padded: int | None = None,
+) -> str:
+    """One sharded dim as descriptions show it: `F=12 over 'y': 4 shards of 3`."""
+    pad = "" if padded is None else f", padded to {padded}"
+    return (
+        f"{name}={size} over {axes_str(axes)}: {plural(shards, 'shard')} of "
+        f"{local_size}{pad}"
+    )
+
+
 """Dims to shard over a device mesh: `{"F": "freq"}` (dim `F` over the mesh axis
 `freq`), or `{"F": ("x", "y")}` (dim `F` over both axes, `x` major)."""
 
@@ -272,15 +295,17 @@ class ShardPlan:
 
     def describe(self, nest: str) -> str:
         """Put `shard_map(...)` in front of the (local) nest description."""
-        parts = []
-        for name, axes in self.dims:
-            count = math.prod(self.mesh.shape[a] for a in axes)
-            pad = f", padded to {self.padded[name]}" if name in self.padded else ""
-            over = axes[0] if len(axes) == 1 else axes
-            parts.append(
-                f"{name}={self.sizes[name]} over {over!r}: {plural(count, 'shard')} of "
-                f"{self.local_sizes[name]}{pad}"
+        parts = [
+            describe_split(
+                name,
+                self.sizes[name],
+                axes,
+                math.prod(self.mesh.shape[a] for a in axes),
+                self.local_sizes[name],
+                self.padded.get(name),
             )
+            for name, axes in self.dims
+        ]
         head = f"{self.fun_name}: "
         assert nest.startswith(head)
         return f"{head}shard_map({'; '.join(parts)}) -> {nest[len(head) :]}"
