@@ -6,13 +6,14 @@ from ._dims import Dims as Dims, parse_dims as parse_dims
 from ._errors import ShapeError as ShapeError, SpecError as SpecError
 from ._multi_vmap import (
     DimsSpec as DimsSpec,
+    explain as explain,
     filter_multi_vmap as filter_multi_vmap,
     InDims as InDims,
     OutDims as OutDims,
-    ScanSpec as ScanSpec,
-    ShardSpec as ShardSpec,
 )
-from ._planner import explain as explain, Plan as Plan
+from ._options import ScanSpec as ScanSpec
+from ._planner import Plan as Plan, Planner as Planner
+from ._shard import ShardSpec as ShardSpec
 from ._shim import multi_vmap as multi_vmap
 
 

@@ -14,9 +14,14 @@ from ._errors import SpecError
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
-    """A dims spec placed at one leaf; not a pytree, so it survives `tree_map`."""
+    """A dims spec placed at one leaf; not a pytree, so it survives `tree_map`.
+
+    `direct` is whether the spec was given for this very leaf, rather than as a
+    prefix of a pytree around it (whose non-array leaves then pass through).
+    """
 
     dims: Dims | None
+    direct: bool = True
 
 
 def is_spec_leaf(x: Any) -> bool:
@@ -49,6 +54,8 @@ def broadcast_spec(
 
     def _fill(s, sub):
         leaf_spec = to_leaf_spec(s, where)
+        if not jtu.treedef_is_leaf(jtu.tree_structure(sub)):
+            leaf_spec = dataclasses.replace(leaf_spec, direct=False)
         return jtu.tree_map(lambda _: leaf_spec, sub)
 
     try:

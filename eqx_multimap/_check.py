@@ -70,6 +70,28 @@ def _inconsistent(
     return ShapeError("\n".join(lines))
 
 
+def _check_non_array(
+    fun_name: str, leaf: InLeaf, dims: Dims, mapped: set[str]
+) -> None:
+    value = leaf.value
+    if isinstance(value, (bool, int, float, complex)):
+        # A Python scalar has shape (); check it as `jax.jit` would see it, so that
+        # eager and jitted calls agree.
+        reason = axes_of(dims, 0)
+        if isinstance(reason, str):
+            raise ShapeError(
+                f"`{fun_name}`: argument `{leaf.path}` is the Python "
+                f"`{type(value).__name__}` {value!r}, which {reason}."
+            )
+    names = [n for n in dims.names if n in mapped]
+    if names:
+        raise ShapeError(
+            f"`{fun_name}`: argument `{leaf.path}` is `{type(value).__name__}` "
+            f"({value!r}), not an array, but its dims {dims.source!r} name the "
+            f"mapped dim '{names[0]}'. Pass an array, or give it `None` dims."
+        )
+
+
 def check_inputs(
     fun_name: str, leaves: list[InLeaf], mapped: tuple[str, ...]
 ) -> InputCheck:
@@ -79,24 +101,10 @@ def check_inputs(
     for leaf in leaves:
         dims = leaf.spec.dims
         if not is_array(leaf.value):
-            if dims is not None and mapped_set.intersection(dims.names):
-                names = [n for n in dims.names if n in mapped_set]
-                raise ShapeError(
-                    f"`{fun_name}`: argument `{leaf.path}` is "
-                    f"`{type(leaf.value).__name__}` ({leaf.value!r}), not an array, "
-                    f"but its dims {dims.source!r} name the mapped dim "
-                    f"'{names[0]}'. Pass an array, or give it `None` dims."
-                )
-            if dims is not None and isinstance(leaf.value, (bool, int, float, complex)):
-                # A Python scalar has shape (); check it as `jax.jit` would see it,
-                # so that eager and jitted calls agree.
-                reason = axes_of(dims, 0)
-                if isinstance(reason, str):
-                    raise ShapeError(
-                        f"`{fun_name}`: argument `{leaf.path}` is the Python "
-                        f"`{type(leaf.value).__name__}` {leaf.value!r}, which "
-                        f"{reason}."
-                    )
+            # As in `eqx.filter_vmap`, non-array leaves under a pytree's dims pass
+            # through; a non-array given dims of its own is checked as a value.
+            if leaf.spec.direct and dims is not None:
+                _check_non_array(fun_name, leaf, dims, mapped_set)
             axes.append(None)
             continue
         if dims is None:

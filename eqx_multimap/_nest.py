@@ -1,101 +1,76 @@
-"""Building and running the scan(vmap(...)) nest over flat lists of array leaves.
+"""Building and running the `scan(vmap(...))` nest of one call, block by block.
 
-Every level maps one dim. Scans are outermost (in the order given), vmaps innermost.
-A chunked scan over `T` with chunk `k` is two levels: a scan over `T // k` chunks
-(key `T`), and a vmap over the `k` elements of a chunk (key `T/k`) that joins the
-vmap group. The `T % k` remaining elements form a separate block in which `T` is a
-plain vmap, so no padding ever reaches the function. The blocks are concatenated.
+The nest works on flat lists of array leaves. [`Problem`][] is what every nest of one
+call computes: the body on one element, the axis of each mapped dim in each input
+leaf, and the dims of each output leaf. [`run`][] maps the body over the blocks of a
+[`NestSpec`][] (see `_blocks`): it slices each input leaf to the block's part of every
+chunked dim, builds the block's levels (scans outside, vmaps inside), puts each
+output's axes in the order of its dims, and concatenates the blocks.
 
 Each level puts its dim at axis 0 of every output (`vmap(out_axes=0)`, and `scan`
-stacks at 0), so the nest's outputs are laid out as `[level keys..., core axes...]`,
-then transposed once (only if needed) into the order of `out_dims`.
+stacks at 0), so a block's outputs are laid out as `[level keys..., core axes...]`,
+then transposed once (only if needed) into the order of their dims.
+
+[`mapped_function`][] is the function a call runs: the nest, and under
+differentiation the nest that differentiates best (see there).
 """
 
 import dataclasses
 import functools as ft
-import itertools as it
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
+from ._blocks import Block, blocks, chunk_key, Level, NestSpec, Part
 from ._dims import axes_of, Dims, EllipsisDim, NamedDim
 
 
-LevelKind = Literal["scan", "vmap"]
+Leaves = list[Any]
+Axes = dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
-class Level:
-    key: str
-    kind: LevelKind
-    size: int
+class Problem:
+    """What every nest of one call computes.
+
+    - `body`: the function on one element, from all input leaves (at per-element
+        shapes) to the output leaves.
+    - `leaf_axes`: for each input leaf, the axis of each mapped dim it has (`{}` for
+        a leaf that is broadcast: closed over by scans, `in_axes=None` for vmaps).
+    - `out_dims`: the dims of each output leaf (the whole, mapped shape).
+    - `sizes`: the size of every mapped dim (the local sizes, inside `shard_map`).
+    """
+
+    body: Callable[[Leaves], Leaves]
+    leaf_axes: tuple[Axes, ...]
+    out_dims: tuple[Dims, ...]
+    sizes: dict[str, int]
 
 
-Leaves = list[Any]
-AxesList = list[dict[str, int]]
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """How to build a nest: `isolate` slices scanned inputs as `take` does;
+    `checkpoint` wraps each scan body in `jax.checkpoint`."""
+
+    isolate: bool = False
+    checkpoint: bool = False
 
 
-def _drop_axis(axes: dict[str, int], key: str) -> dict[str, int]:
+#
+# Levels.
+#
+
+
+def drop_axis(axes: Axes, key: str) -> Axes:
+    """`axes` without `key`, the axes after it moved down by one."""
     if key not in axes:
         return axes
     removed = axes[key]
     return {k: (a - 1 if a > removed else a) for k, a in axes.items() if k != key}
-
-
-def build_nest(
-    core: Callable[[Leaves], Leaves],
-    levels: Sequence[Level],
-    leaf_axes: AxesList,
-    checkpoint: bool = False,
-) -> Callable[[Leaves], Leaves]:
-    """The function mapping `core` over `levels` (outermost first).
-
-    `leaf_axes[i]` gives the axis of each level key in input leaf `i`; leaves without
-    a key are broadcast (closed over by scans, `in_axes=None` for vmaps).
-    """
-    if not levels:
-        return core
-    level, rest = levels[0], levels[1:]
-    key = level.key
-    inner = build_nest(core, rest, [_drop_axis(a, key) for a in leaf_axes], checkpoint)
-    in_axes = [a.get(key) for a in leaf_axes]
-    if level.kind == "vmap":
-        return jax.vmap(inner, in_axes=(in_axes,), out_axes=0, axis_size=level.size)
-    elif level.kind == "scan":
-        mapped = [i for i, a in enumerate(in_axes) if a is not None]
-        body_fn = jax.checkpoint(inner) if checkpoint else inner
-
-        def scanned(leaves: Leaves) -> Leaves:
-            xs = [jnp.moveaxis(leaves[i], in_axes[i], 0) for i in mapped]
-
-            def run(x: Leaves) -> Leaves:
-                current = list(leaves)
-                for i, xi in zip(mapped, x):
-                    current[i] = xi
-                return body_fn(current)
-
-            if xs and level.size > 0 and ISOLATE_SLICES_ON_CPU:
-                # Slice each iteration's elements with `take` (see there).
-                def body(index, _):
-                    return index + 1, run(take(xs, index, level.size))
-
-                _, ys = lax.scan(body, jnp.int32(0), None, length=level.size)
-            else:
-                _, ys = lax.scan(lambda c, x: (c, run(x)), None, xs, length=level.size)
-            return ys
-
-        return scanned
-    else:
-        raise ValueError(f"Unrecognised level kind '{level.kind}'.")
-
-
-# Read at trace time by `take`; `benchmarks/overhead.py` turns it off to compare
-# with a hand-written `lax.scan`.
-ISOLATE_SLICES_ON_CPU = True
 
 
 def _index(xs: Leaves, index: Any) -> Leaves:
@@ -115,172 +90,192 @@ def take(xs: Leaves, index: Any, length: int) -> Leaves:
     copy rather than fused into the first kernels of the loop body. XLA:CPU does fuse
     it there (as `lax.scan` slices its `xs`), and the kernel then reloads the slice
     index in its innermost loop, so LLVM does not vectorise it: for a body with
-    transcendentals and a materialised intermediate (`tanh(outer(x, x)) @ x`) a loop of
-    3 or more trips ran 4-9x slower per trip than a loop of 2. The copy costs about
-    5% on a purely elementwise body (see `benchmarks/overhead.py`). Other platforms
-    slice as `lax.scan` does.
+    transcendentals and a materialised intermediate (`tanh(outer(x, x)) @ x`) a loop
+    of 3 or more trips ran 4-9x slower per trip than a loop of 2. Other platforms
+    slice as `lax.scan` does. Only used where it pays (see `_body.isolates`), and
+    never under differentiation (see `mapped_function`).
     """
     return lax.platform_dependent(
         xs, index, cpu=ft.partial(_index_isolated, length=length), default=_index
     )
 
 
+def _scan_level(
+    inner: Callable[[Leaves], Leaves], level: Level, in_axes: list, build: Build
+) -> Callable[[Leaves], Leaves]:
+    mapped = [i for i, a in enumerate(in_axes) if a is not None]
+    body = jax.checkpoint(inner) if build.checkpoint else inner
+
+    def scanned(leaves: Leaves) -> Leaves:
+        xs = [jnp.moveaxis(leaves[i], in_axes[i], 0) for i in mapped]
+
+        def run(x: Leaves) -> Leaves:
+            current = list(leaves)
+            for i, xi in zip(mapped, x):
+                current[i] = xi
+            return body(current)
+
+        if build.isolate and xs and level.size > 0:
+
+            def step(index, _):
+                return index + 1, run(take(xs, index, level.size))
+
+            _, ys = lax.scan(step, jnp.int32(0), None, length=level.size)
+        else:
+            _, ys = lax.scan(lambda c, x: (c, run(x)), None, xs, length=level.size)
+        return ys
+
+    return scanned
+
+
+def build_levels(
+    core: Callable[[Leaves], Leaves],
+    levels: Sequence[Level],
+    leaf_axes: Sequence[Axes],
+    build: Build = Build(),
+) -> Callable[[Leaves], Leaves]:
+    """`core` mapped over `levels` (outermost first).
+
+    `leaf_axes[i]` gives the axis of each level key in input leaf `i`; leaves without
+    a key are broadcast.
+    """
+    if not levels:
+        return core
+    level, rest = levels[0], levels[1:]
+    inner = build_levels(
+        core, rest, [drop_axis(a, level.key) for a in leaf_axes], build
+    )
+    in_axes = [a.get(level.key) for a in leaf_axes]
+    if level.kind == "vmap":
+        return jax.vmap(
+            inner,
+            in_axes=(in_axes,),
+            out_axes=0,
+            axis_size=level.size,
+            axis_name=level.dim if level.named else None,
+        )
+    elif level.kind == "scan":
+        return _scan_level(inner, level, in_axes, build)
+    else:
+        raise ValueError(f"Unrecognised level kind '{level.kind}'.")
+
+
+#
+# Blocks.
+#
+
+
 def _split_axis(x: Any, axis: int, sizes: tuple[int, int]) -> Any:
     return jnp.reshape(x, x.shape[:axis] + sizes + x.shape[axis + 1 :])
 
 
-@dataclasses.dataclass(frozen=True)
-class OutLayout:
-    """What the body returned, recorded while tracing the innermost function."""
+def block_axes(leaf_axes: Sequence[Axes], block: Block) -> list[Axes]:
+    """The axis of each level key in each input leaf once cut to the block's parts
+    (see `block_inputs`): a main part's `(chunks, k)` axes are keys `T` and `T/k`."""
+    out = [dict(a) for a in leaf_axes]
+    for part in block.parts:
+        if not part.is_main:
+            continue
+        for i, axes in enumerate(out):
+            if part.dim in axes:
+                ax = axes[part.dim]
+                shifted = {d: (a + 1 if a > ax else a) for d, a in axes.items()}
+                shifted[chunk_key(part.dim)] = ax + 1
+                out[i] = shifted
+    return out
 
-    dims: list[Dims]
-    data: Any
+
+def block_inputs(values: Leaves, leaf_axes: Sequence[Axes], block: Block) -> Leaves:
+    """Each input leaf cut to the block's parts of the chunked dims: a main part is
+    sliced to its whole chunks and split into `(chunks, k)` axes, a remainder is
+    sliced to its elements."""
+    values = list(values)
+    for part in block.parts:
+        for i, axes in enumerate(leaf_axes):
+            if part.dim not in axes:
+                continue
+            # The axes before `part.dim` in this leaf were not split by earlier parts
+            # if their dims come later; count the splits before it.
+            ax = axes[part.dim] + sum(
+                1
+                for p in block.parts
+                if p.is_main and p.dim in axes and axes[p.dim] < axes[part.dim]
+                and block.parts.index(p) < block.parts.index(part)
+            )
+            x = values[i]
+            if (part.start, part.stop) != (0, x.shape[ax]):
+                x = lax.slice_in_dim(x, part.start, part.stop, axis=ax)
+            if part.is_main:
+                x = _split_axis(x, ax, (part.chunks or 0, part.chunk))
+            values[i] = x
+    return values
+
+
+def loop_body_inputs(
+    specs: Sequence[jax.ShapeDtypeStruct], leaf_axes: Sequence[Axes], block: Block
+) -> tuple[list[jax.ShapeDtypeStruct], list[Axes]]:
+    """The input leaves of one iteration of the block's loop (inside its scans), as
+    `ShapeDtypeStruct`s, and the axis of each of the block's vmap keys in them."""
+    cut = jax.eval_shape(lambda v: block_inputs(v, leaf_axes, block), list(specs))
+    axes = block_axes(leaf_axes, block)
+    out_specs, out_axes = [], []
+    for s, a in zip(cut, axes):
+        shape = list(s.shape)
+        for lv in reversed(block.scans):
+            if lv.key in a:
+                del shape[a[lv.key]]
+                a = drop_axis(a, lv.key)
+        out_specs.append(
+            jax.ShapeDtypeStruct(tuple(shape), s.dtype, weak_type=s.weak_type)
+        )
+        out_axes.append(a)
+    return out_specs, out_axes
 
 
 def _target_perm(
-    dims: Dims, keys_of: dict[str, tuple[str, ...]], level_keys: list[str], ndim: int
-) -> list[int]:
-    """Permutation from nest layout `[level keys..., core]` to the order of `dims`."""
+    dims: Dims, block: Block, mapped: set[str], ndim: int
+) -> tuple[list[int], list[int]]:
+    """The permutation from a block's output layout `[level keys..., core axes...]`
+    to the order of `dims`, and the positions (after it) of each chunked dim's
+    `(chunks, k)` pair of axes, to merge."""
+    level_keys = [lv.key for lv in block.levels]
     n_levels = len(level_keys)
-    core_ndim = ndim - n_levels
-    mapped = set(keys_of)
     core_tokens = [
         t for t in dims.tokens if not (isinstance(t, NamedDim) and t.name in mapped)
     ]
-    n_ellipsis = core_ndim - sum(not isinstance(t, EllipsisDim) for t in core_tokens)
+    n_ellipsis = ndim - n_levels - sum(
+        not isinstance(t, EllipsisDim) for t in core_tokens
+    )
     perm: list[int] = []
+    pairs: list[int] = []
     core_axis = n_levels
     for t in dims.tokens:
         if isinstance(t, NamedDim) and t.name in mapped:
-            perm.extend(level_keys.index(k) for k in keys_of[t.name])
+            keys = block.keys_of(t.name)
+            if len(keys) == 2:
+                pairs.append(len(perm))
+            perm.extend(level_keys.index(k) for k in keys)
         elif isinstance(t, EllipsisDim):
             perm.extend(range(core_axis, core_axis + n_ellipsis))
             core_axis += n_ellipsis
         else:
             perm.append(core_axis)
             core_axis += 1
-    return perm
+    return perm, pairs
 
 
-def run_blocks(
-    make_core: Callable[[], tuple[Callable[[Leaves], Leaves], Callable[[], OutLayout]]],
-    values: Leaves,
-    leaf_axes: AxesList,
-    sizes: dict[str, int],
-    scan: dict[str, int | None],
-    vmap: Sequence[str],
-    checkpoint: bool = False,
-) -> tuple[Leaves, OutLayout]:
-    """Run the whole nest, block by block for chunked scans, in `out_dims` order.
-
-    `make_core()` returns a fresh innermost function and a getter for the layout it
-    recorded while being traced.
-    """
-    chunked = [(name, chunk) for name, chunk in scan.items() if chunk is not None]
-    choices = []
-    for name, chunk in chunked:
-        n = sizes[name]
-        n_full, rest = divmod(n, chunk)
-        opts = []
-        if n_full > 0 or n == 0:
-            opts.append(("main", n_full))
-        if rest > 0:
-            opts.append(("rest", rest))
-        choices.append(opts)
-
-    block_outs: dict[tuple[str, ...], Leaves] = {}
-    layout: OutLayout | None = None
-    for combo in it.product(*choices):
-        block_values = list(values)
-        block_axes = [dict(a) for a in leaf_axes]
-        which = {}
-        for (name, chunk), (kind, count) in zip(chunked, combo):
-            which[name] = (kind, count, chunk)
-            start = 0 if kind == "main" else sizes[name] - count
-            stop = count * chunk if kind == "main" else sizes[name]
-            for i, axes in enumerate(block_axes):
-                if name not in axes:
-                    continue
-                ax = axes[name]
-                x = block_values[i]
-                if (start, stop) != (0, x.shape[ax]):
-                    x = lax.slice_in_dim(x, start, stop, axis=ax)
-                if kind == "main":
-                    x = _split_axis(x, ax, (count, chunk))
-                    block_axes[i] = {
-                        k: (a + 1 if a > ax else a) for k, a in axes.items()
-                    }
-                    block_axes[i][name + "/k"] = ax + 1
-                block_values[i] = x
-        scan_levels: list[Level] = []
-        vmap_levels: list[Level] = []
-        keys_of: dict[str, tuple[str, ...]] = {}
-        for name, chunk in scan.items():
-            if chunk is None:
-                scan_levels.append(Level(name, "scan", sizes[name]))
-                keys_of[name] = (name,)
-            else:
-                kind, count, chunk = which[name]
-                if kind == "main":
-                    scan_levels.append(Level(name, "scan", count))
-                    vmap_levels.append(Level(name + "/k", "vmap", chunk))
-                    keys_of[name] = (name, name + "/k")
-                else:
-                    vmap_levels.append(Level(name, "vmap", count))
-                    keys_of[name] = (name,)
-        for name in vmap:
-            vmap_levels.append(Level(name, "vmap", sizes[name]))
-            keys_of[name] = (name,)
-        levels = scan_levels + vmap_levels
-        level_keys = [lv.key for lv in levels]
-
-        core, get_layout = make_core()
-        outs = build_nest(core, levels, block_axes, checkpoint)(block_values)
-        block_layout = get_layout()
-        if layout is None:
-            layout = block_layout
-        final = []
-        for out, dims in zip(outs, block_layout.dims):
-            perm = _target_perm(dims, keys_of, level_keys, out.ndim)
-            if perm != list(range(out.ndim)):
-                out = jnp.transpose(out, perm)
-            # Merge each chunked (chunks, k) pair of adjacent axes, rightmost first.
-            pairs = sorted(
-                (
-                    perm.index(level_keys.index(name))
-                    for name, _ in chunked
-                    if which[name][0] == "main"
-                ),
-                reverse=True,
-            )
-            for ax in pairs:
-                merged_size = out.shape[ax] * out.shape[ax + 1]
-                out = jnp.reshape(
-                    out, out.shape[:ax] + (merged_size,) + out.shape[ax + 2 :]
-                )
-            final.append(out)
-        block_outs[tuple(kind for kind, _ in combo)] = final
-    assert layout is not None
-
-    # Concatenate blocks along each chunked dim, last chunked dim first.
-    def assemble(prefix: tuple[str, ...], j: int) -> Leaves:
-        if j == len(chunked):
-            return block_outs[prefix]
-        parts = [assemble(prefix + (kind,), j + 1) for kind, _ in choices[j]]
-        if len(parts) == 1:
-            return parts[0]
-        name = chunked[j][0]
-        merged = []
-        for leaves_ in zip(*parts):
-            dims = layout.dims[len(merged)]
-            ax = _final_axis(dims, name, leaves_[0].ndim)
-            merged.append(jnp.concatenate(leaves_, axis=ax))
-        return merged
-
-    return assemble((), 0), layout
+def _to_dims_order(out: Any, dims: Dims, block: Block, mapped: set[str]) -> Any:
+    perm, pairs = _target_perm(dims, block, mapped, out.ndim)
+    if perm != list(range(out.ndim)):
+        out = jnp.transpose(out, perm)
+    for ax in sorted(pairs, reverse=True):  # merge each (chunks, k) pair
+        merged = out.shape[ax] * out.shape[ax + 1]
+        out = jnp.reshape(out, out.shape[:ax] + (merged,) + out.shape[ax + 2 :])
+    return out
 
 
-def _final_axis(dims: Dims, name: str, ndim: int) -> int:
+def final_axis(dims: Dims, name: str, ndim: int) -> int:
+    """The axis of the named dim `name` in an array of rank `ndim` with `dims`."""
     token_axes = axes_of(dims, ndim)
     assert not isinstance(token_axes, str)
     for t, ax in zip(dims.tokens, token_axes):
@@ -289,26 +284,96 @@ def _final_axis(dims: Dims, name: str, ndim: int) -> int:
     raise AssertionError(name)
 
 
-def nbytes(x: Any) -> int:
-    return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+def _assemble(
+    parts_outs: dict[tuple[Part, ...], Leaves],
+    all_blocks: Sequence[Block],
+    out_dims: Sequence[Dims],
+) -> Leaves:
+    """Concatenate the blocks' outputs along each chunked dim, last dim first."""
+    outs = dict(parts_outs)
+    n_chunked = len(all_blocks[0].parts)
+    for j in reversed(range(n_chunked)):
+        merged: dict[tuple[Part, ...], Leaves] = {}
+        for parts, leaves in outs.items():
+            merged.setdefault(parts[:j], []).append(leaves)
+        outs = {}
+        for prefix, groups in merged.items():
+            if len(groups) == 1:
+                outs[prefix] = groups[0]
+                continue
+            dim = all_blocks[0].parts[j].dim
+            outs[prefix] = [
+                jnp.concatenate(
+                    leaves, axis=final_axis(out_dims[i], dim, leaves[0].ndim)
+                )
+                for i, leaves in enumerate(zip(*groups))
+            ]
+    return outs[()]
 
 
-def plural(n: int, word: str) -> str:
-    """`"1 chunk"`, `"3 chunks"`."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leaves:
+    """The nest `spec` of `problem` on the input leaves `values`: every output leaf,
+    in the order of its dims."""
+    mapped = set(spec.dims)
+    all_blocks = blocks(spec, problem.sizes)
+    outs: dict[tuple[Part, ...], Leaves] = {}
+    for block in all_blocks:
+        block_values = block_inputs(values, problem.leaf_axes, block)
+        axes = block_axes(problem.leaf_axes, block)
+        nest = build_levels(problem.body, block.levels, axes, build)
+        outs[block.parts] = [
+            _to_dims_order(out, dims, block, mapped)
+            for out, dims in zip(nest(block_values), problem.out_dims)
+        ]
+    return _assemble(outs, all_blocks, problem.out_dims)
 
 
-def describe_nest(
-    scan: dict[str, int | None], vmap: Sequence[str], sizes: dict[str, int]
-) -> str:
-    """The nest as text, e.g. `scan(T=10) -> vmap(F=4) -> body`."""
-    parts = []
-    for name, chunk in scan.items():
-        if chunk is None:
-            parts.append(f"scan({name}={sizes[name]})")
-        else:
-            n_full, rest = divmod(sizes[name], chunk)
-            extra = f" + vmap({name} remainder={rest})" if rest else ""
-            parts.append(f"scan({name}: {plural(n_full, 'chunk')} of {chunk}){extra}")
-    parts.extend(f"vmap({name}={sizes[name]})" for name in vmap)
-    return " -> ".join(parts + ["body"])
+#
+# The mapped function, and its derivative.
+#
+
+
+def mapped_function(
+    problem: Problem,
+    spec: NestSpec,
+    build: Build,
+    diff_spec: NestSpec | None = None,
+    diff_build: Build | None = None,
+) -> Callable[[Leaves], Leaves]:
+    """The nest of `problem`, as a function of the input leaves.
+
+    Differentiated (`jax.jvp`, and so `jax.grad` and every other transform built on
+    it), it runs the nest `diff_spec` built with `diff_build` instead (by default
+    `spec` without slice isolation): a `jax.custom_jvp` whose primal is the nest
+    and whose tangent rule is the JVP of the differentiable nest. Slices taken
+    inside a conditional (`take`) transpose into full-size buffers on every loop
+    iteration, while slices of `lax.scan`'s `xs` transpose into its `ys`; and the
+    differentiable nest may also be planned for the backward pass's memory.
+    """
+    diff_spec = spec if diff_spec is None else diff_spec
+    diff_build = dataclasses.replace(build, isolate=False) if diff_build is None else diff_build
+    primal = ft.partial(run, problem, spec, build)
+    if (diff_spec, diff_build) == (spec, build):
+        return primal
+    differentiable = ft.partial(run, problem, diff_spec, diff_build)
+
+    @ft.partial(jax.custom_jvp)
+    def f(values: Leaves) -> Leaves:
+        return primal(values)
+
+    def f_jvp(primals: tuple, tangents: tuple) -> tuple:
+        (values,), (dvalues,) = primals, tangents
+        live = [i for i, t in enumerate(dvalues) if not isinstance(t, SymbolicZero)]
+
+        def of_live(*xs: Any) -> Leaves:
+            full = list(values)
+            for i, x in zip(live, xs):
+                full[i] = x
+            return differentiable(full)
+
+        return jax.jvp(
+            of_live, [values[i] for i in live], [dvalues[i] for i in live]
+        )
+
+    f.defjvp(f_jvp, symbolic_zeros=True)
+    return f

@@ -1,4 +1,4 @@
-"""The automatic planner behind `filter_multi_vmap(..., plan="auto")`, and `explain`.
+"""The automatic planner behind `filter_multi_vmap(..., plan="auto")`.
 
 A plan picks, for the mapped dims of one call signature, which dims to scan, in which
 order and with which chunk sizes; the rest are vmapped. Candidates are lowered and
@@ -21,45 +21,41 @@ The search is bounded:
    of elements of one loop iteration (the block), which memory grows with; a binary
    search finds the largest block that fits. These boundary candidates (and those
    with the same block in the same ladder) get their costs, and the cheapest by
-   estimated time (`_seconds`) wins.
-3. On CPU, temporaries above `fresh_threshold()` (glibc's malloc hands blocks that
-   big out as fresh `mmap`s) are page-faulted in again on *every* call, at about
-   3 GB/s: measured, 32.3 MiB of temporaries cost 8258 page faults and 11 ms per
-   call, 28.2 MiB none. So when the largest fitting block of a ladder is above the
-   threshold, a second binary search finds its largest block below it, which is
-   costed too. The time model charges the fresh bytes (`_PAGE_BANDWIDTH`), so the
-   cheaper of the two wins, and full vmap is kept only when that cost is worth it.
+   estimated time (`TimeModel.seconds`) wins.
+3. On CPU, temporaries above the fresh threshold (glibc's malloc hands blocks that
+   big out as fresh `mmap`s) are page-faulted in again on *every* call. So when the
+   largest fitting block of a ladder is above the threshold, a second binary search
+   finds its largest block below it, which is costed too.
 
 With `shard=`, the plan is of the local nest of one device (`_localize`): the sharded
 dims keep their strategy, at their local sizes, and the budget is per device.
 
-Plans are cached per (function, treedef, shapes, dtypes, static leaves, strategy,
-budget), so a second call with the same signature plans nothing.
+A [`Planner`][] owns the plan cache and its statistics; `plan="auto"` uses one
+shared by the process, and `plan=Planner()` gives a wrapper its own.
 """
 
 import collections as co
 import dataclasses
-import functools as ft
+import hashlib
 import math
 import os
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ._args import is_array
-from ._dims import Dims, parse_dims
+from ._blocks import blocks, describe_nest, NestSpec, plural
 from ._errors import SpecError
-from ._nest import _drop_axis, build_nest, describe_nest, Level, plural, run_blocks
+from ._nest import Build, build_levels, loop_body_inputs, run
+from ._resolve import Call
 from ._shard import axes_str, describe_split
 
 
 PlanMode = Literal["auto"]
-"""The planners `filter_multi_vmap(..., plan=...)` accepts."""
+"""The planners `filter_multi_vmap(..., plan=...)` accepts by name."""
 
 MemoryBudget = int | float | None
 """Bytes as an `int`, a fraction of device memory as a `float` in `(0, 1]`."""
@@ -67,28 +63,10 @@ MemoryBudget = int | float | None
 DEFAULT_BUDGET_FRACTION = 0.5
 """The budget when `plan="auto"` is given without `memory_budget`."""
 
-# The time model that ranks candidates which all fit the budget (see `_seconds`):
-# rough throughputs, and the overhead of one loop iteration.
-_FLOPS = 5e10
-_TRANSCENDENTALS = 5e9
-_BANDWIDTH = 2e10
-_LOOP_OVERHEAD_CPU = 1e-6
-_LOOP_OVERHEAD_OTHER = 1e-5  # an accelerator launches kernels per iteration
-# Temporaries allocated afresh on every call (`fresh_threshold`) are page-faulted in
-# at this rate (CPU only; measured 2.9-4.3 GB/s on a 2-core x86-64 machine).
-_PAGE_BANDWIDTH = 3e9
-# glibc's malloc serves blocks above its mmap threshold with a fresh `mmap` each time;
-# the threshold adapts to the blocks freed, up to this size (64-bit Linux).
-_MMAP_THRESHOLD_MAX = 32 * 2**20
-
 _MAX_CACHE = 256
 # Once planning has compiled this many programs (candidates and loop bodies), it
 # searches no further ladders.
 _MAX_COMPILES = 12
-# Plans by signature; a string is the message of a signature that no nest fits.
-_CACHE: "co.OrderedDict[Any, Plan | str]" = co.OrderedDict()
-# Counters read by the tests: planning runs (cache misses) and compiles.
-_STATS = {"plans": 0, "compiles": 0}
 
 
 ScanNest = tuple[tuple[str, int | None], ...]
@@ -154,8 +132,12 @@ class PlanCandidate:
     fits: bool | None = None
     fresh_bytes: int | None = None
 
+    @property
+    def spec(self) -> NestSpec:
+        return NestSpec(self.scan, self.vmap)
+
     def nest(self, sizes: dict[str, int]) -> str:
-        return describe_nest(dict(self.scan), self.vmap, sizes)
+        return describe_nest(self.spec, sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +176,18 @@ class Plan:
     n_compiled: int
     seconds: float
     shard: tuple[ShardDim, ...] = ()
+
+    time_model: "TimeModel | None" = None
+
+    @property
+    def spec(self) -> NestSpec:
+        """The chosen nest."""
+        return self.chosen.spec
+
+    @property
+    def backward_spec(self) -> NestSpec | None:
+        """The nest run under differentiation (`None`: the same nest)."""
+        return None
 
     @property
     def scan(self) -> dict[str, int | None]:
@@ -282,9 +276,9 @@ class Plan:
                 )
             )
         lines.extend(_table(rows))
-        if self.auto:
+        if self.auto and self.time_model is not None:
             lines.append("")
-            lines.append(time_model())
+            lines.append(self.time_model.describe())
         return "\n".join(lines)
 
 
@@ -314,16 +308,40 @@ def _fmt_num(x: float | None) -> str:
 # Options and budget
 #
 
+#
+# Options and budget
+#
 
-def check_plan_options(plan: Any, memory_budget: Any) -> None:
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanOptions:
+    """A wrapper's planning options: its planner and memory budget. Not a pytree."""
+
+    planner: "Planner"
+    memory_budget: MemoryBudget
+    verbose: bool = False
+
+    def __repr__(self) -> str:
+        budget = "" if self.memory_budget is None else f", {self.memory_budget!r}"
+        return f"{self.planner!r}{budget}"
+
+
+def plan_options(plan: Any, memory_budget: Any, verbose: bool) -> "PlanOptions | None":
     """Validate `plan=` and `memory_budget=` at decoration time."""
-    if plan is not None and plan != "auto":
+    if plan is not None and plan != "auto" and not isinstance(plan, Planner):
         raise SpecError(
-            f"`filter_multi_vmap(..., plan=...)` must be 'auto' or `None`, but got "
-            f"{plan!r}."
+            f"`filter_multi_vmap(..., plan=...)` must be 'auto', an "
+            f"`eqx_multimap.Planner`, or `None`, but got {plan!r}."
         )
-    if memory_budget is None:
-        return
+    if memory_budget is not None:
+        _check_budget(plan, memory_budget)
+    if plan is None:
+        return None
+    planner = DEFAULT_PLANNER if plan == "auto" else plan
+    return PlanOptions(planner, memory_budget, bool(verbose))
+
+
+def _check_budget(plan: Any, memory_budget: Any) -> None:
     if plan is None:
         raise SpecError(
             f"`filter_multi_vmap(..., memory_budget={memory_budget!r})` is only used "
@@ -460,7 +478,7 @@ def ladder(
     return out
 
 
-def dim_orders(call: Any) -> list[tuple[str, ...]]:
+def dim_orders(call: Call, sizes: dict[str, int]) -> list[tuple[str, ...]]:
     """Orders in which the planner scans the mapped dims, first one the layout.
 
     The layout is the order of the mapped dims in the first output's dims: scanning
@@ -468,18 +486,11 @@ def dim_orders(call: Any) -> list[tuple[str, ...]]:
     order in which the inputs name them (scanning an input's leading axis needs no
     copy), then by size, largest first (the fewest scans for a given block).
     """
-    mapped = tuple(call.mapped)
-    spec = call.default_out if call.out_dims is None else call.out_dims
-    layout = mapped
-    for leaf in jtu.tree_leaves(spec, is_leaf=lambda x: isinstance(x, (str, Dims))):
-        dims = parse_dims(leaf) if isinstance(leaf, str) else leaf
-        if isinstance(dims, Dims):
-            names = [n for n in dims.names if n in mapped]
-            layout = tuple(names) + tuple(n for n in mapped if n not in names)
-            break
+    mapped = call.mapped
+    names = [n for n in call.out.dims[0].names if n in mapped] if call.out.dims else []
+    layout = tuple(names) + tuple(n for n in mapped if n not in names)
     inputs = tuple(n for n in call.check.seen if n in mapped)
     inputs += tuple(n for n in mapped if n not in inputs)
-    sizes = call.check.sizes
     by_size = tuple(sorted(layout, key=lambda n: -sizes[n]))
     return list(dict.fromkeys([layout, inputs, by_size]))
 
@@ -489,63 +500,130 @@ def dim_orders(call: Any) -> list[tuple[str, ...]]:
 #
 
 
-def _spec(x: Any) -> jax.ShapeDtypeStruct:
+
+#
+# The time model.
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeModel:
+    """The estimated run time of a candidate that fits the budget (see `seconds`).
+
+    Rough throughputs, the overhead of one loop iteration, and on CPU the size above
+    which temporaries are allocated (and page-faulted in) afresh on every call.
+    """
+
+    flops: float = 5e10
+    transcendentals: float = 5e9
+    bandwidth: float = 2e10
+    loop_overhead: float = 1e-6
+    # Fresh temporaries are page-faulted in at this rate (measured 2.9-4.3 GB/s on
+    # a 2-core x86-64 machine).
+    page_bandwidth: float = 3e9
+    # glibc's malloc serves blocks above its mmap threshold with a fresh `mmap` each
+    # time; the threshold adapts to the blocks freed, up to this size (64-bit
+    # Linux). `None`: no such cost (pooled device memory).
+    fresh_threshold: int | None = 32 * 2**20
+    fresh_source: str = "glibc malloc's largest mmap threshold"
+
+    @classmethod
+    def for_backend(cls, backend: str) -> "TimeModel":
+        if backend == "cpu":
+            return cls()
+        return cls(
+            loop_overhead=1e-5,  # an accelerator launches kernels per iteration
+            fresh_threshold=None,
+            fresh_source=f"{backend}: pooled device memory, no fresh pages",
+        )
+
+    def fresh(self, temp: int) -> int:
+        """The temporary bytes that each call allocates, and page-faults in, afresh."""
+        threshold = self.fresh_threshold
+        return temp if threshold is not None and temp > threshold else 0
+
+    def seconds(
+        self, flops: float, trans: float, nbytes: float, trips: int, fresh: float = 0.0
+    ) -> float:
+        """Estimated run time, roofline-like: the larger of compute and memory
+        traffic, plus the page faults of fresh temporaries, plus loop overhead.
+
+        A rough model: it only ranks candidates that already fit the budget, and
+        those do nearly the same flops; when memory-bound, it separates them by the
+        bytes they move (a small block re-reads shared operands once per
+        iteration); on CPU, by the temporaries that every call page-faults in afresh
+        (a big block's); and when compute-bound, by their loop trips.
+        """
+        compute = flops / self.flops + trans / self.transcendentals
+        memory = nbytes / self.bandwidth
+        return (
+            max(compute, memory)
+            + fresh / self.page_bandwidth
+            + trips * self.loop_overhead
+        )
+
+    def describe(self) -> str:
+        if self.fresh_threshold is not None:
+            fresh = (
+                f"fresh = the temporary bytes when above "
+                f"{_fmt_bytes(self.fresh_threshold)}, {self.fresh_source} (allocated "
+                "and page-faulted in on every call), else 0"
+            )
+        else:
+            fresh = f"fresh = 0 ({self.fresh_source})"
+        return (
+            f"est. time = max(flops / {self.flops:.0e} + transcendentals / "
+            f"{self.transcendentals:.0e}, bytes accessed / {self.bandwidth:.0e}) + "
+            f"fresh / {self.page_bandwidth:.0e} + loop trips x "
+            f"{self.loop_overhead:.0e} s; {fresh}"
+        )
+
+
+#
+# Lowering and compiling
+#
+
+
+def _struct(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
     weak = bool(getattr(jax.typeof(x), "weak_type", False))
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak)
+    return jax.ShapeDtypeStruct(
+        np.shape(x) if shape is None else shape, x.dtype, weak_type=weak
+    )
 
 
 class _Compiler:
-    """Compiles functions of one resolved call, with every array an explicit input.
+    """Compiles candidate nests of one resolved call, every input leaf an explicit
+    argument (given as a `ShapeDtypeStruct` at the sizes planned for)."""
 
-    Array fields of `fun` (an `equinox.Module`, say) become inputs too, so that no
-    tracer of an enclosing `jax.jit` is closed over by what is compiled here.
-    """
-
-    def __init__(self, call: Any, checkpoint: bool):
-        self.call = call
-        self.checkpoint = checkpoint
-        fun_arrays, self.fun_static = eqx.partition(call.fun, eqx.is_array)
-        self.fun_specs = jtu.tree_map(_spec, fun_arrays)
-        # Mapped axes take the sizes of `call.check` (per device, when sharded).
-        self.dyn_specs = []
-        for v, axes in zip(call.values, call.axes):
-            s = _spec(v)
-            shape = list(s.shape)
+    def __init__(self, call: Call, sizes: dict[str, int], model: TimeModel):
+        self.problem = call.problem(sizes)
+        self.checkpoint = call.options.checkpoint
+        self.model = model
+        self.specs = []
+        for v, axes in zip(call.values, call.leaf_axes):
+            shape = list(np.shape(v))
             for name, ax in axes.items():
-                shape[ax] = call.check.sizes[name]
-            self.dyn_specs.append(
-                jax.ShapeDtypeStruct(tuple(shape), s.dtype, weak_type=s.weak_type)
-            )
+                shape[ax] = sizes[name]
+            self.specs.append(_struct(v, tuple(shape)))
         self.n_compiled = 0
 
-    def compile(self, run: Callable[[Any, list], Any], dyn_specs: list) -> Any:
-        call, fun_static = self.call, self.fun_static
-
-        def f(dyn, fun_arrays):
-            fun = eqx.combine(fun_arrays, fun_static)
-            return run(dataclasses.replace(call, fun=fun), dyn)
-
+    def compile(self, fn: Callable[[list], Any], specs: list) -> Any:
         self.n_compiled += 1
-        _STATS["compiles"] += 1
-        return jax.jit(f).lower(dyn_specs, self.fun_specs).compile()
+        return jax.jit(fn).lower(specs).compile()
 
-    def evaluate(self, cand: PlanCandidate, budget: int | None) -> PlanCandidate:
+    def evaluate(self, cand: "PlanCandidate", budget: int | None) -> "PlanCandidate":
         """Compile `cand`: its temporary memory, and if it fits, its costs."""
-        scan, vmap, ckpt = dict(cand.scan), cand.vmap, self.checkpoint
-
-        def run(call, dyn):
-            return run_blocks(
-                call.make_core, dyn, call.axes, call.check.sizes, scan, vmap, ckpt
-            )[0]
-
-        compiled = self.compile(run, self.dyn_specs)
+        build = Build(checkpoint=self.checkpoint)
+        compiled = self.compile(
+            lambda values: run(self.problem, cand.spec, build, values), self.specs
+        )
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
         fits = None if budget is None else temp <= budget
         if fits is False:
             return dataclasses.replace(cand, temp_bytes=temp, fits=fits)
-        flops, trans, nbytes, ws = _corrected_cost(self, compiled, cand)
+        flops, trans, nbytes, ws = self._corrected_cost(compiled, cand)
         trips = cand.trips if cand.scan else 0
-        fresh = _fresh(temp)
+        fresh = self.model.fresh(temp)
         return dataclasses.replace(
             cand,
             temp_bytes=temp,
@@ -554,28 +632,38 @@ class _Compiler:
             bytes_accessed=nbytes,
             working_set=ws,
             fresh_bytes=fresh,
-            seconds=_seconds(flops, trans, nbytes, trips, float(fresh)),
+            seconds=self.model.seconds(flops, trans, nbytes, trips, float(fresh)),
             fits=fits,
         )
 
+    def _corrected_cost(
+        self, compiled: Any, cand: "PlanCandidate"
+    ) -> tuple[float, float, float, int]:
+        """Flops, transcendentals, bytes and working set, loop bodies counted fully.
 
-def _seconds(
-    flops: float, trans: float, nbytes: float, trips: int, fresh: float = 0.0
-) -> float:
-    """Estimated run time, roofline-like: the larger of compute and memory traffic,
-    plus the page faults of fresh temporaries, plus loop overhead.
-
-    A rough model: it only ranks candidates that already fit the budget, and those
-    do nearly the same flops; when memory-bound, it separates them by the bytes they
-    move (a small block re-reads shared operands once per iteration); on CPU, by the
-    temporaries that every call page-faults in afresh (a big block's); and when
-    compute-bound, by their loop trips.
-    """
-    cpu = jax.default_backend() == "cpu"
-    overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
-    compute = flops / _FLOPS + trans / _TRANSCENDENTALS
-    memory = nbytes / _BANDWIDTH
-    return max(compute, memory) + fresh / _PAGE_BANDWIDTH + trips * overhead
+        XLA's cost analysis counts the body of a while loop once. For each block
+        whose loops run `trips > 1` times, the block's loop body (the vmaps inside
+        its scans) is compiled on its own and its cost added `trips - 1` more times.
+        The working set is the largest memory footprint (arguments, outputs,
+        temporaries) of one body, or of the whole candidate when nothing loops.
+        """
+        total = list(_costs(compiled))
+        ws = 0
+        looped = False
+        for block in blocks(cand.spec, self.problem.sizes):
+            if block.trips <= 1:
+                continue
+            looped = True
+            specs, axes = loop_body_inputs(self.specs, self.problem.leaf_axes, block)
+            body = build_levels(self.problem.body, block.vmaps, axes)
+            body_compiled = self.compile(body, specs)
+            costs = _costs(body_compiled)
+            for j in range(3):
+                total[j] += (block.trips - 1) * costs[j]
+            ws = max(ws, _footprint(body_compiled))
+        if not looped:
+            ws = _footprint(compiled)
+        return total[0], total[1], total[2], ws
 
 
 def _footprint(compiled: Any) -> int:
@@ -597,208 +685,19 @@ def _costs(compiled: Any) -> tuple[float, float, float]:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Block:
-    """One block of a nest (main chunks or remainder of each chunked dim)."""
-
-    trips: int
-    levels: tuple[Level, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    axes: tuple[dict[str, int], ...]
-
-
-def blocks(
-    scan: dict[str, int | None],
-    vmap: tuple[str, ...],
-    sizes: dict[str, int],
-    shapes: list[tuple[int, ...]],
-    leaf_axes: list[dict[str, int]],
-) -> list[_Block]:
-    """The loop body of each block of a nest: levels and per-iteration leaf shapes.
-
-    Mirrors the blocks that `run_blocks` builds: for a chunked dim, a main block (a
-    scan over `n // k` chunks, `k` vmapped inside) and a remainder block (`n % k`
-    vmapped); the body of a block is everything inside its scans.
-    """
-    chunked = [(n, c) for n, c in scan.items() if c is not None]
-    choices = []
-    for name, chunk in chunked:
-        n_full, rest = divmod(sizes[name], chunk)
-        opts = [("main", n_full)] if n_full > 0 else []
-        choices.append(opts + ([("rest", rest)] if rest > 0 else []))
-    out = []
-    for combo in _product(choices):
-        which = dict(zip((n for n, _ in chunked), combo))
-        trips = 1
-        new_shapes = [list(s) for s in shapes]
-        new_axes = [dict(a) for a in leaf_axes]
-        levels = []
-        for name, chunk in scan.items():
-            if chunk is None:
-                trips *= sizes[name]
-                for i, axes in enumerate(new_axes):
-                    if name in axes:
-                        del new_shapes[i][axes[name]]
-                    new_axes[i] = _drop_axis(axes, name)
-                continue
-            kind, count = which[name]
-            size = chunk if kind == "main" else count
-            trips *= count if kind == "main" else 1
-            for i, axes in enumerate(new_axes):
-                if name in axes:
-                    new_shapes[i][axes[name]] = size
-            levels.append(Level(name, "vmap", size))
-        levels.extend(Level(name, "vmap", sizes[name]) for name in vmap)
-        out.append(
-            _Block(
-                trips,
-                tuple(levels),
-                tuple(tuple(s) for s in new_shapes),
-                tuple(new_axes),
-            )
-        )
-    return out
-
-
-def _product(choices: list[list[Any]]) -> list[tuple[Any, ...]]:
-    out: list[tuple[Any, ...]] = [()]
-    for opts in choices:
-        out = [prefix + (o,) for prefix in out for o in opts]
-    return out
-
-
-def _corrected_cost(
-    compiler: _Compiler, compiled: Any, cand: PlanCandidate
-) -> tuple[float, float, float, int]:
-    """Flops, transcendentals, bytes and working set, loop bodies counted fully.
-
-    XLA's cost analysis counts the body of a while loop once. For each block whose
-    loops run `trips > 1` times, the block's body (the vmaps inside its scans) is
-    compiled on its own and its cost added `trips - 1` more times. The working set is
-    the largest memory footprint (arguments, outputs, temporaries) of one body, or of
-    the whole candidate when nothing loops.
-    """
-    total = list(_costs(compiled))
-    ws = 0
-    call = compiler.call
-    shapes = [s.shape for s in compiler.dyn_specs]
-    sizes = call.check.sizes
-    looped = False
-    for block in blocks(dict(cand.scan), cand.vmap, sizes, shapes, call.axes):
-        if block.trips <= 1:
-            continue
-        looped = True
-        specs = [
-            jax.ShapeDtypeStruct(shape, s.dtype, weak_type=s.weak_type)
-            for shape, s in zip(block.shapes, compiler.dyn_specs)
-        ]
-        levels, axes = list(block.levels), list(block.axes)
-
-        def run(call, dyn, levels=levels, axes=axes):
-            core, _ = call.make_core()
-            return build_nest(core, levels, axes, False)(dyn)
-
-        body_compiled = compiler.compile(run, specs)
-        body = _costs(body_compiled)
-        for j in range(3):
-            total[j] += (block.trips - 1) * body[j]
-        ws = max(ws, _footprint(body_compiled))
-    if not looped:
-        ws = _footprint(compiled)
-    return total[0], total[1], total[2], ws
-
-
-@ft.cache
-def fresh_threshold() -> tuple[int | None, str]:
-    """The size above which temporaries are allocated afresh on every call.
-
-    On CPU, XLA allocates a program's temporaries with `malloc` on every call.
-    glibc's malloc serves blocks above its mmap threshold with a new `mmap`, whose
-    pages the kernel faults in (and zeroes) on first touch; smaller blocks are reused
-    from the heap. That threshold adapts to the blocks freed, up to 32 MiB. (The
-    `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` variables move it, but
-    measured, blocks of 258 MiB were still page-faulted in on every call with both
-    set to GiBs, so the planner assumes glibc's defaults.) Other backends pool
-    device memory: `None`, no such cost.
-    """
-    if jax.default_backend() != "cpu":
-        return None, f"{jax.default_backend()}: pooled device memory, no fresh pages"
-    n = _MMAP_THRESHOLD_MAX
-    return n, f"{_fmt_bytes(n)}, glibc malloc's largest mmap threshold"
-
-
-def _fresh(temp: int) -> int:
-    """The temporary bytes that each call allocates, and page-faults in, afresh."""
-    threshold, _ = fresh_threshold()
-    return temp if threshold is not None and temp > threshold else 0
-
-
-def time_model() -> str:
-    """The time model of `_seconds`, in words, with this machine's constants."""
-    cpu = jax.default_backend() == "cpu"
-    overhead = _LOOP_OVERHEAD_CPU if cpu else _LOOP_OVERHEAD_OTHER
-    threshold, where = fresh_threshold()
-    fresh = (
-        "fresh = the temporary bytes when above "
-        f"{where} (allocated and page-faulted in on every call), else 0"
-        if threshold is not None
-        else f"fresh = 0 ({where})"
-    )
-    return (
-        f"est. time = max(flops / {_FLOPS:.0e} + transcendentals / "
-        f"{_TRANSCENDENTALS:.0e}, bytes accessed / {_BANDWIDTH:.0e}) + fresh / "
-        f"{_PAGE_BANDWIDTH:.0e} + loop trips x {overhead:.0e} s; {fresh}"
-    )
-
-
 #
 # Planning
 #
 
 
-class _ById:
-    """A cache-key part compared by identity, for values that are not hashable."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __hash__(self) -> int:
-        return id(self.value)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ById) and other.value is self.value
-
-
-def _key_part(x: Any) -> Any:
-    if is_array(x):
-        s = _spec(x)
-        return ("array", s.shape, str(s.dtype), s.weak_type)
-    try:
-        hash(x)
-    except TypeError:
-        return _ById(x)
-    return x
-
-
-def _cache_key(wrapper: Any, call: Any, budget: int, shard: Any) -> Any:
-    fun_arrays, fun_static = eqx.partition(call.fun, eqx.is_array)
-    return (
-        shard,
-        wrapper._in_dims,
-        wrapper._out_dims,
-        wrapper._scan,
-        wrapper._vmap,
-        wrapper._checkpoint,
-        wrapper._memory_budget,
-        budget,
-        _key_part(fun_static),
-        jtu.tree_structure(fun_arrays),
-        tuple(_key_part(x) for x in jtu.tree_leaves(fun_arrays)),
-        call.bound.treedef,
-        tuple(_key_part(leaf.value) for leaf in call.bound.leaves),
+def _fingerprint(call: Call) -> str:
+    """What determines a call's plan besides its options: the body's jaxpr, and the
+    shapes and dtypes of every input leaf with its mapped axes."""
+    text = str(call.body.jaxpr) + repr(
+        [(str(_struct(v)), sorted(a.items())) for v, a in zip(call.values, call.leaf_axes)]
     )
+    text += repr([str(d) for d in call.out.dims])
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _dims_of(cand: PlanCandidate, sizes: dict[str, int]) -> tuple[PlanDim, ...]:
@@ -813,16 +712,17 @@ def _dims_of(cand: PlanCandidate, sizes: dict[str, int]) -> tuple[PlanDim, ...]:
     return tuple(dims)
 
 
-def _localize(wrapper: Any, call: Any) -> tuple[Any, tuple[ShardDim, ...]]:
-    """With `shard=`, the call as one device sees it: its dims at local sizes.
+def _localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
+    """The mapped sizes as one device sees them, and the sharded dims.
 
-    The sharded dims are split outside the nest (`shard_map`), so the planner plans,
-    and compiles, the local nest of one device.
+    With `shard=`, the sharded dims are split outside the nest (`shard_map`), so the
+    planner plans, and compiles, the local nest of one device.
     """
-    if wrapper._shard is None:
-        return call, ()
-    sp = wrapper._shard.plan(call.fun_name, call.check)
-    shard = tuple(
+    shard = call.options.shard
+    if shard is None:
+        return call.mapped_sizes, ()
+    sp = shard.plan(call.fun_name, call.check)
+    dims = tuple(
         ShardDim(
             name,
             sp.sizes[name],
@@ -832,123 +732,164 @@ def _localize(wrapper: Any, call: Any) -> tuple[Any, tuple[ShardDim, ...]]:
         )
         for name, axes in sp.dims
     )
-    check = dataclasses.replace(call.check, sizes=dict(sp.local_sizes))
-    return dataclasses.replace(call, check=check), shard
-
-
-def plan_call(wrapper: Any, call: Any) -> Plan:
-    """The (cached) automatic plan for a resolved call of a `plan="auto"` wrapper.
-
-    With `shard=`, the plan is for the local nest inside `shard_map`: the sharded
-    dims keep their strategy (scanned if in `scan`, else vmapped) at their local
-    sizes; the other mapped dims are planned, under the budget per device.
-    """
-    budget, source = resolve_budget(wrapper._memory_budget)
-    call, shard = _localize(wrapper, call)
-    try:
-        key = _cache_key(wrapper, call, budget, shard)
-        hash(key)
-    except TypeError:
-        key = None
-    if key is not None and key in _CACHE:
-        _CACHE.move_to_end(key)
-        cached = _CACHE[key]
-        if isinstance(cached, str):  # no nest fit this signature
-            raise SpecError(cached)
-        return cached
-    try:
-        plan = _plan(wrapper, call, budget, source, shard)
-    except _NoFit as e:
-        _store(key, str(e))
-        raise SpecError(str(e)) from None
-    _store(key, plan)
-    if wrapper._verbose:
-        print(plan)
-    return plan
-
-
-def _store(key: Any, value: "Plan | str") -> None:
-    if key is not None:
-        _CACHE[key] = value
-        if len(_CACHE) > _MAX_CACHE:
-            _CACHE.popitem(last=False)
+    return {n: sp.local_sizes[n] for n in call.mapped}, dims
 
 
 class _NoFit(Exception):
     pass
 
 
-def _plan(
-    wrapper: Any, call: Any, budget: int, source: str, shard: tuple[ShardDim, ...]
-) -> Plan:
-    _STATS["plans"] += 1
-    start = time.perf_counter()
-    sizes = dict(call.check.sizes)
-    mapped = tuple(call.mapped)
-    compiler = _Compiler(call, wrapper._checkpoint)
-    orders = dim_orders(call)
-    # Sharded dims keep their local strategy: scanned (outermost) if in `scan`.
-    frozen = frozenset(d.name for d in shard)
-    fixed = tuple((n, c) for n, c in call.scan.items() if n in frozen)
-    layout = tuple(n for n in orders[0] if n not in dict(fixed))
-    full = _candidate(fixed, layout, sizes, "full vmap")
-    ladders = [ladder(order, orders[0], sizes, fixed, frozen) for order in orders]
-    considered = {(full.scan, full.vmap): full}
-    for c in sorted((c for steps in ladders for c in steps), key=lambda c: -c.block):
-        considered.setdefault((c.scan, c.vmap), c)
-    if wrapper._scan or wrapper._vmap:
-        given = _candidate(tuple(call.scan.items()), tuple(call.vmap), sizes, "given")
-        considered.setdefault((given.scan, given.vmap), given)
-    evaluated: dict[tuple, PlanCandidate] = {}
+class Planner:
+    """Plans nests for `plan="auto"`, and caches the plans per call signature.
 
-    def evaluate(c: PlanCandidate) -> PlanCandidate:
-        k = (c.scan, c.vmap)
-        if k not in evaluated:
-            evaluated[k] = compiler.evaluate(c, budget)
-        return evaluated[k]
+    `plan="auto"` uses one `Planner` shared by the process; pass `plan=Planner()`
+    to give a wrapper a planner (and a cache) of its own.
 
-    if any(sizes[n] == 0 for n in mapped):
-        chosen = full  # nothing to run; no need to compile anything
-    else:
-        chosen = evaluate(full)
-        finalists = [chosen]
-        # Full vmap is kept if it fits and allocates nothing afresh per call.
-        search = not chosen.fits or bool(chosen.fresh_bytes)
-        for i, steps in enumerate(ladders if search else []):
-            if i > 0 and compiler.n_compiled >= _MAX_COMPILES:
-                break  # bounded planning time: the first ladder is always searched
-            # Binary search for the largest block that fits (memory grows with it).
-            j = _first(steps, 0, lambda c: bool(evaluate(c).fits))
-            # And for the largest whose temporaries are reused from call to call.
-            if j is not None and evaluate(steps[j]).fresh_bytes:
-                k = _first(steps, j, lambda c: not evaluate(c).fresh_bytes)
+    **Arguments:**
+
+    - `max_cache`: the most plans kept in memory.
+    - `time_model`: the time model that ranks candidates (default: the one for the
+        default backend).
+
+    The counters `n_plans` (planning runs: cache misses) and `n_compiles` (programs
+    compiled while planning) are read by tests and benchmarks.
+    """
+
+    def __init__(self, *, max_cache: int = _MAX_CACHE, time_model: TimeModel | None = None):
+        self.max_cache = max_cache
+        self._time_model = time_model
+        self._cache: co.OrderedDict[Any, Plan | str] = co.OrderedDict()
+        self.n_plans = 0
+        self.n_compiles = 0
+
+    def __repr__(self) -> str:
+        return "'auto'" if self is DEFAULT_PLANNER else "Planner()"
+
+    @property
+    def time_model(self) -> TimeModel:
+        if self._time_model is None:
+            self._time_model = TimeModel.for_backend(jax.default_backend())
+        return self._time_model
+
+    def clear(self) -> None:
+        """Forget every cached plan."""
+        self._cache.clear()
+
+    def plan(self, call: Call) -> Plan:
+        """The (cached) automatic plan for a resolved call.
+
+        With `shard=`, the plan is for the local nest inside `shard_map`: the sharded
+        dims keep their strategy (scanned if in `scan`, else vmapped) at their local
+        sizes; the other mapped dims are planned, under the budget per device.
+        """
+        options = call.options.plan
+        budget, source = resolve_budget(options.memory_budget)
+        sizes, shard = _localize(call)
+        key = (call.options, budget, shard, tuple(sizes.items()), _fingerprint(call))
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            cached = self._cache[key]
+            if isinstance(cached, str):  # no nest fit this signature
+                raise SpecError(cached)
+            return cached
+        try:
+            plan = self._plan(call, sizes, budget, source, shard)
+        except _NoFit as e:
+            self._store(key, str(e))
+            raise SpecError(str(e)) from None
+        self._store(key, plan)
+        if options.verbose:
+            print(plan)
+        return plan
+
+    def _store(self, key: Any, value: "Plan | str") -> None:
+        self._cache[key] = value
+        if len(self._cache) > self.max_cache:
+            self._cache.popitem(last=False)
+
+    def _plan(
+        self,
+        call: Call,
+        sizes: dict[str, int],
+        budget: int,
+        source: str,
+        shard: tuple[ShardDim, ...],
+    ) -> Plan:
+        self.n_plans += 1
+        start = time.perf_counter()
+        mapped = call.mapped
+        compiler = _Compiler(call, sizes, self.time_model)
+        orders = dim_orders(call, sizes)
+        given = call.given_nest()
+        # Sharded dims keep their local strategy: scanned (outermost) if in `scan`.
+        frozen = frozenset(d.name for d in shard)
+        fixed = tuple((n, c) for n, c in given.scan if n in frozen)
+        layout = tuple(n for n in orders[0] if n not in dict(fixed))
+        full = _candidate(fixed, layout, sizes, "full vmap")
+        ladders = [ladder(order, orders[0], sizes, fixed, frozen) for order in orders]
+        considered = {(full.scan, full.vmap): full}
+        for c in sorted((c for steps in ladders for c in steps), key=lambda c: -c.block):
+            considered.setdefault((c.scan, c.vmap), c)
+        if call.options.scan or call.options.vmap:
+            g = _candidate(given.scan, given.vmap, sizes, "given")
+            considered.setdefault((g.scan, g.vmap), g)
+        evaluated: dict[tuple, PlanCandidate] = {}
+
+        def evaluate(c: PlanCandidate) -> PlanCandidate:
+            k = (c.scan, c.vmap)
+            if k not in evaluated:
+                evaluated[k] = compiler.evaluate(c, budget)
+            return evaluated[k]
+
+        try:
+            if any(sizes[n] == 0 for n in mapped):
+                chosen = full  # nothing to run; no need to compile anything
             else:
-                k = None
-            for edge in (j, k):
-                if edge is not None:  # the boundary block, and its ties in the ladder
-                    finalists.extend(
-                        evaluate(c) for c in steps if c.block == steps[edge].block
-                    )
-        fitting = [c for c in finalists if c.fits]
-        if fitting:
-            chosen = min(fitting, key=lambda c: c.seconds or 0.0)
-        if not chosen.fits:
-            tried = list(evaluated.values())
-            _raise_no_fit(call.fun_name, wrapper, budget, tried, sizes)
-    candidates = tuple(evaluated.get(k, c) for k, c in considered.items())
-    return Plan(
-        fun_name=call.fun_name,
-        auto=True,
-        sizes=tuple(sizes.items()),
-        dims=_dims_of(chosen, sizes),
-        chosen=chosen,
-        candidates=candidates,
-        budget_bytes=budget,
-        budget_source=source,
-        n_compiled=compiler.n_compiled,
-        seconds=time.perf_counter() - start,
-        shard=shard,
-    )
+                chosen = evaluate(full)
+                finalists = [chosen]
+                # Full vmap is kept if it fits and allocates nothing afresh per call.
+                search = not chosen.fits or bool(chosen.fresh_bytes)
+                for i, steps in enumerate(ladders if search else []):
+                    if i > 0 and compiler.n_compiled >= _MAX_COMPILES:
+                        break  # bounded planning: the first ladder is always searched
+                    # Binary search for the largest block that fits.
+                    j = _first(steps, 0, lambda c: bool(evaluate(c).fits))
+                    # And for the largest whose temporaries are reused per call.
+                    if j is not None and evaluate(steps[j]).fresh_bytes:
+                        k = _first(steps, j, lambda c: not evaluate(c).fresh_bytes)
+                    else:
+                        k = None
+                    for edge in (j, k):
+                        if edge is not None:  # the boundary block, and its ties
+                            finalists.extend(
+                                evaluate(c) for c in steps if c.block == steps[edge].block
+                            )
+                fitting = [c for c in finalists if c.fits]
+                if fitting:
+                    chosen = min(fitting, key=lambda c: c.seconds or 0.0)
+                if not chosen.fits:
+                    _raise_no_fit(call.fun_name, call, budget, list(evaluated.values()), sizes)
+        finally:
+            self.n_compiles += compiler.n_compiled
+        candidates = tuple(evaluated.get(k, c) for k, c in considered.items())
+        return Plan(
+            fun_name=call.fun_name,
+            auto=True,
+            sizes=tuple(sizes.items()),
+            dims=_dims_of(chosen, sizes),
+            chosen=chosen,
+            candidates=candidates,
+            budget_bytes=budget,
+            budget_source=source,
+            n_compiled=compiler.n_compiled,
+            seconds=time.perf_counter() - start,
+            shard=shard,
+            time_model=self.time_model,
+        )
+
+
+DEFAULT_PLANNER = Planner()
+"""The planner of `plan="auto"`."""
 
 
 def _first(
@@ -968,24 +909,25 @@ def _first(
     return lo if ok(steps[lo]) else None
 
 
-def _raise_no_fit(fun_name, wrapper, budget, evaluated, sizes) -> None:
+def _raise_no_fit(fun_name, call, budget, evaluated, sizes) -> None:
     smallest = min(evaluated, key=lambda c: c.temp_bytes or 0)
     raise _NoFit(
         f"`{fun_name}` with `plan='auto'`: no nest fits "
-        f"`memory_budget={wrapper._memory_budget!r}` ({_fmt_bytes(budget)} of "
-        f"temporary memory). The smallest of the {len(evaluated)} compiled "
+        f"`memory_budget={call.options.plan.memory_budget!r}` ({_fmt_bytes(budget)} "
+        f"of temporary memory). The smallest of the {len(evaluated)} compiled "
         f"candidates needs {_fmt_bytes(smallest.temp_bytes or 0)}: "
         f"{smallest.nest(sizes)}. Raise `memory_budget`, or map fewer dims."
     )
 
 
-def describe_call(wrapper: Any, call: Any) -> Plan:
+def describe_fixed(call: Call) -> Plan:
     """A `Plan` for a fixed nest: its one candidate compiled, with no budget."""
     start = time.perf_counter()
-    call, shard = _localize(wrapper, call)
-    sizes = dict(call.check.sizes)
-    compiler = _Compiler(call, wrapper._checkpoint)
-    cand = _candidate(tuple(call.scan.items()), tuple(call.vmap), sizes, "given")
+    sizes, shard = _localize(call)
+    model = TimeModel.for_backend(jax.default_backend())
+    compiler = _Compiler(call, sizes, model)
+    given = call.given_nest()
+    cand = _candidate(given.scan, given.vmap, sizes, "given")
     if all(sizes[n] > 0 for n in call.mapped):
         cand = compiler.evaluate(cand, None)
     return Plan(
@@ -1001,67 +943,3 @@ def describe_call(wrapper: Any, call: Any) -> Plan:
         seconds=time.perf_counter() - start,
         shard=shard,
     )
-
-
-def explain(fn: Callable, /, *args, **kwargs) -> Plan:
-    """Plan a call of a `filter_multi_vmap` function without running it.
-
-    **Arguments:**
-
-    - `fn`: a function returned by [`eqx_multimap.filter_multi_vmap`][] (or a method
-        defined with it, accessed on an instance).
-    - `*args`, `**kwargs`: the arguments it would be called with. Arrays may be
-        given as `jax.ShapeDtypeStruct`s; nothing is executed.
-
-    **Returns:**
-
-    A [`eqx_multimap.Plan`][]: per mapped dim its size, strategy, chunk and position
-    in the nest, and each candidate nest with its compiled temporary memory,
-    trip-count-corrected cost and whether it fit the budget. For `plan="auto"` this
-    is the plan that a call with these arguments uses (and it is cached, so the call
-    does not plan again); for a fixed nest, the one candidate is that nest.
-
-    !!! example
-
-        ```python
-        f = filter_multi_vmap(body, in_dims="T B", plan="auto", memory_budget=2**20)
-        print(eqx_multimap.explain(f, jax.ShapeDtypeStruct((4096, 64), jnp.float32)))
-        ```
-    """
-    from ._multi_vmap import _MultiVmapWrapper
-
-    wrapper = fn
-    # Look through decorators applied outside (`jaxtyped`, `beartype`, `filter_jit`,
-    # `functools.wraps`), which expose what they wrap as `__wrapped__`.
-    for _ in range(32):
-        if isinstance(wrapper, _MultiVmapWrapper) or (
-            isinstance(wrapper, jtu.Partial)
-            and isinstance(wrapper.func, _MultiVmapWrapper)
-        ):
-            break
-        inner = getattr(wrapper, "__wrapped__", None)
-        if inner is None:
-            break
-        wrapper = inner
-    fn_given, fn = fn, wrapper
-    wrapper = fn
-    if isinstance(fn, jtu.Partial) and isinstance(fn.func, _MultiVmapWrapper):
-        wrapper, args = fn.func, tuple(fn.args) + args
-        kwargs = {**fn.keywords, **kwargs}
-    if not isinstance(wrapper, _MultiVmapWrapper):
-        raise SpecError(
-            "`eqx_multimap.explain(fn, ...)`: `fn` must be a function returned by "
-            f"`filter_multi_vmap`, but got {fn_given!r} of type "
-            f"`{type(fn_given).__name__}`."
-        )
-    box: list[Plan] = []
-
-    def resolve(args, kwargs):
-        call = wrapper._resolve(args, kwargs)
-        if wrapper._plan is None:
-            box.append(describe_call(wrapper, call))
-        else:
-            box.append(plan_call(wrapper, call))
-
-    eqx.filter_eval_shape(resolve, args, kwargs)
-    return box[0]

@@ -36,7 +36,8 @@ from jax.sharding import (
 
 from ._check import InputCheck, Seen
 from ._errors import ShapeError, SpecError
-from ._nest import _final_axis, OutLayout, plural, run_blocks
+from ._blocks import plural
+from ._nest import final_axis
 
 
 ShardSpec = Mapping[str, str | tuple[str, ...]] | None
@@ -312,14 +313,14 @@ class ShardPlan:
 
     def run(
         self,
-        make_core: Callable[[], tuple[Callable[[Leaves], Leaves], Callable]],
         values: Leaves,
-        leaf_axes: AxesList,
-        scan: dict[str, int | None],
-        vmap: Sequence[str],
-        checkpoint: bool = False,
-    ) -> tuple[Leaves, OutLayout]:
-        """As `run_blocks`, but inside `jax.shard_map`, on each device's block."""
+        leaf_axes: Sequence[dict[str, int]],
+        out_dims: Sequence[Any],
+        out_ndims: Sequence[int],
+        local: Callable[[Leaves], Leaves],
+    ) -> Leaves:
+        """`local` (the nest of one device's block, at the local sizes) inside
+        `jax.shard_map`, on the input leaves `values`; the outputs, sharded."""
         dims = dict(self.dims)
         values = list(values)
         for name, n_pad in self.padded.items():
@@ -330,43 +331,16 @@ class ShardPlan:
                     )
         in_specs = [_spec(a, dims, np.ndim(v)) for v, a in zip(values, leaf_axes)]
         values = [_reshard(v, s, self.mesh) for v, s in zip(values, in_specs)]
-
-        # The output layout, from one element of the body.
-        elements = []
-        for v, axes in zip(values, leaf_axes):
-            drop = set(axes.values())
-            shape = tuple(s for i, s in enumerate(np.shape(v)) if i not in drop)
-            elements.append(jax.ShapeDtypeStruct(shape, v.dtype))
-        core, get_layout = make_core()
-        core_outs = jax.eval_shape(core, elements)
-        n_mapped = len(scan) + len(vmap)
-        out_axes: list[dict[str, int]] = []
-        for out, out_dims in zip(core_outs, get_layout().dims):
-            ndim = len(out.shape) + n_mapped
-            out_axes.append({k: _final_axis(out_dims, k, ndim) for k in dims})
-        out_specs = [
-            _spec(a, dims, len(o.shape) + n_mapped) for a, o in zip(out_axes, core_outs)
+        out_axes = [
+            {k: final_axis(d, k, n) for k in dims} for d, n in zip(out_dims, out_ndims)
         ]
-
-        box: list[OutLayout] = []
-
-        def body(*local: Any) -> Leaves:
-            outs, layout = run_blocks(
-                make_core,
-                list(local),
-                leaf_axes,
-                self.local_sizes,
-                scan,
-                vmap,
-                checkpoint,
-            )
-            box.append(layout)
-            return outs
-
+        out_specs = [_spec(a, dims, n) for a, n in zip(out_axes, out_ndims)]
         outs = jax.shard_map(
-            body, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=out_specs
+            lambda *local_values: local(list(local_values)),
+            mesh=self.mesh,
+            in_specs=tuple(in_specs),
+            out_specs=out_specs,
         )(*values)
-        layout = box[-1]
         if self.padded:
             trimmed = []
             for out, axes, spec in zip(outs, out_axes, out_specs):
@@ -382,5 +356,4 @@ class ShardPlan:
         # A computed empty array with a `NamedSharding` is malformed in JAX (each
         # device holds the full shape, and `np.asarray` fails): return fresh empty
         # arrays, which hold no data to shard.
-        outs = [jnp.zeros(o.shape, o.dtype) if o.size == 0 else o for o in outs]
-        return outs, layout
+        return [jnp.zeros(o.shape, o.dtype) if o.size == 0 else o for o in outs]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eqx_multimap import filter_multi_vmap, parse_dims, ShapeError, SpecError
+from jaxtyping import Array, Float
 from hypothesis import given, settings
 
 from .test_core import signatures
@@ -96,9 +97,7 @@ def test_inconsistent_sizes_groups_equal_sizes():
 
 def test_inconsistent_core_dim():
     # `c` is not mapped, but is still checked across arguments.
-    w = filter_multi_vmap(
-        _never_called, in_dims=("T c", "c c"), out_dims="T c", scan="T"
-    )
+    w = filter_multi_vmap(_never_called, in_dims=("T c", "c c"), out_dims="T", scan="T")
     matches = [
         r"inconsistent sizes for dim 'c'",
         r"size 2: `args\[0\]` axis 1",
@@ -158,15 +157,25 @@ def test_non_array_leaf_with_mapped_dims(value):
         with pytest.raises(AssertionError, match="traced"):
             w(jnp.ones(3), value)
         return
-    matches = [
-        r"argument `y`",
-        rf"is `{type(value).__name__}`",
-        re.escape(repr(value)),
-        r"not an array",
-        r"mapped dim 'T'",
-        r"give it `None` dims",
-    ]
+    if isinstance(value, (int, float)):
+        # A Python scalar is checked as the rank-0 array that `jax.jit` sees.
+        matches = [
+            r"argument `y`",
+            rf"the Python `{type(value).__name__}` {value!r}",
+            r"has rank 0, but dims 'T' need exactly 1",
+        ]
+    else:
+        matches = [
+            r"argument `y`",
+            rf"is `{type(value).__name__}`",
+            re.escape(repr(value)),
+            r"not an array",
+            r"mapped dim 'T'",
+            r"give it `None` dims",
+        ]
     _raises_each(ShapeError, matches, lambda: w(jnp.ones(3), value))
+    if isinstance(value, (int, float)):
+        _raises_each(ShapeError, matches[2:], lambda: jax.jit(w)(jnp.ones(3), value))
 
 
 def test_errors_raised_before_body_is_traced():
@@ -210,6 +219,7 @@ def test_inconsistent_sizes_random_signatures(sig, data):
         _never_called,
         in_dims=in_dims,
         out_dims=sig.out_dims + (" ".join(sig.mapped),),
+        core=sig.core,
         scan=sig.scan,
         vmap=sig.vmap,
     )
@@ -278,22 +288,61 @@ def test_not_callable():
 @pytest.mark.parametrize(
     "strategy, matches",
     [
-        ({"scan": "X", "vmap": "T"}, [r"`scan` names dim 'X'", r"T, F"]),
-        ({"vmap": "T X"}, [r"`vmap` names dim 'X'", r"T, F"]),
+        ({"scan": "X", "vmap": "T"}, [r"`scan` names dim 'X'"]),
+        ({"vmap": "T F"}, [r"`vmap` names dim 'F'", r"A dim named only by the inputs"]),
         ({"scan": {"T": 2, "Y": None}}, [r"`scan` names dim 'Y'"]),
+        ({"shard": {"F": "x"}}, [r"`shard` names dim 'F'"]),
+        ({"scan": "c", "core": "c"}, [r"`scan` names dim 'c'", r"declared `core`"]),
     ],
 )
-def test_strategy_names_unknown_dim(strategy, matches):
-    w = filter_multi_vmap(_never_called, in_dims=("T F", "F"), out_dims="T", **strategy)
-    matches = matches + [r"no array argument's dims contain it", r"size is unknown"]
-    _raises_each(SpecError, matches, lambda: w(jnp.ones((3, 4)), jnp.ones(4)))
+def test_strategy_names_unmapped_dim(strategy, matches):
+    # With explicit `out_dims` the mapped dims are known at decoration, so is this.
+    matches = matches + [
+        r"which is not mapped",
+        r"the named dims of the output \(here 'T'",
+        r"only chooses how a mapped dim is mapped",
+    ]
+    out_dims = "T c" if "core" in strategy else "T"
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(
+            _never_called, in_dims=("T F c", "F"), out_dims=out_dims, **strategy
+        ),
+    )
 
 
-def test_strategy_dim_only_on_unmapped_argument():
-    # `F` appears only in the dims of a non-array: its size is unknown.
-    w = filter_multi_vmap(_never_called, in_dims=("T", None), out_dims="T F", vmap="F")
-    with pytest.raises(SpecError, match=r"`vmap` names dim 'F'"):
-        w(jnp.ones(3), 1.0)
+def test_strategy_names_unmapped_dim_of_the_return_annotation():
+    # From a return annotation, the same error is raised at the call, before the
+    # body is traced.
+    def g(x: Float[Array, "T F"]) -> Float[Array, " T"]:
+        raise AssertionError("traced")
+
+    w = filter_multi_vmap(g, vmap="F")
+    matches = [r"`vmap` names dim 'F'", r"the return annotation does not name it"]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones((3, 4))))
+
+
+def test_mapped_dim_named_by_no_argument():
+    # `F` appears only in the dims of a non-array: its size is unknown, and the
+    # error blames `out_dims`, which made it mapped.
+    w = filter_multi_vmap(_never_called, in_dims=("T", None), out_dims="T F")
+    matches = [
+        r"`out_dims` names dim 'F', so it is mapped",
+        r"no array argument's dims name it",
+        r"size is unknown",
+        r"declare it `core='F'`",
+    ]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones(3), 1.0))
+
+
+def test_core_names_a_dim_the_output_does_not():
+    matches = [r"`core` names dim 'c'", r"`out_dims` does not name", r"core already"]
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(_f, in_dims="T c", out_dims="T", core="c"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -312,7 +361,7 @@ def test_dim_in_both_vmap_and_scan(scan, vmap):
 def test_bad_chunk_sizes(chunk):
     matches = [
         re.escape(f"scan={{'T': {chunk!r}}}"),
-        r"chunk size must be a positive `int`",
+        r"chunk size must be a positive integer",
         r"or `None`",
     ]
     _raises_each(
@@ -340,10 +389,28 @@ def test_bad_strategy_names(argname, value, matches):
     )
 
 
-def test_no_mapped_dims():
-    w = filter_multi_vmap(_never_called, in_dims="T")
-    matches = [r"maps no dims", r"`vmap=` or `scan=`", r"`out_dims`"]
+def test_out_dims_or_return_annotation_needed():
+    w = filter_multi_vmap(_never_called, in_dims="T", vmap="T")
+    matches = [
+        r"has no `out_dims` and no return annotation",
+        r"the mapped dims are the named dims of the output",
+        r"Give `out_dims`",
+    ]
     _raises_each(SpecError, matches, lambda: w(jnp.ones(3)))
+
+
+def test_no_mapped_dims():
+    w = filter_multi_vmap(_never_called, in_dims="T", out_dims="...")
+    matches = [r"maps no dims", r"output's dims name none"]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones(3)))
+
+
+def test_numpy_integer_chunk_sizes():
+    x = jnp.arange(10.0)
+    w = filter_multi_vmap(
+        lambda a: a * 2.0, in_dims="T", out_dims="T", scan={"T": np.int64(3)}
+    )
+    np.testing.assert_array_equal(w(x), np.arange(10.0, dtype=np.float32) * 2)
 
 
 def test_in_dims_tuple_length_mismatch():
@@ -414,33 +481,37 @@ def test_mapped_dim_twice_in_one_array():
 @pytest.mark.parametrize(
     "out_dims, matches",
     [
-        ("T", [r"`out_dims` 'T' for `output`", r"does not contain the mapped dim 'F'"]),
+        (
+            ("T F", "T"),
+            [r"`out_dims` 'T' for `output\[1\]`", r"does not name the mapped dim 'F'"],
+        ),
         ("T F T", [r"'T F T'", r"names more than once the mapped dim 'T'"]),
-        ("F ... c", [r"'F \.\.\. c'", r"does not contain the mapped dim 'T'"]),
+        (
+            {"a": "F ... c", "b": "T F c"},
+            [r"'F \.\.\. c' for `output\['a'\]`", r"does not name the mapped dim 'T'"],
+        ),
     ],
 )
 def test_out_dims_missing_mapped_dim(out_dims, matches):
-    w = filter_multi_vmap(
-        lambda x, y: x * y,
-        in_dims=("T F", "F"),
-        out_dims=out_dims,
-        scan="T",
-        vmap="F",
+    # Raised at decoration: explicit `out_dims` fix the mapped dims.
+    matches = matches + [r"Every output array is mapped over each of .* exactly once"]
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(
+            _never_called, in_dims=("T F c", "F"), out_dims=out_dims, scan="T"
+        ),
     )
-    matches = matches + [r"each of T, F exactly once"]
-    _raises_each(SpecError, matches, lambda: w(jnp.ones((3, 4)), jnp.ones(4)))
 
 
-def test_out_dims_missing_mapped_dim_in_one_leaf():
-    w = filter_multi_vmap(
-        lambda x: {"a": x, "b": x},
-        in_dims="T F",
-        out_dims={"a": "T F", "b": "F"},
-        scan="T",
-        vmap="F",
-    )
-    with pytest.raises(SpecError, match=r"'F' for `output\['b'\]`.*mapped dim 'T'"):
-        w(jnp.ones((3, 4)))
+def test_out_dims_tuple_for_one_output():
+    # The message names the output's structure, never a tracer.
+    w = filter_multi_vmap(lambda x: x, in_dims="T F", out_dims=("T F",), scan="T")
+    matches = [r"`out_dims`", r"pytree prefix of `output`", r"\('T F',\)"]
+    for match in matches:
+        with pytest.raises(SpecError, match=match) as info:
+            w(jnp.ones((3, 4)))
+        assert "Tracer" not in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -460,7 +531,7 @@ def test_out_dims_missing_mapped_dim_in_one_leaf():
         ),
         (
             lambda x: x[:2],
-            "T c F",
+            ("T c F", "c"),
             ShapeError,
             [
                 r"inconsistent sizes for dim 'c'",
@@ -484,8 +555,11 @@ def test_out_dims_missing_mapped_dim_in_one_leaf():
     ],
 )
 def test_body_output_does_not_match_out_dims(body, out_dims, error, matches):
+    core = None
+    if isinstance(out_dims, tuple) and out_dims[1] == "c":
+        out_dims, core = out_dims
     w = filter_multi_vmap(
-        body, in_dims="T F c", out_dims=out_dims, scan={"T": 2}, vmap="F"
+        body, in_dims="T F c", out_dims=out_dims, core=core, scan={"T": 2}
     )
     _raises_each(error, matches, lambda: w(jnp.ones((3, 4, 3))))
 
@@ -521,11 +595,11 @@ _ILL_TYPED = {
     ),
     "chunk_float": (
         "filter_multi_vmap(f, in_dims='T', scan={'T': 1.5})",
-        [r"scan=\{'T': 1\.5\}", r"chunk size must be a positive `int`"],
+        [r"scan=\{'T': 1\.5\}", r"chunk size must be a positive integer"],
     ),
     "chunk_str": (
         "filter_multi_vmap(f, in_dims='T', scan={'T': '2'})",
-        [r"scan=\{'T': '2'\}", r"positive `int`"],
+        [r"scan=\{'T': '2'\}", r"positive integer"],
     ),
     "vmap_int_name": (
         "filter_multi_vmap(f, in_dims='T', vmap=('T', 3))",

@@ -1,0 +1,361 @@
+"""Resolving one call: from the arguments to everything the nest needs.
+
+[`resolve`][] runs at call (trace) time, before any nest is built:
+
+1. The mapped dims, by the one mapping rule: the named dims of the output's dims
+   (`out_dims`, or the return annotation), except `core` ones. Every strategy must
+   name mapped dims only.
+2. The arguments, bound to their dims leaf by leaf (`_args.bind_call`, annotations
+   included), and their shapes checked (`_check.check_inputs`): the size of every
+   named dim, and the axis of every mapped dim in every array leaf.
+3. The body, traced once on one element (`jax.make_jaxpr` over `ShapeDtypeStruct`s
+   without the mapped dims). Its outputs are checked against their dims here, so
+   spec errors come before any `vmap` or `scan` is traced. Every array the body
+   closes over (a closure's arrays, an `eqx.Module`'s fields, tracers of an
+   enclosing transform) becomes an explicit, unmapped input of the nest: the nest
+   is then a pure function of its inputs, which `jax.custom_jvp` and
+   `jax.shard_map` need.
+
+The result is a frozen [`Call`][].
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.tree_util as jtu
+import numpy as np
+
+from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
+from ._args import bind_call, BoundCall, broadcast_spec, is_array
+from ._blocks import NestSpec
+from ._check import check_inputs, check_output, InputCheck
+from ._dims import Dims, parse_dims
+from ._errors import SpecError
+from ._nest import Axes, Problem
+from ._options import (
+    check_out_leaf,
+    check_strategies,
+    explicit_mapped,
+    mapped_dims,
+    Options,
+    out_leaf_dims,
+)
+
+
+def fun_name_of(fun: Callable) -> str:
+    name = getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None)
+    return f"filter_multi_vmap({name or type(fun).__name__})"
+
+
+class _Dynamic:
+    def __repr__(self) -> str:
+        return "<dynamic>"
+
+
+_DYNAMIC = _Dynamic()
+
+
+@dataclasses.dataclass(frozen=True)
+class OutLayout:
+    """The body's output: its structure, its non-array leaves, and the dims of each
+    array leaf (in the order of the nest's outputs)."""
+
+    treedef: Any
+    static: tuple[Any, ...]
+    dims: tuple[Dims, ...]
+    shapes: tuple[jax.ShapeDtypeStruct, ...]  # of one element
+
+    def combine(self, outs: Sequence[Any]) -> Any:
+        it_out = iter(outs)
+        leaves = [next(it_out) if s is _DYNAMIC else s for s in self.static]
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """The body traced on one element: `jaxpr` over the array leaves of the
+    arguments, then the arrays it closed over (`consts`)."""
+
+    jaxpr: Any  # a `Jaxpr`, whose constvars take `consts`
+    consts: tuple[Any, ...]
+    n_args: int
+
+    def __call__(self, leaves: list[Any]) -> list[Any]:
+        args, consts = leaves[: self.n_args], leaves[self.n_args :]
+        return jax.core.eval_jaxpr(self.jaxpr, consts, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One resolved call of a mapped function.
+
+    - `fun_name`: the function as errors name it.
+    - `options`: the wrapper's options.
+    - `mapped`: the mapped dims, in the order of the output's dims.
+    - `sizes`: the size of every named dim (mapped and core).
+    - `check`: where each size was bound, for errors.
+    - `values`: the array leaves of the arguments, then the arrays the body closes
+        over; `leaf_axes`: the axis of each mapped dim in each of them.
+    - `body`: the body on one element; `out`: its output layout.
+    - `bound`: the arguments, leaf by leaf.
+    """
+
+    fun_name: str
+    options: Options
+    mapped: tuple[str, ...]
+    sizes: dict[str, int]
+    check: InputCheck
+    values: tuple[Any, ...]
+    leaf_axes: tuple[Axes, ...]
+    body: Body
+    out: OutLayout
+    bound: BoundCall
+
+    @property
+    def body_isolates(self) -> bool:
+        """Whether scanned inputs are best sliced apart from the body's kernels."""
+        return isolates(self.body.jaxpr)
+
+    @property
+    def mapped_sizes(self) -> dict[str, int]:
+        return {name: self.sizes[name] for name in self.mapped}
+
+    def problem(self, sizes: dict[str, int] | None = None) -> Problem:
+        """The nest's problem; `sizes` overrides the mapped sizes (per device)."""
+        return Problem(
+            body=self.body,
+            leaf_axes=self.leaf_axes,
+            out_dims=self.out.dims,
+            sizes=self.mapped_sizes if sizes is None else sizes,
+        )
+
+    def given_nest(self) -> NestSpec:
+        """The nest the strategies give: scans in the order given, then the vmaps:
+        sharded dims that are not scanned, those given by `vmap`, and every other
+        mapped dim, in the order of the output's dims."""
+        scan = self.options.scan
+        named = {n for n, _ in scan}
+        first = [n for n in self.options.shard_names if n not in named]
+        given = [n for n in self.options.vmap if n not in first]
+        rest = [n for n in self.mapped if n not in named | set(first) | set(given)]
+        return NestSpec(scan=scan, vmap=tuple(first + given + rest))
+
+    def element_specs(self) -> list[jax.ShapeDtypeStruct]:
+        """The input leaves on one element: without their mapped axes."""
+        out = []
+        for v, axes in zip(self.values, self.leaf_axes):
+            drop = set(axes.values())
+            shape = tuple(s for i, s in enumerate(np.shape(v)) if i not in drop)
+            out.append(_spec(v, shape))
+        return out
+
+
+def _spec(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
+    weak = bool(getattr(jax.typeof(x), "weak_type", False))
+    return jax.ShapeDtypeStruct(
+        np.shape(x) if shape is None else shape, x.dtype, weak_type=weak
+    )
+
+
+#
+# Slice isolation.
+#
+
+# Primitives that XLA fuses into one elementwise loop with their operands' slices.
+_ELEMENTWISE = frozenset(
+    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp
+    convert_element_type copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1
+    floor ge gt imag integer_pow is_finite le lgamma digamma log log1p logistic lt max
+    min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n
+    sign sin sinh sqrt square sub tan tanh xor stop_gradient""".split()
+)
+
+
+def isolates(jaxpr: Any) -> bool:
+    """Whether to slice scanned inputs apart from the body's kernels (`_nest.take`):
+    only when the body does more than elementwise work, where the fused slice stops
+    XLA:CPU's kernels from vectorising; an elementwise body runs best fused."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _ELEMENTWISE:
+            return True
+    return False
+
+
+#
+# The output's dims.
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class _OutSpec:
+    """Where the output's dims come from: `out_dims`, or the return annotation."""
+
+    spec: Any  # the `out_dims` tree, or an `OutAnnotation`
+    source: str  # "`out_dims`" or "the return annotation"
+
+
+def _out_spec(
+    options: Options, annotations: FunAnnotations, fun_name: str
+) -> tuple[_OutSpec, tuple[str, ...]]:
+    """The output's dims and the mapped dims, checked before the body is traced."""
+    mapped = explicit_mapped(options, fun_name)
+    if mapped is not None:
+        return _OutSpec(options.out_dims.value, "`out_dims`"), mapped
+    if not annotations.has_return:
+        raise SpecError(
+            f"`{fun_name}` has no `out_dims` and no return annotation, so which dims "
+            "are mapped is unknown: the mapped dims are the named dims of the "
+            "output. Give `out_dims`, e.g. `out_dims='T F ...'` (the output's dims, "
+            "mapped dims first here), or a jaxtyping return annotation."
+        )
+    names = annotations.out_names(fun_name)
+    mapped = mapped_dims(names, options.core, "the return annotation", fun_name)
+    check_strategies(options, mapped, "the return annotation", fun_name)
+    spec = annotations.out_dims(fun_name, mapped)
+    return _OutSpec(spec, "the return annotation"), mapped
+
+
+def _out_dims(
+    fun_name: str,
+    out_spec: _OutSpec,
+    out: Any,
+    mapped: tuple[str, ...],
+    check: InputCheck,
+) -> OutLayout:
+    """Check the body's output (of one element, as `ShapeDtypeStruct`s) against its
+    dims; the layout of the output."""
+    default = parse_dims(" ".join(mapped) + " ...")
+    spec = out_spec.spec
+    if isinstance(spec, OutAnnotation):
+        spec = spec.resolve(out, default)
+    where = f"`{fun_name}`: {out_spec.source}"
+    leaf_specs = broadcast_spec(spec, out, where, "output")
+    sizes = dict(check.sizes)
+    seen = {k: list(v) for k, v in check.seen.items()}
+    dims_list: list[Dims] = []
+    shapes: list[jax.ShapeDtypeStruct] = []
+    static: list[Any] = []
+    paths_and_leaves, treedef = jtu.tree_flatten_with_path(out)
+    for (path, leaf), leaf_spec in zip(paths_and_leaves, leaf_specs):
+        where_leaf = "output" + jtu.keystr(path)
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            static.append(leaf)
+            continue
+        if leaf_spec.dims is None:
+            raise SpecError(
+                f"`{fun_name}`: {out_spec.source} gives `None` for `{where_leaf}`, "
+                f"which is an array; every output array is mapped over "
+                f"{', '.join(mapped)}, so give it dims that name them."
+            )
+        source = out_spec.source
+        if leaf_spec.dims is default:
+            source = "the default dims of unannotated outputs"
+        check_out_leaf(fun_name, source, where_leaf, leaf_spec.dims, mapped)
+        check_output(
+            fun_name, where_leaf, leaf.shape, leaf_spec.dims, mapped, sizes, seen,
+            source,
+        )
+        dims_list.append(leaf_spec.dims)
+        shapes.append(leaf)
+        static.append(_DYNAMIC)
+    return OutLayout(treedef, tuple(static), tuple(dims_list), tuple(shapes))
+
+
+#
+# Tracing the body.
+#
+
+
+def _trace_body(
+    fun: Callable,
+    bound: BoundCall,
+    dyn_index: list[int],
+    element_specs: list[jax.ShapeDtypeStruct],
+    axis_env: list[tuple[str, int]],
+) -> tuple[Body, Any]:
+    """The body on one element as a jaxpr, and its output as `ShapeDtypeStruct`s
+    (non-array leaves as they are)."""
+    static_out: list[Any] = []
+
+    def element(dyn: list[Any]) -> Any:
+        values = [leaf.value for leaf in bound.leaves]
+        for i, v in zip(dyn_index, dyn):
+            values[i] = v
+        args, kwargs = bound.rebuild(values)
+        out = fun(*args, **kwargs)
+        arrays, others = eqx.partition(out, is_array)
+        static_out.append(others)
+        return arrays
+
+    closed, shapes = jax.make_jaxpr(element, axis_env=axis_env, return_shape=True)(
+        element_specs
+    )
+    out = eqx.combine(shapes, static_out[-1])
+    return Body(closed.jaxpr, tuple(closed.consts), len(element_specs)), out
+
+
+#
+# Resolving a call.
+#
+
+
+def resolve(
+    fun: Callable, options: Options, args: tuple, kwargs: dict
+) -> Call:
+    """Bind, check and trace one call, up to (not including) the nest."""
+    fun_name = fun_name_of(fun)
+    annotations = fun_annotations(fun)
+    out_spec, mapped = _out_spec(options, annotations, fun_name)
+    if not mapped:
+        raise SpecError(
+            f"`{fun_name}` maps no dims: its output's dims name none (the mapped "
+            "dims are the named dims of the output, except `core` ones)."
+        )
+    bound = bind_call(
+        fun,
+        fun_name,
+        args,
+        kwargs,
+        options.in_dims.value,
+        annotations.in_dims_hook(fun_name, mapped),
+    )
+    check = check_inputs(fun_name, bound.leaves, mapped)
+    for name in mapped:
+        if name not in check.sizes:
+            known = ", ".join(check.sizes) or "none"
+            raise SpecError(
+                f"`{fun_name}`: {out_spec.source} names dim '{name}', so it is "
+                "mapped, but no array argument's dims name it, so its size is "
+                f"unknown. The named dims of the arguments are: {known}. If the "
+                f"body makes '{name}' itself, declare it `core='{name}'`."
+            )
+    dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
+    values = [bound.leaves[i].value for i in dyn_index]
+    leaf_axes = [check.axes[i] for i in dyn_index]
+    element_specs = []
+    for v, axes in zip(values, leaf_axes):
+        assert axes is not None
+        drop = set(axes.values())
+        shape = tuple(s for i, s in enumerate(np.shape(v)) if i not in drop)
+        element_specs.append(_spec(v, shape))
+    axis_env = [(name, check.sizes[name]) for name in mapped]
+    body, out = _trace_body(fun, bound, dyn_index, element_specs, axis_env)
+    layout = _out_dims(fun_name, out_spec, out, mapped, check)
+    sizes = dict(check.sizes)
+    return Call(
+        fun_name=fun_name,
+        options=options,
+        mapped=mapped,
+        sizes=sizes,
+        check=check,
+        values=tuple(values) + body.consts,
+        leaf_axes=tuple(a for a in leaf_axes if a is not None)
+        + tuple({} for _ in body.consts),
+        body=body,
+        out=layout,
+        bound=bound,
+    )
