@@ -27,11 +27,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, get_args, get_origin
 
 import equinox as eqx
+import jax
 import jax.tree_util as jtu
 from jaxtyping import AbstractArray, PyTree
 
 from ._args import broadcast_spec, is_array, LeafSpec
-from ._check import dtype_matches, misplaced_mapped_dim
+from ._check import dtype_matches
 from ._dims import Dims, parse_dims
 from ._errors import ShapeError, SpecError
 
@@ -552,7 +553,7 @@ class OutAnnotation:
         full = []
         for (path, leaf), leaf_spec in zip(paths_and_leaves, leaf_specs):
             dims = leaf_spec.dims
-            if is_array(leaf):
+            if is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
                 where = "output" + jtu.keystr(path)
                 if dims is None:
                     leaf_spec = LeafSpec(default_out)
@@ -562,22 +563,10 @@ class OutAnnotation:
         return jtu.tree_unflatten(treedef, full)
 
     def _check_leaf(self, where: str, leaf: Any, dims: Dims) -> None:
-        fun_name = self.ctx.fun_name
-        bad = misplaced_mapped_dim(dims, self.mapped)
-        if bad is not None:
-            name, count = bad
-            how = "do not contain" if count == 0 else "name more than once"
-            raise SpecError(
-                f"`{fun_name}`: the return annotation gives `{where}` the dims "
-                f"{dims.source!r}, which {how} the mapped dim '{name}'. Every "
-                f"output array is mapped over each of {', '.join(self.mapped)} "
-                "exactly once; fix the return annotation, or override it with "
-                "`out_dims=...`."
-            )
         if not dtype_matches(leaf, dims):
             raise ShapeError(
-                f"`{fun_name}`: the function body returned `{where}` with dtype "
-                f"{leaf.dtype}, but the return annotation asks for "
+                f"`{self.ctx.fun_name}`: the function body returned `{where}` with "
+                f"dtype {leaf.dtype}, but the return annotation asks for "
                 f"{dims.dtype_desc}[..., {dims.source!r}]."
             )
 

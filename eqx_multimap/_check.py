@@ -153,16 +153,6 @@ def check_inputs(
     return InputCheck(sizes, seen, axes)
 
 
-def misplaced_mapped_dim(dims: Dims, mapped: tuple[str, ...]) -> tuple[str, int] | None:
-    """The first mapped dim that output `dims` do not name exactly once, and how
-    many times they name it; `None` if every mapped dim is named once."""
-    for name in mapped:
-        count = dims.names.count(name)
-        if count != 1:
-            return name, count
-    return None
-
-
 def check_output(
     fun_name: str,
     path: str,
@@ -173,21 +163,13 @@ def check_output(
     seen: dict[str, list[Seen]],
     source: str = "`out_dims`",
 ) -> None:
-    """Check one output array of the body (shape without mapped dims) against dims.
+    """Check one output array of the body (shape without mapped dims) against dims,
+    which name every mapped dim once (`_options.check_out_leaf`).
 
     `source` says where `dims` came from, for errors (`` `out_dims` ``, "the return
     annotation"). Updates `sizes`/`seen` with core dims that only the outputs bind.
     """
     mapped_set = set(mapped)
-    bad = misplaced_mapped_dim(dims, mapped)
-    if bad is not None:
-        name, count = bad
-        how = "does not contain" if count == 0 else "names more than once"
-        raise SpecError(
-            f"`{fun_name}`: {source} {dims.source!r} for `{path}` {how} the "
-            f"mapped dim '{name}'. Every output array is mapped over each of "
-            f"{', '.join(mapped)} exactly once."
-        )
     core = Dims(
         tuple(
             t

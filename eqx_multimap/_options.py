@@ -211,11 +211,14 @@ def check_out_leaf(
         if count == 1:
             continue
         how = "does not name" if count == 0 else "names more than once"
+        fix = ""
+        if source == "the return annotation":
+            fix = " Fix the return annotation, or override it with `out_dims=...`."
         raise SpecError(
             f"`{fun_name}`: {source} {dims.source!r} for `{where}` {how} the mapped "
             f"dim '{name}'. Every output array is mapped over each of "
             f"{', '.join(mapped)} exactly once (the mapped dims are the named dims "
-            "of the outputs, except `core` ones)."
+            f"of the outputs, except `core` ones).{fix}"
         )
 
 

@@ -25,7 +25,7 @@ class Spectrum(eqx.Module):
     gain: Float[Array, "T"]
 
 
-@filter_multi_vmap(scan="T", vmap="B")
+@filter_multi_vmap(scan="T", core="F")
 def predict(sky: Sky, vis: Float[Array, "T F B"], nu: Float[Array, "F"]) -> Prediction:
     assert sky.name == "sky"
     assert vis.shape == nu.shape == sky.spectra[0].values.shape

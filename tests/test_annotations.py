@@ -105,7 +105,7 @@ STRATEGIES = [
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_module_and_array_params_array_return(strategy):
-    @filter_multi_vmap(**strategy)
+    @filter_multi_vmap(**strategy, core="F")
     def predict(
         sky: SkyModel, vis: Float[Array, "T F B 2 2"], nu: Float[Array, "F"]
     ) -> Float[Array, "F T B 2 2"]:
@@ -142,7 +142,7 @@ def test_no_strategy_vmaps_every_dim_of_the_return_annotation():
 
 
 def test_tuple_return():
-    @filter_multi_vmap(vmap="T")
+    @filter_multi_vmap(core="F")
     def f(
         x: Float[Array, "T F"], k: Int[Array, "T"]
     ) -> tuple[Float[Array, "F T"], Int[Array, "T"]]:
@@ -213,7 +213,7 @@ def _to_sky(d, label="sky", power=2.0):
 
 @pytest.mark.parametrize("strategy", [dict(vmap="T"), dict(scan="T")])
 def test_nested_module_argument(strategy):
-    @filter_multi_vmap(**strategy)
+    @filter_multi_vmap(**strategy, core="F")
     def f(sky: Sky, x: Float[Array, "T F"]) -> Float[Array, "T F"]:
         assert sky.label == "sky" and sky.power == 2.0
         assert sky.components[0].gain.shape == ()
@@ -263,7 +263,7 @@ class Prediction(eqx.Module):
 
 @pytest.mark.parametrize("strategy", [dict(vmap="T"), dict(scan={"T": 2})])
 def test_module_return(strategy):
-    @filter_multi_vmap(**strategy)
+    @filter_multi_vmap(**strategy, core="F")
     def f(x: Float[Array, "T F"], w: Float[Array, "F"]) -> Prediction:
         return Prediction(
             vis=x * w,
@@ -327,7 +327,7 @@ def test_future_annotations_method():
 
 
 def test_unannotated_params_are_unmapped():
-    @filter_multi_vmap(vmap="T")
+    @filter_multi_vmap(core="F")
     def f(x: Float[Array, "T F"], w, n: int, scale=1.0) -> Float[Array, "T F"]:
         assert w.shape == (4, 3)  # passed whole, although its axis 0 has size T
         return x * w[n] * scale
@@ -376,7 +376,7 @@ def test_pytree_annotation_and_jaxtyping_spellings():
 
 
 def test_sequence_and_tuple_annotations():
-    @filter_multi_vmap(vmap="T")
+    @filter_multi_vmap(core="F")
     def f(
         xs: Sequence[Float[Array, "T F"]],
         pair: tuple[Float[Array, "F"], Float[Array, "T"]],
@@ -432,7 +432,7 @@ def test_in_dims_dict_overrides_one_annotation():
 
 
 def test_in_dims_tuple_none_unmaps_an_annotated_param():
-    @filter_multi_vmap(in_dims=(None, "T"), vmap="T")
+    @filter_multi_vmap(in_dims=(None, "T"), core="F")
     def f(table: Float[Array, "T F"], x: Float[Array, "T"]) -> Float[Array, "T F"]:
         assert table.shape == (4, 3)
         return table[0] * x
@@ -461,7 +461,7 @@ def test_out_dims_override_the_return_annotation():
 
 
 def _predict_for_errors():
-    @filter_multi_vmap(scan="T", vmap="B")
+    @filter_multi_vmap(scan="T", core="F")
     def predict(
         sky: SkyModel, vis: Float[Array, "T F B"], nu: Float[Array, "F"]
     ) -> Float[Array, "F T B"]:
@@ -520,7 +520,7 @@ def test_mismatched_module_field_sizes_name_the_field_path():
         lambda: predict(bad_sky, jnp.ones((2, 4, 2)), jnp.ones(4)),
     )
 
-    @filter_multi_vmap(vmap="T")
+    @filter_multi_vmap(core="F")
     def f(sky: Sky, x: Float[Array, "T F"]) -> Float[Array, "T F"]:
         return x * sky.components[1].spectrum
 
@@ -556,7 +556,7 @@ UNSUPPORTED = [
 
 @pytest.mark.parametrize("dims, token, why", UNSUPPORTED)
 def test_unsupported_jaxtyping_dims_name_the_parameter(dims, token, why):
-    @filter_multi_vmap(vmap="T")
+    @filter_multi_vmap(out_dims="T")
     def f(t: Float[Array, "T"], x: Float[Array, dims]):
         return t
 
@@ -575,7 +575,7 @@ def test_unsupported_jaxtyping_dims_name_the_parameter(dims, token, why):
     class M(eqx.Module):
         flux: Float[Array, dims]
 
-    @filter_multi_vmap(vmap="T")
+    @filter_multi_vmap(out_dims="T")
     def g(t: Float[Array, "T"], sky: M):
         return t
 
@@ -604,9 +604,9 @@ def test_return_annotation_without_a_mapped_dim():
     raises_all(
         SpecError,
         [
-            r"return annotation gives `output\[1\]` the dims 'T'",
-            "mapped dim 'B'",
-            "out_dims=",
+            r"the return annotation 'T' for `output\[1\]` does not name the mapped "
+            r"dim 'B'",
+            "Fix the return annotation, or override it with `out_dims=...`",
         ],
         lambda: f(jnp.ones((2, 3))),
     )
@@ -617,13 +617,13 @@ def f_unresolved(x: "Float[Array, 'T F']", y: "NotDefinedAnywhere"):  # noqa: F8
 
 
 def test_unresolvable_string_annotation():
-    f = filter_multi_vmap(f_unresolved, vmap="T")
+    f = filter_multi_vmap(f_unresolved, out_dims="T F", core="F")
     raises_all(
         SpecError,
         ["cannot resolve the annotation 'NotDefinedAnywhere'", "parameter `y`"],
         lambda: f(jnp.ones((2, 3)), jnp.ones(3)),
     )
-    g = filter_multi_vmap(f_unresolved, vmap="T", in_dims={"y": "F"})
+    g = filter_multi_vmap(f_unresolved, out_dims="T F", core="F", in_dims={"y": "F"})
     rng = np.random.default_rng(15)
     x, y = rand(rng, 2, 3), rand(rng, 3)
     assert_same(
@@ -639,7 +639,7 @@ def test_unresolvable_string_annotation():
 
 def test_jaxtyped_outside_checks_the_batched_shapes():
     @jaxtyped(typechecker=beartype)
-    @filter_multi_vmap(scan="T", vmap="B")
+    @filter_multi_vmap(scan="T", core="F")
     def predict(
         sky: SkyModel, vis: Float[Array, "T F B 2 2"], nu: Float[Array, "F"]
     ) -> Float[Array, "F T B 2 2"]:
@@ -669,7 +669,7 @@ def test_jaxtyped_outside_checks_the_batched_shapes():
     [(jaxtyped(typechecker=beartype), "jaxtyped"), (beartype, "beartype")],
 )
 def test_type_checker_inside_is_a_clear_error(checker, name):
-    @filter_multi_vmap(vmap="T")
+    @filter_multi_vmap(core="F")
     @checker
     def f(x: Float[Array, "T F"], w: Float[Array, "F"]) -> Float[Array, "F T"]:
         return x * w
@@ -678,7 +678,7 @@ def test_type_checker_inside_is_a_clear_error(checker, name):
         SpecError,
         [
             f"wrapped in `@{name}` inside `@filter_multi_vmap`",
-            "parameter `x`",
+            "the annotation of the return value",  # checked first: it gives the dims
             "mapped dim 'T'",
             re.escape("@jaxtyped(typechecker=beartype)\n    @filter_multi_vmap(...)"),
         ],
@@ -686,7 +686,7 @@ def test_type_checker_inside_is_a_clear_error(checker, name):
     )
 
     # Only the return annotation is used for dims: the same error, for it.
-    g = filter_multi_vmap(f, in_dims={"x": "T F", "w": "F"}, vmap="T")
+    g = filter_multi_vmap(f, in_dims={"x": "T F", "w": "F"}, core="F")
     raises_all(
         SpecError,
         [f"`@{name}` inside", "the return value", "mapped dim 'T'"],
@@ -695,7 +695,7 @@ def test_type_checker_inside_is_a_clear_error(checker, name):
 
 
 def test_type_checker_inside_with_explicit_dims_checks_elements():
-    @filter_multi_vmap(in_dims={"x": "T F", "w": "F"}, out_dims="F T", vmap="T")
+    @filter_multi_vmap(in_dims={"x": "T F", "w": "F"}, out_dims="F T", core="F")
     @jaxtyped(typechecker=beartype)
     def f(x: Float[Array, "F"], w: Float[Array, "F"]) -> Float[Array, "F"]:
         return x * w
@@ -708,7 +708,7 @@ def test_type_checker_inside_with_explicit_dims_checks_elements():
     )
 
     # The inner checker really sees one element: a batched annotation fails it.
-    @filter_multi_vmap(in_dims={"x": "T F"}, out_dims="T F", vmap="T")
+    @filter_multi_vmap(in_dims={"x": "T F"}, out_dims="T F", core="F")
     @jaxtyped(typechecker=beartype)
     def g(x: Float[Array, "T F"]) -> Float[Array, "F"]:
         return x
@@ -775,7 +775,7 @@ def test_random_annotated_orders(sizes, in_order, out_order, strategy):
         "w": Float[Array, "F"],
         "return": Float[Array, out_dims],
     }
-    f = filter_multi_vmap(body, **strategy)
+    f = filter_multi_vmap(body, **strategy, core="F")
     rng = np.random.default_rng(sum(sizes))
     shape = {"T": T, "B": B, "F": F}
     x, w = rand(rng, *(shape[n] for n in in_order)), rand(rng, F)
