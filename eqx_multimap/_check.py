@@ -70,9 +70,7 @@ def _inconsistent(
     return ShapeError("\n".join(lines))
 
 
-def _check_non_array(
-    fun_name: str, leaf: InLeaf, dims: Dims, mapped: set[str]
-) -> None:
+def _check_non_array(fun_name: str, leaf: InLeaf, dims: Dims, mapped: set[str]) -> None:
     value = leaf.value
     if isinstance(value, (bool, int, float, complex)):
         # A Python scalar has shape (); check it as `jax.jit` would see it, so that

@@ -16,15 +16,15 @@ import jax.tree_util as jtu
 from jax._src import traceback_util
 from jaxtyping import PyTree
 
-from ._blocks import describe_nest, NestSpec
+from ._blocks import describe_nest
 from ._errors import SpecError
 from ._nest import Build, mapped_function
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
 from ._planner import (
     describe_fixed,
     Plan,
-    PlanMode,
     plan_options,
+    PlanMode,
     Planner,
 )
 from ._resolve import Call, fun_name_of, resolve
@@ -51,21 +51,18 @@ def run_call(call: Call) -> Any:
     options = call.options
     spec = call.given_nest()
     diff_spec = None
-    planner = options.plan
-    if isinstance(planner, Planner):
-        plan = planner.plan(call)
+    if options.plan is not None:
+        plan = options.plan.planner.plan(call)
         spec, diff_spec = plan.spec, plan.backward_spec
-    build = Build(
-        isolate=call.body_isolates and bool(spec.scan),
-        checkpoint=options.checkpoint,
-    )
-    diff_build = Build(checkpoint=options.checkpoint)
+    build = Build(isolate=call.isolate, checkpoint=options.checkpoint)
+    diff_build = None
     if options.shard is None:
         if options.verbose:
             print(f"{call.fun_name}: {describe_nest(spec, call.mapped_sizes)}")
         fn = mapped_function(call.problem(), spec, build, diff_spec, diff_build)
         return call.out.combine(fn(list(call.values)))
-    shard = options.shard.plan(call.fun_name, call.check)
+    shard = call.shard
+    assert shard is not None
     local_sizes = {name: shard.local_sizes[name] for name in call.mapped}
     if options.verbose:
         print(shard.describe(f"{call.fun_name}: {describe_nest(spec, local_sizes)}"))
@@ -89,8 +86,9 @@ def _has_tracer(tree: Any) -> bool:
 
 def _static_hashable(tree: Any) -> bool:
     _, static = eqx.partition(tree, eqx.is_array)
+    leaves, treedef = jtu.tree_flatten(static)
     try:
-        hash(jtu.tree_flatten(static))
+        hash((tuple(leaves), treedef))
     except TypeError:
         return False
     return True
@@ -342,9 +340,7 @@ def _unwrap(fn: Callable) -> tuple[_MultiVmapWrapper, tuple]:
         if inner is None:
             break
         wrapper = inner
-    if isinstance(wrapper, jtu.Partial) and isinstance(
-        wrapper.func, _MultiVmapWrapper
-    ):
+    if isinstance(wrapper, jtu.Partial) and isinstance(wrapper.func, _MultiVmapWrapper):
         return wrapper.func, tuple(wrapper.args)
     if not isinstance(wrapper, _MultiVmapWrapper):
         raise SpecError(
@@ -383,8 +379,9 @@ def explain(fn: Callable, /, *args, **kwargs) -> Plan:
 
     def resolve_and_plan(args: tuple, kwargs: dict) -> Plan:
         call = resolve(wrapper._fun, wrapper._options, args, kwargs)
-        planner = call.options.plan
-        return planner.plan(call) if isinstance(planner, Planner) else describe_fixed(call)
+        if call.options.plan is None:
+            return describe_fixed(call)
+        return call.options.plan.planner.plan(call)
 
     # A `Plan` is not an array: `filter_eval_shape` returns it as it is.
     return eqx.filter_eval_shape(resolve_and_plan, bound_args + args, kwargs)

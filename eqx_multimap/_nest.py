@@ -53,10 +53,14 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class Build:
-    """How to build a nest: `isolate` slices scanned inputs as `take` does;
-    `checkpoint` wraps each scan body in `jax.checkpoint`."""
+    """How to build a nest.
 
-    isolate: bool = False
+    - `isolate`: the input leaves (by index) that the innermost scan of each block
+        slices apart from the body's kernels on CPU (see `isolate_slices`).
+    - `checkpoint`: wrap each scan body in `jax.checkpoint`.
+    """
+
+    isolate: frozenset[int] = frozenset()
     checkpoint: bool = False
 
 
@@ -73,38 +77,44 @@ def drop_axis(axes: Axes, key: str) -> Axes:
     return {k: (a - 1 if a > removed else a) for k, a in axes.items() if k != key}
 
 
-def _index(xs: Leaves, index: Any) -> Leaves:
-    return [lax.dynamic_index_in_dim(x, index, 0, keepdims=False) for x in xs]
+def _isolated(xs: Leaves, index: Any, length: int) -> Leaves:
+    # `index < length` always holds; the branches differ so that XLA cannot fold
+    # the conditional away, and it keeps the slices out of the body's kernels.
+    zeros = lambda xs: [jnp.zeros_like(x) for x in xs]  # noqa: E731
+    return lax.cond(index < length, lambda xs: list(xs), zeros, xs)
 
 
-def _index_isolated(xs: Leaves, index: Any, length: int) -> Leaves:
-    # `index < length` always holds; the conditional only keeps XLA from fusing the
-    # slices into the loop body's kernels.
-    return lax.cond(index < length, _index, lambda xs, _: _index(xs, 0), xs, index)
+def isolate_slices(xs: Leaves, index: Any, length: int) -> Leaves:
+    """This iteration's slices of scanned leaves, kept apart from the loop body's
+    kernels on CPU.
 
-
-def take(xs: Leaves, index: Any, length: int) -> Leaves:
-    """Element `index` of each scanned leaf (along axis 0), for one loop iteration.
-
-    On CPU the slices are taken inside a conditional, so that each is its own small
-    copy rather than fused into the first kernels of the loop body. XLA:CPU does fuse
-    it there (as `lax.scan` slices its `xs`), and the kernel then reloads the slice
-    index in its innermost loop, so LLVM does not vectorise it: for a body with
-    transcendentals and a materialised intermediate (`tanh(outer(x, x)) @ x`) a loop
-    of 3 or more trips ran 4-9x slower per trip than a loop of 2. Other platforms
-    slice as `lax.scan` does. Only used where it pays (see `_body.isolates`), and
-    never under differentiation (see `mapped_function`).
+    XLA:CPU fuses a scan's slice of its `xs` into the first kernels of the loop body;
+    when a kernel reads that slice through two index maps (`outer(x, x)`,
+    `x[::-1] * x`), it reloads the slice index in its innermost loop and LLVM does
+    not vectorise it: `tanh(outer(x, x)) @ x` ran 4-9x slower per trip. Passing the
+    slices through a conditional makes each its own small copy. The slices are the
+    scan's own, so the gradient stacks their cotangents as `lax.scan` does. Other
+    platforms, and inputs that `inputs_to_isolate` does not name, are sliced as
+    `lax.scan` slices them.
     """
     return lax.platform_dependent(
-        xs, index, cpu=ft.partial(_index_isolated, length=length), default=_index
+        xs,
+        index,
+        cpu=ft.partial(_isolated, length=length),
+        default=lambda xs, _: list(xs),
     )
 
 
 def _scan_level(
-    inner: Callable[[Leaves], Leaves], level: Level, in_axes: list, build: Build
+    inner: Callable[[Leaves], Leaves],
+    level: Level,
+    in_axes: list,
+    build: Build,
+    innermost: bool,
 ) -> Callable[[Leaves], Leaves]:
     mapped = [i for i, a in enumerate(in_axes) if a is not None]
     body = jax.checkpoint(inner) if build.checkpoint else inner
+    isolated = [j for j, i in enumerate(mapped) if innermost and i in build.isolate]
 
     def scanned(leaves: Leaves) -> Leaves:
         xs = [jnp.moveaxis(leaves[i], in_axes[i], 0) for i in mapped]
@@ -115,14 +125,18 @@ def _scan_level(
                 current[i] = xi
             return body(current)
 
-        if build.isolate and xs and level.size > 0:
-
-            def step(index, _):
-                return index + 1, run(take(xs, index, level.size))
-
-            _, ys = lax.scan(step, jnp.int32(0), None, length=level.size)
-        else:
+        if not isolated:
             _, ys = lax.scan(lambda c, x: (c, run(x)), None, xs, length=level.size)
+            return ys
+
+        def step(index: Any, x: Leaves) -> tuple[Any, Leaves]:
+            x = list(x)
+            kept = isolate_slices([x[j] for j in isolated], index, level.size)
+            for j, xj in zip(isolated, kept):
+                x[j] = xj
+            return index + 1, run(x)
+
+        _, ys = lax.scan(step, jnp.int32(0), xs, length=level.size)
         return ys
 
     return scanned
@@ -155,7 +169,8 @@ def build_levels(
             axis_name=level.dim if level.named else None,
         )
     elif level.kind == "scan":
-        return _scan_level(inner, level, in_axes, build)
+        innermost = all(lv.kind != "scan" for lv in rest)
+        return _scan_level(inner, level, in_axes, build, innermost)
     else:
         raise ValueError(f"Unrecognised level kind '{level.kind}'.")
 
@@ -199,7 +214,9 @@ def block_inputs(values: Leaves, leaf_axes: Sequence[Axes], block: Block) -> Lea
             ax = axes[part.dim] + sum(
                 1
                 for p in block.parts
-                if p.is_main and p.dim in axes and axes[p.dim] < axes[part.dim]
+                if p.is_main
+                and p.dim in axes
+                and axes[p.dim] < axes[part.dim]
                 and block.parts.index(p) < block.parts.index(part)
             )
             x = values[i]
@@ -243,8 +260,8 @@ def _target_perm(
     core_tokens = [
         t for t in dims.tokens if not (isinstance(t, NamedDim) and t.name in mapped)
     ]
-    n_ellipsis = ndim - n_levels - sum(
-        not isinstance(t, EllipsisDim) for t in core_tokens
+    n_ellipsis = (
+        ndim - n_levels - sum(not isinstance(t, EllipsisDim) for t in core_tokens)
     )
     perm: list[int] = []
     pairs: list[int] = []
@@ -340,24 +357,22 @@ def mapped_function(
     diff_spec: NestSpec | None = None,
     diff_build: Build | None = None,
 ) -> Callable[[Leaves], Leaves]:
-    """The nest of `problem`, as a function of the input leaves.
+    """The nest `spec` of `problem`, as a function of the input leaves.
 
-    Differentiated (`jax.jvp`, and so `jax.grad` and every other transform built on
-    it), it runs the nest `diff_spec` built with `diff_build` instead (by default
-    `spec` without slice isolation): a `jax.custom_jvp` whose primal is the nest
-    and whose tangent rule is the JVP of the differentiable nest. Slices taken
-    inside a conditional (`take`) transpose into full-size buffers on every loop
-    iteration, while slices of `lax.scan`'s `xs` transpose into its `ys`; and the
-    differentiable nest may also be planned for the backward pass's memory.
+    With a different `diff_spec` or `diff_build` (the planner's nest for the
+    backward pass: smaller blocks, checkpointed), differentiating it (`jax.jvp`, and
+    so `jax.grad` and every transform built on it) runs that nest instead: a
+    `jax.custom_jvp` whose primal is the forward nest and whose tangent rule is the
+    JVP of the differentiable nest. Otherwise it is the plain nest.
     """
     diff_spec = spec if diff_spec is None else diff_spec
-    diff_build = dataclasses.replace(build, isolate=False) if diff_build is None else diff_build
+    diff_build = build if diff_build is None else diff_build
     primal = ft.partial(run, problem, spec, build)
     if (diff_spec, diff_build) == (spec, build):
         return primal
     differentiable = ft.partial(run, problem, diff_spec, diff_build)
 
-    @ft.partial(jax.custom_jvp)
+    @jax.custom_jvp
     def f(values: Leaves) -> Leaves:
         return primal(values)
 
@@ -371,9 +386,7 @@ def mapped_function(
                 full[i] = x
             return differentiable(full)
 
-        return jax.jvp(
-            of_live, [values[i] for i in live], [dvalues[i] for i in live]
-        )
+        return jax.jvp(of_live, [values[i] for i in live], [dvalues[i] for i in live])
 
     f.defjvp(f_jvp, symbolic_zeros=True)
     return f

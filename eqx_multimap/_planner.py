@@ -44,7 +44,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 
 from ._blocks import blocks, describe_nest, NestSpec, plural
@@ -500,7 +499,6 @@ def dim_orders(call: Call, sizes: dict[str, int]) -> list[tuple[str, ...]]:
 #
 
 
-
 #
 # The time model.
 #
@@ -597,7 +595,7 @@ class _Compiler:
 
     def __init__(self, call: Call, sizes: dict[str, int], model: TimeModel):
         self.problem = call.problem(sizes)
-        self.checkpoint = call.options.checkpoint
+        self.build = Build(isolate=call.isolate, checkpoint=call.options.checkpoint)
         self.model = model
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
@@ -613,9 +611,8 @@ class _Compiler:
 
     def evaluate(self, cand: "PlanCandidate", budget: int | None) -> "PlanCandidate":
         """Compile `cand`: its temporary memory, and if it fits, its costs."""
-        build = Build(checkpoint=self.checkpoint)
         compiled = self.compile(
-            lambda values: run(self.problem, cand.spec, build, values), self.specs
+            lambda values: run(self.problem, cand.spec, self.build, values), self.specs
         )
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
         fits = None if budget is None else temp <= budget
@@ -693,8 +690,11 @@ def _costs(compiled: Any) -> tuple[float, float, float]:
 def _fingerprint(call: Call) -> str:
     """What determines a call's plan besides its options: the body's jaxpr, and the
     shapes and dtypes of every input leaf with its mapped axes."""
-    text = str(call.body.jaxpr) + repr(
-        [(str(_struct(v)), sorted(a.items())) for v, a in zip(call.values, call.leaf_axes)]
+    text = str(call.body.jaxpr.jaxpr) + repr(
+        [
+            (str(_struct(v)), sorted(a.items()))
+            for v, a in zip(call.values, call.leaf_axes)
+        ]
     )
     text += repr([str(d) for d in call.out.dims])
     return hashlib.sha256(text.encode()).hexdigest()
@@ -718,10 +718,9 @@ def _localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
     With `shard=`, the sharded dims are split outside the nest (`shard_map`), so the
     planner plans, and compiles, the local nest of one device.
     """
-    shard = call.options.shard
-    if shard is None:
+    sp = call.shard
+    if sp is None:
         return call.mapped_sizes, ()
-    sp = shard.plan(call.fun_name, call.check)
     dims = tuple(
         ShardDim(
             name,
@@ -755,7 +754,9 @@ class Planner:
     compiled while planning) are read by tests and benchmarks.
     """
 
-    def __init__(self, *, max_cache: int = _MAX_CACHE, time_model: TimeModel | None = None):
+    def __init__(
+        self, *, max_cache: int = _MAX_CACHE, time_model: TimeModel | None = None
+    ):
         self.max_cache = max_cache
         self._time_model = time_model
         self._cache: co.OrderedDict[Any, Plan | str] = co.OrderedDict()
@@ -828,7 +829,9 @@ class Planner:
         full = _candidate(fixed, layout, sizes, "full vmap")
         ladders = [ladder(order, orders[0], sizes, fixed, frozen) for order in orders]
         considered = {(full.scan, full.vmap): full}
-        for c in sorted((c for steps in ladders for c in steps), key=lambda c: -c.block):
+        for c in sorted(
+            (c for steps in ladders for c in steps), key=lambda c: -c.block
+        ):
             considered.setdefault((c.scan, c.vmap), c)
         if call.options.scan or call.options.vmap:
             g = _candidate(given.scan, given.vmap, sizes, "given")
@@ -862,13 +865,17 @@ class Planner:
                     for edge in (j, k):
                         if edge is not None:  # the boundary block, and its ties
                             finalists.extend(
-                                evaluate(c) for c in steps if c.block == steps[edge].block
+                                evaluate(c)
+                                for c in steps
+                                if c.block == steps[edge].block
                             )
                 fitting = [c for c in finalists if c.fits]
                 if fitting:
                     chosen = min(fitting, key=lambda c: c.seconds or 0.0)
                 if not chosen.fits:
-                    _raise_no_fit(call.fun_name, call, budget, list(evaluated.values()), sizes)
+                    _raise_no_fit(
+                        call.fun_name, call, budget, list(evaluated.values()), sizes
+                    )
         finally:
             self.n_compiles += compiler.n_compiled
         candidates = tuple(evaluated.get(k, c) for k, c in considered.items())

@@ -23,15 +23,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.core
+import jax.extend.core
 import jax.tree_util as jtu
 import numpy as np
 
 from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
-from ._args import bind_call, BoundCall, broadcast_spec, is_array
+from ._args import bind_call, BoundCall, broadcast_spec
 from ._blocks import NestSpec
+from ._body import Body, inputs_to_isolate, struct, trace_body
 from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims
 from ._errors import SpecError
@@ -42,8 +43,8 @@ from ._options import (
     explicit_mapped,
     mapped_dims,
     Options,
-    out_leaf_dims,
 )
+from ._shard import ShardPlan
 
 
 def fun_name_of(fun: Callable) -> str:
@@ -76,20 +77,6 @@ class OutLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class Body:
-    """The body traced on one element: `jaxpr` over the array leaves of the
-    arguments, then the arrays it closed over (`consts`)."""
-
-    jaxpr: Any  # a `Jaxpr`, whose constvars take `consts`
-    consts: tuple[Any, ...]
-    n_args: int
-
-    def __call__(self, leaves: list[Any]) -> list[Any]:
-        args, consts = leaves[: self.n_args], leaves[self.n_args :]
-        return jax.core.eval_jaxpr(self.jaxpr, consts, *args)
-
-
-@dataclasses.dataclass(frozen=True)
 class Call:
     """One resolved call of a mapped function.
 
@@ -102,6 +89,7 @@ class Call:
         over; `leaf_axes`: the axis of each mapped dim in each of them.
     - `body`: the body on one element; `out`: its output layout.
     - `bound`: the arguments, leaf by leaf.
+    - `shard`: with `shard=`, the mesh and each sharded dim's local size.
     """
 
     fun_name: str
@@ -114,11 +102,12 @@ class Call:
     body: Body
     out: OutLayout
     bound: BoundCall
+    shard: ShardPlan | None
 
     @property
-    def body_isolates(self) -> bool:
-        """Whether scanned inputs are best sliced apart from the body's kernels."""
-        return isolates(self.body.jaxpr)
+    def isolate(self) -> frozenset[int]:
+        """The input leaves that scans slice apart from the body's kernels."""
+        return inputs_to_isolate(self.body)
 
     @property
     def mapped_sizes(self) -> dict[str, int]:
@@ -150,39 +139,8 @@ class Call:
         for v, axes in zip(self.values, self.leaf_axes):
             drop = set(axes.values())
             shape = tuple(s for i, s in enumerate(np.shape(v)) if i not in drop)
-            out.append(_spec(v, shape))
+            out.append(struct(v, shape))
         return out
-
-
-def _spec(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
-    weak = bool(getattr(jax.typeof(x), "weak_type", False))
-    return jax.ShapeDtypeStruct(
-        np.shape(x) if shape is None else shape, x.dtype, weak_type=weak
-    )
-
-
-#
-# Slice isolation.
-#
-
-# Primitives that XLA fuses into one elementwise loop with their operands' slices.
-_ELEMENTWISE = frozenset(
-    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp
-    convert_element_type copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1
-    floor ge gt imag integer_pow is_finite le lgamma digamma log log1p logistic lt max
-    min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n
-    sign sin sinh sqrt square sub tan tanh xor stop_gradient""".split()
-)
-
-
-def isolates(jaxpr: Any) -> bool:
-    """Whether to slice scanned inputs apart from the body's kernels (`_nest.take`):
-    only when the body does more than elementwise work, where the fused slice stops
-    XLA:CPU's kernels from vectorising; an elementwise body runs best fused."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name not in _ELEMENTWISE:
-            return True
-    return False
 
 
 #
@@ -256,7 +214,13 @@ def _out_dims(
             source = "the default dims of unannotated outputs"
         check_out_leaf(fun_name, source, where_leaf, leaf_spec.dims, mapped)
         check_output(
-            fun_name, where_leaf, leaf.shape, leaf_spec.dims, mapped, sizes, seen,
+            fun_name,
+            where_leaf,
+            leaf.shape,
+            leaf_spec.dims,
+            mapped,
+            sizes,
+            seen,
             source,
         )
         dims_list.append(leaf_spec.dims)
@@ -266,46 +230,11 @@ def _out_dims(
 
 
 #
-# Tracing the body.
-#
-
-
-def _trace_body(
-    fun: Callable,
-    bound: BoundCall,
-    dyn_index: list[int],
-    element_specs: list[jax.ShapeDtypeStruct],
-    axis_env: list[tuple[str, int]],
-) -> tuple[Body, Any]:
-    """The body on one element as a jaxpr, and its output as `ShapeDtypeStruct`s
-    (non-array leaves as they are)."""
-    static_out: list[Any] = []
-
-    def element(dyn: list[Any]) -> Any:
-        values = [leaf.value for leaf in bound.leaves]
-        for i, v in zip(dyn_index, dyn):
-            values[i] = v
-        args, kwargs = bound.rebuild(values)
-        out = fun(*args, **kwargs)
-        arrays, others = eqx.partition(out, is_array)
-        static_out.append(others)
-        return arrays
-
-    closed, shapes = jax.make_jaxpr(element, axis_env=axis_env, return_shape=True)(
-        element_specs
-    )
-    out = eqx.combine(shapes, static_out[-1])
-    return Body(closed.jaxpr, tuple(closed.consts), len(element_specs)), out
-
-
-#
 # Resolving a call.
 #
 
 
-def resolve(
-    fun: Callable, options: Options, args: tuple, kwargs: dict
-) -> Call:
+def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
     """Bind, check and trace one call, up to (not including) the nest."""
     fun_name = fun_name_of(fun)
     annotations = fun_annotations(fun)
@@ -341,9 +270,10 @@ def resolve(
         assert axes is not None
         drop = set(axes.values())
         shape = tuple(s for i, s in enumerate(np.shape(v)) if i not in drop)
-        element_specs.append(_spec(v, shape))
+        element_specs.append(struct(v, shape))
+    shard = None if options.shard is None else options.shard.plan(fun_name, check)
     axis_env = [(name, check.sizes[name]) for name in mapped]
-    body, out = _trace_body(fun, bound, dyn_index, element_specs, axis_env)
+    body, out = trace_body(fun, bound, dyn_index, element_specs, axis_env, shard)
     layout = _out_dims(fun_name, out_spec, out, mapped, check)
     sizes = dict(check.sizes)
     return Call(
@@ -352,10 +282,11 @@ def resolve(
         mapped=mapped,
         sizes=sizes,
         check=check,
-        values=tuple(values) + body.consts,
+        values=tuple(values) + body.hoisted,
         leaf_axes=tuple(a for a in leaf_axes if a is not None)
-        + tuple({} for _ in body.consts),
+        + tuple({} for _ in body.hoisted),
         body=body,
         out=layout,
         bound=bound,
+        shard=shard,
     )

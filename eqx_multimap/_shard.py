@@ -34,9 +34,9 @@ from jax.sharding import (
     PartitionSpec,
 )
 
+from ._blocks import plural
 from ._check import InputCheck, Seen
 from ._errors import ShapeError, SpecError
-from ._blocks import plural
 from ._nest import final_axis
 
 
@@ -335,11 +335,19 @@ class ShardPlan:
             {k: final_axis(d, k, n) for k in dims} for d, n in zip(out_dims, out_ndims)
         ]
         out_specs = [_spec(a, dims, n) for a, n in zip(out_axes, out_ndims)]
-        outs = jax.shard_map(
-            lambda *local_values: local(list(local_values)),
-            mesh=self.mesh,
-            in_specs=tuple(in_specs),
-            out_specs=out_specs,
+        # Under `jax.jit` even when called eagerly: the body's jaxpr was traced with
+        # the mesh's axes manual, as in a traced `shard_map`.
+        outs = jax.jit(
+            jax.shard_map(
+                lambda *local_values: local(list(local_values)),
+                mesh=self.mesh,
+                in_specs=tuple(in_specs),
+                out_specs=out_specs,
+                # The body was traced once, on one element, outside (see
+                # `_resolve._trace_body`): its jaxpr does not carry the varying manual
+                # axes that this check needs.
+                check_vma=False,
+            )
         )(*values)
         if self.padded:
             trimmed = []

@@ -169,7 +169,7 @@ def test_shim_inside_chunked_scan_with_grads():
     inner = multi_vmap(lambda a, b: jnp.sin(a) * b, "[B],[B]", "[B]", scan_dims=["B"])
 
     @filter_multi_vmap(
-        in_dims=("T F B", "B"), out_dims="F T B", scan={"T": 2}, vmap="F"
+        in_dims=("T F B", "B"), out_dims="F T B", core="B", scan={"T": 2}
     )
     def outer(a, b):
         return inner(a, b)
@@ -401,7 +401,9 @@ def test_nested_filter_multi_vmap():
         lambda u, v: u * v, in_dims=("F", "F"), out_dims="F", scan={"F": 3}
     )
 
-    @filter_multi_vmap(in_dims={"a": "T F", "b": "F"}, out_dims="F T", scan={"T": 2})
+    @filter_multi_vmap(
+        in_dims={"a": "T F", "b": "F"}, out_dims="F T", core="F", scan={"T": 2}
+    )
     def outer(a, b):
         return inner(a, b)
 
@@ -483,7 +485,8 @@ def test_verbose_on_each_feature_path(capsys):
     assert "=== multi_vmap(<lambda>) ===" in out
     assert "<lambda>): scan(T=7) -> vmap(F=6) -> body" in out
     assert (
-        "<locals>.M.f): scan(T: 3 chunks of 2) + vmap(T remainder=1) -> body"
+        "<locals>.M.f): scan(T: 3 chunks of 2) + vmap(T remainder=1) -> vmap(F=6) "
+        "-> body"
     ) in out
     _no_internal_names(out)
 
@@ -505,7 +508,7 @@ def _raises(error, matches, fn):
 def test_output_errors_name_the_return_annotation():
     x = _rand((7, 8))
 
-    @filter_multi_vmap(vmap="T")
+    @filter_multi_vmap(core="F")
     def rank(a: Float[Array, "T F"]) -> Float[Array, "T F"]:
         return a.sum()
 
@@ -543,7 +546,7 @@ def test_output_errors_name_the_return_annotation():
         lambda: explicit(x),
     )
     explicit_rank = filter_multi_vmap(
-        lambda a: a.sum(), in_dims="T F", out_dims="T F", vmap="T"
+        lambda a: a.sum(), in_dims="T F", out_dims="T F", core="F"
     )
     _raises(
         ShapeError,
@@ -571,9 +574,8 @@ def test_errors_with_shard_and_annotations():
     _raises(
         SpecError,
         [
-            r"the return annotation gives `output` the dims 'T'",
-            r"mapped dim 'F'",
-            r"override it with `out_dims=...`",
+            r"`shard` names dim 'F', which is not mapped",
+            r"the return annotation does not name it",
         ],
         lambda: f(x),
     )
@@ -642,7 +644,7 @@ def test_sharded_callable_module_with_explicitly_sharded_fields(jit):
     with jax.set_mesh(mesh):
         module = Scale(jnp.asarray([2.0, -1.0]))  # created on the explicit mesh
         f = filter_multi_vmap(
-            module, in_dims="T F", out_dims="F T F2", vmap="T", shard={"F": "x"}
+            module, in_dims="T F", out_dims="F T F2", core="F2", shard={"F": "x"}
         )
         f = eqx.filter_jit(f) if jit == "filter_jit" else f
         out = f(x)
