@@ -312,7 +312,7 @@ def _fmt_num(x: float | None) -> str:
 #
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class PlanOptions:
     """A wrapper's planning options: its planner and memory budget. Not a pytree."""
 
@@ -882,7 +882,7 @@ class Planner:
         return Plan(
             fun_name=call.fun_name,
             auto=True,
-            sizes=tuple(sizes.items()),
+            sizes=tuple({**call.sizes, **sizes}.items()),
             dims=_dims_of(chosen, sizes),
             chosen=chosen,
             candidates=candidates,
@@ -940,7 +940,7 @@ def describe_fixed(call: Call) -> Plan:
     return Plan(
         fun_name=call.fun_name,
         auto=False,
-        sizes=tuple(sizes.items()),
+        sizes=tuple({**call.sizes, **sizes}.items()),
         dims=_dims_of(cand, sizes),
         chosen=cand,
         candidates=(cand,),

@@ -8,7 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqx_multimap import _planner, explain, filter_multi_vmap, Plan, SpecError
+from eqx_multimap import _planner, explain, filter_multi_vmap, Plan, Planner, SpecError
+from eqx_multimap._blocks import NestSpec
+from eqx_multimap._nest import Build, run
+from eqx_multimap._resolve import resolve
 
 
 def _temp_bytes(fn, *args) -> int:
@@ -97,8 +100,8 @@ def test_tight_budget_scans_and_fits(getkey, elements):
 def test_no_nest_fits():
     a = jnp.ones((8, 4, 32))
     b = jnp.ones((8, 32))
-    f = _sumexp_wrapper(plan="auto", memory_budget=16)
-    plans = _planner._STATS["plans"]
+    planner = Planner()
+    f = _sumexp_wrapper(plan=planner, memory_budget=16)
     for match in [
         r"filter_multi_vmap\(_sumexp\)",
         r"no nest fits `memory_budget=16`",
@@ -110,7 +113,7 @@ def test_no_nest_fits():
         with pytest.raises(SpecError, match=match):
             f(a, b)
     # The failure is cached too: the same signature does not plan again.
-    assert _planner._STATS["plans"] == plans + 1
+    assert planner.n_plans == 1
 
 
 def _elementwise(x, y):
@@ -146,7 +149,9 @@ def _wl_elementwise(getkey):
 def _wl_matmul(getkey):
     x = jax.random.normal(getkey(), (6, 40, 16))
     w = jax.random.normal(getkey(), (16, 256)) * 0.1
-    kw = dict(in_dims=("B N K", None), out_dims="B N M", scan="N", vmap="B")
+    kw = dict(
+        in_dims=("B N K", None), out_dims="B N M", core="M", scan="N", vmap="B"
+    )
     xs, ws = np.asarray(x, np.float64), np.asarray(w, np.float64)
     ref = np.stack(
         [np.stack([np.tanh(xs[i, j] @ ws) @ ws.T for j in range(40)]) for i in range(6)]
@@ -156,7 +161,7 @@ def _wl_matmul(getkey):
 
 def _wl_reduce(getkey):
     x = jax.random.normal(getkey(), (5, 9, 4, 33))
-    kw = dict(in_dims="A N B M", out_dims=("A B N", "B A"), vmap="A B")
+    kw = dict(in_dims="A N B M", out_dims=("A B N", "B A"), core="N", vmap="A B")
     xs = np.asarray(x, np.float64)
     gram_max = np.empty((5, 4, 9))
     top = np.empty((4, 5))
@@ -175,6 +180,7 @@ def _wl_mixed(getkey):
     kw = dict(
         in_dims={"x": "P Q R K", "y": "R P", "scale": None},
         out_dims={"z": "R Q P K", "n": None},
+        core="K",
         scan={"Q": 8},
         vmap="P R",
     )
@@ -197,8 +203,7 @@ def test_auto_matches_reference(getkey, workload, budget_kind):
     fun, args, kwargs, kw, ref = workload(getkey)
     # Tight: a third of what full vmap needs (measured independently), so the plan
     # must scan whenever full vmap needs any temporary memory at all.
-    mapped = tuple(kw.get("scan", ())) + tuple(kw["vmap"].split())
-    full = filter_multi_vmap(fun, **{**kw, "scan": None, "vmap": mapped})
+    full = filter_multi_vmap(fun, **{**kw, "scan": None, "vmap": None})
     full_temp = _temp_bytes(lambda *a: full(*a, **kwargs), *args)
     budget = 2**30 if budget_kind == "generous" else max(1, full_temp // 3)
     f = filter_multi_vmap(fun, plan="auto", memory_budget=budget, **kw)
@@ -227,9 +232,9 @@ def test_cost_correction_matches_full_vmap(getkey):
     # times. Every scanned candidate does the same arithmetic as full vmap.
     a, b = _sumexp_args(getkey, t=12, bsize=10, k=16)
     f = _sumexp_wrapper()
-    call = f._resolve((a, b), {})
-    compiler = _planner._Compiler(call, False)
-    sizes = call.check.sizes
+    call = resolve(f._fun, f._options, (a, b), {})
+    sizes = call.mapped_sizes
+    compiler = _planner._Compiler(call, sizes, _planner.TimeModel())
     full = compiler.evaluate(_planner._candidate((), ("T", "B"), sizes, "x"), None)
     scanned = [
         (("T", 4),),  # 3 chunks of 4
@@ -243,10 +248,10 @@ def test_cost_correction_matches_full_vmap(getkey):
         assert cand.transcendentals == pytest.approx(full.transcendentals, rel=1e-3)
         # The uncorrected report undercounts by about the trip count.
         raw = compiler.compile(
-            lambda c, dyn, scan=scan, vmap=vmap: _planner.run_blocks(
-                c.make_core, dyn, c.axes, c.check.sizes, dict(scan), vmap
-            )[0],
-            compiler.dyn_specs,
+            lambda values, scan=scan, vmap=vmap: run(
+                call.problem(), NestSpec(scan, vmap), Build(), values
+            ),
+            compiler.specs,
         )
         raw_flops = _planner._costs(raw)[0]
         assert raw_flops < 0.5 * full.flops
@@ -264,17 +269,16 @@ def test_cost_correction_matches_full_vmap(getkey):
 
 def test_plan_cache(getkey):
     a, b = _sumexp_args(getkey, t=8, bsize=6, k=16)
-    f = _sumexp_wrapper(plan="auto", memory_budget=8 * 16 * 16 * 4)
-    before = dict(_planner._STATS)
+    planner = Planner()
+    f = _sumexp_wrapper(plan=planner, memory_budget=8 * 16 * 16 * 4)
     out1 = f(a, b)
-    after_first = dict(_planner._STATS)
-    assert after_first["plans"] == before["plans"] + 1
-    assert after_first["compiles"] > before["compiles"]
+    assert planner.n_plans == 1 and planner.n_compiles > 0
+    after_first = planner.n_compiles
     out2 = f(a, b)
     plan = explain(f, a, b)
     jitted = eqx.filter_jit(f)(a, b)
     # Same signature: nothing planned or compiled by the planner again.
-    assert _planner._STATS == after_first
+    assert planner.n_plans == 1 and planner.n_compiles == after_first
     ref = _sumexp_reference(a, b)
     for out in (out1, out2, jitted):
         assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -282,16 +286,16 @@ def test_plan_cache(getkey):
     assert plan.scan
     # A new budget, shape or dtype is a new signature (a generous budget, so that
     # each of these plans compiles only full vmap).
-    g = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    g = _sumexp_wrapper(plan=planner, memory_budget=2**30)
     g(a, b)
-    assert _planner._STATS["plans"] == after_first["plans"] + 1
+    assert planner.n_plans == 2
     g(a[:4], b[:4])
-    assert _planner._STATS["plans"] == after_first["plans"] + 2
+    assert planner.n_plans == 3
     g(a.astype(jnp.float16), b.astype(jnp.float16))
-    assert _planner._STATS["plans"] == after_first["plans"] + 3
-    # A fresh wrapper with equal options shares the cache.
-    _sumexp_wrapper(plan="auto", memory_budget=2**30)(a[:4], b[:4])
-    assert _planner._STATS["plans"] == after_first["plans"] + 3
+    assert planner.n_plans == 4
+    # A fresh wrapper with equal options and the same planner shares the cache.
+    _sumexp_wrapper(plan=planner, memory_budget=2**30)(a[:4], b[:4])
+    assert planner.n_plans == 4
 
 
 def test_explain_table(getkey):
@@ -338,7 +342,7 @@ def test_explain_table(getkey):
     assert header in (" ".join(text.split()))
     # The time model is spelled out, with the threshold of fresh temporaries.
     assert lines[-1].startswith("est. time = max(flops / 5e+10 + ")
-    assert _planner.fresh_threshold()[1] in lines[-1]
+    assert _planner.TimeModel().fresh_source in lines[-1]
 
 
 def test_explain_fixed_nest(getkey):
@@ -447,8 +451,8 @@ def test_default_budget_is_a_fraction_of_ram(getkey):
         (
             dict(plan="fast"),
             [
-                r"`filter_multi_vmap\(..., plan=...\)` must be 'auto' or `None`, but "
-                r"got 'fast'"
+                r"`filter_multi_vmap\(..., plan=...\)` must be 'auto', an "
+                r"`eqx_multimap.Planner`, or `None`, but got 'fast'"
             ],
         ),
     ],
@@ -463,23 +467,27 @@ def test_bad_plan_options(kwargs, matches):
 
 def test_verbose_prints_plan_once(getkey, capsys):
     a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
-    f = _sumexp_wrapper(plan="auto", memory_budget=2**29, verbose=True)
+    f = _sumexp_wrapper(plan=Planner(), memory_budget=2**29, verbose=True)
     f(a, b)
     first = capsys.readouterr().out
     assert "filter_multi_vmap(_sumexp): plan='auto'" in first
     assert "candidates: " in first
     assert "filter_multi_vmap(_sumexp): vmap(T=4) -> vmap(B=3) -> body" in first
     f(a, b)
-    second = capsys.readouterr().out
-    assert "candidates: " not in second  # cached: not planned again
-    assert "filter_multi_vmap(_sumexp): vmap(T=4) -> vmap(B=3) -> body" in second
+    # An un-jitted call of the same signature runs the program compiled at the
+    # first: nothing is traced or planned again.
+    assert capsys.readouterr().out == ""
+    jax.jit(f)(a, b)
+    traced = capsys.readouterr().out
+    assert "candidates: " not in traced  # cached: not planned again
+    assert "filter_multi_vmap(_sumexp): vmap(T=4) -> vmap(B=3) -> body" in traced
 
 
 def test_zero_size_dim_plans_nothing():
-    f = _sumexp_wrapper(plan="auto", memory_budget=64)
-    before = _planner._STATS["compiles"]
+    planner = Planner()
+    f = _sumexp_wrapper(plan=planner, memory_budget=64)
     out = f(jnp.ones((0, 3, 8)), jnp.ones((0, 8)))
-    assert _planner._STATS["compiles"] == before
+    assert planner.n_compiles == 0
     assert out.shape == (0, 3) and out.dtype == jnp.float32
 
 
@@ -543,7 +551,7 @@ def test_auto_random_signatures(sizes, elements, seed):
         body,
         in_dims=(" ".join(names) + " K", None),
         out_dims=" ".join(reversed(names)) + " K",
-        vmap=" ".join(names),
+        core="K",
         plan="auto",
         memory_budget=elements * k * k * 4,
     )
@@ -641,12 +649,12 @@ def test_auto_with_shard(getkey, scan, bsize, pad):
 def test_auto_with_shard_cache_and_ambient_mesh(getkey):
     mesh = _shard_mesh()
     a, b = _sumexp_args(getkey, t=8, bsize=16, k=32)
-    f = _sumexp_wrapper(shard={"B": "x"}, plan="auto", memory_budget=2**30)
+    planner = Planner()
+    f = _sumexp_wrapper(shard={"B": "x"}, plan=planner, memory_budget=2**30)
     with jax.set_mesh(mesh):
         plan = explain(f, a, b)
-        before = dict(_planner._STATS)
         out = f(a, b)
-        assert _planner._STATS["plans"] == before["plans"]  # cached by explain
+        assert planner.n_plans == 1  # cached by explain
     # A generous per-device budget: the local nest is full vmap of T and B's block.
     assert plan.scan == {} and plan.vmap == ("T", "B")
     assert dict(plan.sizes) == {"T": 8, "B": 2, "K": 32}
@@ -667,40 +675,38 @@ def test_auto_with_shard_cache_and_ambient_mesh(getkey):
 
 
 def test_fresh_threshold_and_time_model():
+    model = _planner.TimeModel.for_backend(jax.default_backend())
     if jax.default_backend() != "cpu":
-        assert _planner.fresh_threshold()[0] is None
+        assert model.fresh_threshold is None
         return
-    threshold, where = _planner.fresh_threshold()
-    assert (
-        threshold == 32 * 2**20
-        and where == "32.0 MiB, glibc malloc's largest mmap threshold"
-    )
-    assert _planner._fresh(0) == 0
-    assert _planner._fresh(threshold) == 0
-    assert _planner._fresh(threshold + 1) == threshold + 1
+    threshold = model.fresh_threshold
+    assert threshold == 32 * 2**20
+    assert model.fresh_source == "glibc malloc's largest mmap threshold"
+    assert model.fresh(0) == 0
+    assert model.fresh(threshold) == 0
+    assert model.fresh(threshold + 1) == threshold + 1
     # Roofline-like: the larger of compute and memory, plus 10 loop trips, plus the
     # page faults of fresh temporaries.
-    trips = 10 * _planner._LOOP_OVERHEAD_CPU
+    trips = 10 * model.loop_overhead
     compute = 1e9 / 5e10 + 1e6 / 5e9
     assert compute > 1e8 / 2e10
-    assert _planner._seconds(1e9, 1e6, 1e8, 10) == pytest.approx(compute + trips)
+    assert model.seconds(1e9, 1e6, 1e8, 10) == pytest.approx(compute + trips)
     memory = 1e10 / 2e10
-    assert _planner._seconds(1e9, 1e6, 1e10, 10) == pytest.approx(memory + trips)
-    fresh = 3e8 / _planner._PAGE_BANDWIDTH
-    assert _planner._seconds(1e9, 1e6, 1e8, 10, 3e8) == pytest.approx(
+    assert model.seconds(1e9, 1e6, 1e10, 10) == pytest.approx(memory + trips)
+    fresh = 3e8 / model.page_bandwidth
+    assert model.seconds(1e9, 1e6, 1e8, 10, 3e8) == pytest.approx(
         compute + fresh + trips
     )
 
 
+_SMALL = 64 * 1024
+
+
 @pytest.fixture
-def small_threshold(monkeypatch):
-    """Temporaries above 64 KiB count as fresh; plans made so are not kept."""
-    _planner._CACHE.clear()
-    monkeypatch.setattr(
-        _planner, "fresh_threshold", lambda: (64 * 1024, "test threshold")
-    )
-    yield 64 * 1024
-    _planner._CACHE.clear()
+def small_threshold():
+    """A planner for which temporaries above 64 KiB count as fresh."""
+    model = _planner.TimeModel(fresh_threshold=_SMALL, fresh_source="test threshold")
+    return Planner(time_model=model)
 
 
 def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
@@ -709,7 +715,7 @@ def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
     # Full vmap fits the budget, but its temporaries (16 * 12 elements of 4 KiB) are
     # above the threshold: the largest scan below it is costed as well, and wins.
     a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
-    f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    f = _sumexp_wrapper(plan=small_threshold, memory_budget=2**30)
     plan = explain(f, a, b)
     by_nest = {(c.scan, c.vmap): c for c in plan.candidates}
     full = by_nest[((), ("T", "B"))]
@@ -717,7 +723,7 @@ def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
     assert full.fresh_bytes == full.temp_bytes
     costed = [c for c in plan.candidates if c.seconds is not None and c.scan]
     assert costed, "scanned candidates costed besides full vmap"
-    below = [c for c in costed if c.temp_bytes <= small_threshold]
+    below = [c for c in costed if c.temp_bytes <= _SMALL]
     assert below and all(c.fresh_bytes == 0 for c in below)
     assert all(c.fresh_bytes == c.temp_bytes for c in costed if c not in below)
     # The largest block below the threshold: 64 KiB / 4 KiB = 16 elements at most.
@@ -727,7 +733,7 @@ def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
     bigger = [c for c in steps if c.block > largest]
     assert all(
         by_nest[(c.scan, c.vmap)].temp_bytes is None
-        or by_nest[(c.scan, c.vmap)].temp_bytes > small_threshold
+        or by_nest[(c.scan, c.vmap)].temp_bytes > _SMALL
         for c in bigger
     )
     assert plan.chosen == min(costed + [full], key=lambda c: c.seconds)
@@ -745,8 +751,8 @@ def test_full_vmap_below_threshold_is_not_compared(getkey, small_threshold):
     # Every element's temporaries are tiny: full vmap is below the threshold, and it
     # is chosen without costing any scan.
     a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
-    f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    f = _sumexp_wrapper(plan=small_threshold, memory_budget=2**30)
     plan = explain(f, a, b)
     assert plan.scan == {} and plan.chosen.fresh_bytes == 0
-    assert plan.chosen.temp_bytes <= small_threshold
+    assert plan.chosen.temp_bytes <= _SMALL
     assert sum(c.temp_bytes is not None for c in plan.candidates) == 1
