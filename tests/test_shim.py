@@ -85,14 +85,20 @@ def test_list_mappings_match_hand_written_nest():
     "kwargs, match",
     [
         (dict(in_mapping="T,F", out_mapping="[T]"), r"bracketed groups.*\[T,F,B\]"),
-        (dict(in_mapping="[T]", out_mapping="[T,T]"), r"dim 'T' appears twice"),
+        (
+            dict(in_mapping="[T]", out_mapping="[T,T]"),
+            r"'T' appears twice in output \[T,T\]; each dim must be unique",
+        ),
         (dict(in_mapping="[T],[F]", out_mapping="[T,F],[T]"), r"lacks \['F'\]"),
-        (dict(in_mapping="[T]", out_mapping="[T,K]"), r"'K' .* appears in no group"),
+        (
+            dict(in_mapping="[T]", out_mapping="[T,K]"),
+            r"'K' must be in some input dims, but no group",
+        ),
         (
             dict(in_mapping="[T]", out_mapping="[T]", scan_dims={"F"}),
             r"scan_dims=.*\['F'\].*mapped dims are \['T'\]",
         ),
-        (dict(in_mapping="[T-1]", out_mapping="[T]"), r"'T-1' is not a dim name"),
+        (dict(in_mapping="[T-1]", out_mapping="[T]"), r"'T-1' is not a dim label"),
     ],
 )
 def test_errors(kwargs, match):
