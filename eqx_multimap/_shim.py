@@ -244,14 +244,16 @@ class _MultiVmapShim(eqx.Module):
         if self._params is None:
             if kwargs:
                 raise SpecError(
-                    f"`{self._shim_name}`: the function has no signature to read "
-                    "parameter names from, so its arguments are matched to the "
-                    "groups of `in_mapping` by position only; but it was called "
-                    f"with keyword arguments {tuple(kwargs)}."
+                    f"`{self._shim_name}`: the function has no named parameters "
+                    "for the groups of `in_mapping` (it takes `*args`, or has no "
+                    "signature), so its arguments are matched to the groups by "
+                    "position only; but it was called with keyword arguments "
+                    f"{tuple(kwargs)}."
                 )
             if len(args) != n:
                 raise SpecError(
-                    f"`{self._shim_name}` was called with {len(args)} arguments, but "
+                    f"`{self._shim_name}` was called with {len(args)} positional "
+                    f"argument{'' if len(args) == 1 else 's'}, but "
                     f"`in_mapping={self._in_mapping!r}` has {_groups_str(n)}, one per "
                     "argument (`[]` for one that is not mapped)."
                 )
