@@ -338,8 +338,8 @@ def multi_vmap(
     """Map `f` according to a DSA2000-Cal-style signature; a migration shim.
 
     This has the signature and semantics of `multi_vmap` from DSA2000-Cal's
-    `jax_utils`, and is implemented with [`eqx_multimap.filter_multi_vmap`][]. See
-    [the migration guide](../migration.md) for the differences.
+    `jax_utils`, and is implemented with [`eqx_multimap.filter_multi_vmap`][]. The
+    migration guide lists the differences.
 
     **Arguments:**
 
