@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     original = proc.stdout
     commit = git(args.git_dir, "log", "-1", "--format=%h %cs", args.rev).stdout.strip()
 
+    # Test this checkout's `eqx_multimap`, whatever else is installed.
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
     sys.meta_path.insert(0, GitModules(args.git_dir, args.rev))
     try:
         importlib.import_module(JAX_UTILS)
