@@ -2,8 +2,9 @@
 
 A dims string describes the *whole* shape of one array, in the notation of jaxtyping:
 
-- a name (`T`, `freq`, `n1`) is a named dim; every array using a name must agree on
-  its size;
+- a name (`T`, `freq`, `n1`, `D'`) is a named dim; every array using a name must
+  agree on its size. A name is a Python identifier not starting with `_`, optionally
+  followed by primes (`D'`, `T''`), so that a second copy of a dim can be told apart;
 - an integer (`2`) is a dim of exactly that size;
 - `_` (or any name starting with `_`, such as `_pol`) is one axis of any size, never
   checked and never mapped;
@@ -85,6 +86,15 @@ class Dims:
 _INT = re.compile(r"^[0-9]+$")
 
 
+def is_dim_name(name: object) -> bool:
+    """Whether `name` is a dim name: a Python identifier not starting with `_`,
+    followed by zero or more primes, such as `"T"`, `"n1"`, `"D'"` or `"T''"`."""
+    if not isinstance(name, str):
+        return False
+    stem = name.rstrip("'")
+    return stem.isidentifier() and not stem.startswith("_")
+
+
 def _token_error(dims: str, token: str, why: str) -> SpecError:
     return SpecError(f"Invalid dims string {dims!r}: dim {token!r} {why}")
 
@@ -152,14 +162,15 @@ def parse_dims(dims: str) -> Dims:
             )
         elif raw.startswith("_") and raw.isidentifier():
             tokens.append(AnonDim(raw))
-        elif raw.isidentifier():
+        elif is_dim_name(raw):
             tokens.append(NamedDim(raw))
         else:
             raise _token_error(
                 dims,
                 raw,
                 "is not a name, an integer, `_` or `...`. Names are Python "
-                "identifiers, e.g. 'T', 'freq', 'n1'.",
+                "identifiers not starting with `_`, optionally followed by primes, "
+                "e.g. 'T', 'freq', 'n1', \"D'\".",
             )
     return Dims(tuple(tokens), dims)
 
@@ -209,11 +220,11 @@ def parse_names(value, argname: str) -> tuple[str, ...]:
                 f"as 'T F', or a sequence of dim names, but got {value!r}."
             ) from None
     for name in names:
-        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+        if not is_dim_name(name):
             raise SpecError(
                 f"`filter_multi_vmap(..., {argname}=...)` got {name!r}, which is not a "
                 "dim name. Dim names are Python identifiers not starting with `_`, "
-                "e.g. 'T'."
+                "optionally followed by primes, e.g. 'T', \"D'\"."
             )
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
