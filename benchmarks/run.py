@@ -24,7 +24,7 @@ the same rounds, which can differ from the ratio of their median times. Only rat
 measured side by side in one run are compared; absolute times depend on the machine
 and its load, and nothing here passes or fails on them.
 
-    python benchmarks/run.py --quick     # reduced sizes, well under 2 minutes
+    python benchmarks/run.py --quick     # reduced sizes, about a minute
     python benchmarks/run.py             # the full grid (10-15 minutes on 2 cores)
     python benchmarks/run.py --sections grid --max-elements 1e9
 """
@@ -140,6 +140,13 @@ def hand_lax_map(k: int):
 
 
 _GRID_DIMS = dict(in_dims="b1 b2 L", out_dims="b1 b2 L")
+
+
+def normal_input(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    """Standard normal float32 inputs, drawn by numpy: `jax.random` would compile a
+    generator for every new shape, which costs more than a small grid cell's run."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
 
 
 TWIN = "vmap (twin)"
@@ -383,7 +390,7 @@ def run_grid(cfg, progress: Progress = no_progress) -> dict:
                     pair_row(cell, "auto", "ours auto", "fastest other", status=status)
                 )
             continue
-        xs = jax.random.normal(jax.random.key(0), cell, jnp.float32)
+        xs = normal_input(0, cell)
         where = f" @ {b1}x{b2}x{L}"
         comp, compile_s = compile_programs(methods, (xs,), steps, where)
         twin_identical &= normalised_hlo(comp["vmap"]) == normalised_hlo(comp[TWIN])
@@ -430,10 +437,10 @@ MEMORY_WORKLOADS = {
 
 def memory_inputs(workload: str, n: int, m: int):
     _, in_dims, _ = MEMORY_WORKLOADS[workload]
-    keys = jax.random.split(jax.random.key(1), len(in_dims))
+    rng = np.random.default_rng(1)
     return tuple(
-        jax.random.uniform(key, (n, m), jnp.float32, -1.0, 1.0)
-        for key in keys  # |x * y| <= 1: exp stays finite
+        jnp.asarray(rng.uniform(-1.0, 1.0, (n, m)).astype(np.float32))
+        for _ in in_dims  # |x * y| <= 1: exp stays finite
     )
 
 
@@ -611,7 +618,7 @@ def run_bandwidth(cfg, progress: Progress = no_progress) -> dict:
     the same bytes, so its fraction of a reference is the paired time ratio.
     """
     b1, b2, L = cfg.bw_shape
-    xs = jax.random.normal(jax.random.key(2), (b1, b2, L), jnp.float32)
+    xs = normal_input(2, (b1, b2, L))
     nbytes = xs.nbytes
     src = np.asarray(xs)
     dst = np.empty_like(src)
@@ -683,15 +690,15 @@ def make_config(args) -> Config:
     if args.quick:
         cfg = Config(
             b_sizes=(100, 1000),
-            l_sizes=(1, 100),
-            max_elements=10**7,
-            repeats=9,
-            cell_budget_s=0.5,
-            mem_n=64,
+            l_sizes=(1, 10),
+            max_elements=2 * 10**6,
+            repeats=15,
+            cell_budget_s=1.0,
+            mem_n=32,
             mem_m=1024,
             chunk=8,
-            budget=64 * MiB,
-            bw_shape=(1000, 1000, 16),
+            budget=32 * MiB,
+            bw_shape=(1000, 1000, 8),
         )
     else:
         cfg = Config(
@@ -738,7 +745,9 @@ def main(argv=None) -> int:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true", help="reduced sizes (< 2 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="reduced sizes (about a minute)"
+    )
     parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
@@ -750,7 +759,7 @@ def main(argv=None) -> int:
         "--max-elements",
         type=float,
         default=None,
-        help="skip grid cells with more elements (default 3e8; 1e7 with --quick)",
+        help="skip grid cells with more elements (default 3e8; 2e6 with --quick)",
     )
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
