@@ -159,25 +159,25 @@ def ours_vs_hand_markdown(grid: dict) -> str:
     return "\n".join(out)
 
 
+def _pair_columns(p: dict, by: dict[tuple, dict]) -> list[str]:
+    """A pair's median times of `a` and `b`, their ratio of medians, its paired
+    ratio; or `skipped`."""
+    if p["paired"] is None:
+        return ["skipped", "skipped", "", "skipped"]
+    ra, rb = by[_cell(p) + (p["a"],)], by[_cell(p) + (p["b"],)]
+    return [
+        f"{ra['median_ms']:.3g}",
+        f"{rb['median_ms']:.3g}",
+        f"{p['ratio_of_medians']:.2f}",
+        fmt_paired(p),
+    ]
+
+
 def order_markdown(grid: dict) -> str:
     floor = noise_floor(grid)
     by = _rows_by(grid)
     a, b = ORDER
-    rows = []
-    for p in pairs_of(grid, a, b):
-        ra, rb = by[_cell(p) + (a,)], by[_cell(p) + (b,)]
-        if p["paired"] is None:
-            rows.append([*_cell(p), "skipped", "skipped", "", "skipped"])
-            continue
-        rows.append(
-            [
-                *_cell(p),
-                f"{ra['median_ms']:.3g}",
-                f"{rb['median_ms']:.3g}",
-                f"{p['ratio_of_medians']:.2f}",
-                fmt_paired(p),
-            ]
-        )
+    rows = [[*_cell(p), *_pair_columns(p, by)] for p in pairs_of(grid, a, b)]
     out = [
         f"### Map order: `{a}` against `{b}`",
         "",
@@ -215,23 +215,15 @@ def auto_markdown(grid: dict) -> str:
     floor = noise_floor(grid)
     by = _rows_by(grid)
     pairs = pairs_of(grid, "ours auto")
-    rows = []
-    for p in pairs:
-        if p["paired"] is None:
-            rows.append([*_cell(p), "", "skipped", "", "", "", "skipped"])
-            continue
-        auto, best = by[_cell(p) + ("ours auto",)], by[_cell(p) + (p["b"],)]
-        rows.append(
-            [
-                *_cell(p),
-                f"`{p['note']}`" if p["note"] else "",
-                f"`{p['b']}`",
-                f"{auto['median_ms']:.3g}",
-                f"{best['median_ms']:.3g}",
-                f"{p['ratio_of_medians']:.2f}",
-                fmt_paired(p),
-            ]
-        )
+    rows = [
+        [
+            *_cell(p),
+            f"`{p['note']}`" if p["note"] else "",
+            "skipped" if p["paired"] is None else f"`{p['b']}`",
+            *_pair_columns(p, by),
+        ]
+        for p in pairs
+    ]
     out = [
         '### `plan="auto"` against the fastest fixed program',
         "",
