@@ -52,6 +52,42 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
+def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """The per-round ratios a/b of two programs timed in the same rounds.
+
+    Their median is `paired_ratio(a, b)`, which can differ from the ratio of the two
+    medians `median(a) / median(b)`: the rounds' ratios are taken first.
+    """
+    return [x / y for x, y in zip(a, b)]
+
+
+def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    """The 25th, 50th and 75th percentiles of `xs` (all three `xs[0]` for one value).
+
+    The interquartile range, from the first to the third, is the spread reported
+    for the per-round times and ratios.
+    """
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def fresh(fn: Callable) -> Callable:
+    """A new function object that calls `fn`.
+
+    `jax.jit` caches on the function object, so compiling `fresh(fn)` next to `fn`
+    gives a second, separately compiled executable of the same program. Timed side
+    by side, two such twins measure the noise floor of a paired ratio: what two
+    programs with identical HLO differ by (check with `normalised_hlo`).
+    """
+
+    def fresh_fn(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return fresh_fn
+
+
 _NOISE = re.compile(r"(metadata=\{[^}]*\}|HloModule \S+|, entry_computation_layout=.*)")
 
 

@@ -1,32 +1,37 @@
 """The origin benchmark, reproduced properly: map orders, memory and bandwidth.
 
-Three sections, each written to `benchmarks/results/` as a CSV, one Markdown report
-(`results.md`) and a PNG plot:
+Three sections, each written to `benchmarks/results/` as CSV, with one Markdown
+report (`results.md`, headline summary first) and one figure per question:
 
 - `grid`: `f(x) = sin(x**2 + 1)` over `xs` of shape `(b1, b2, L)`, mapped over `b1`
     and `b2`, for `b1, b2` in {100, 1000, 3000} and `L` in {1, 10, 100}. Compared:
     hand-written `vmap(vmap)`, `scan(vmap)`, `vmap(scan)`, `lax.map(batch_size=k)`,
     and `filter_multi_vmap` with the same strategies (plus `plan="auto"` when the
-    installed `eqx_multimap` has a planner). Every program is compiled first (compile
-    time reported apart), run once as warm-up, then all are timed side by side,
-    interleaved, with `jax.block_until_ready`; reported are medians and the median
-    of per-round ratios against the full vmap measured in the same rounds.
+    installed `eqx_multimap` has a planner), and a second, separately compiled copy
+    of the hand-written `vmap`: the noise floor. Every program is compiled first
+    (compile time reported apart), run once as warm-up, then all are timed side by
+    side, interleaved, with `jax.block_until_ready`. Figures: `ours_vs_hand.png`
+    and `order.png`.
 - `memory`: per-element workloads with a big intermediate (`exp(outer(x, y))`, 1 GiB
     when fully vmapped): the compiled temp bytes
-    (`compiled.memory_analysis().temp_size_in_bytes`) and the peak RSS of a fresh
-    subprocess per strategy (`resource.getrusage(RUSAGE_SELF).ru_maxrss`).
+    (`compiled.memory_analysis().temp_size_in_bytes`), the peak RSS of a fresh
+    subprocess per strategy, and the time. Figure: `memory.png`.
 - `bandwidth`: elementwise maps as a fraction of a measured memcpy bandwidth (bytes
     moved = bytes read + bytes written).
 
-Only ratios measured side by side in one run are compared; absolute times depend on
-the machine and its load, and nothing here passes or fails on them.
+Ratios are paired: the median of the per-round time ratios of two programs timed in
+the same rounds, which can differ from the ratio of their median times. Only ratios
+measured side by side in one run are compared; absolute times depend on the machine
+and its load, and nothing here passes or fails on them.
 
-    python benchmarks/run.py --quick     # reduced sizes, well under 2 minutes
+    python benchmarks/run.py --quick     # reduced sizes, about a minute
     python benchmarks/run.py             # the full grid (10-15 minutes on 2 cores)
     python benchmarks/run.py --sections grid --max-elements 1e9
 """
 
 import argparse
+import concurrent.futures as cf
+import contextlib
 import csv
 import dataclasses
 import itertools as it
@@ -34,27 +39,80 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import _report as report
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
-from _timing import compiled, median, paired_ratio, time_side_by_side
+from _timing import (
+    compiled,
+    fresh,
+    median,
+    normalised_hlo,
+    paired_ratio,
+    paired_ratios,
+    quartiles,
+    time_side_by_side,
+)
 from eqx_multimap import filter_multi_vmap
 
+
+try:
+    from eqx_multimap import explain
+except ImportError:  # an `eqx_multimap` without the planner
+    explain = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results")
 SECTIONS = ("grid", "memory", "bandwidth")
 MiB = 2**20
+
+
+# ----------------------------------------------------------------------------------
+# Progress: one bar per section, one step per compile, timing or subprocess.
+
+
+class Steps:
+    """The progress of one section: a `tqdm` bar, or nothing when `bar` is `None`."""
+
+    def __init__(self, bar=None):
+        self.bar = bar
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        """Show `what` while it runs; count it as one step when it is done."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(what)
+        yield
+        if self.bar is not None:
+            self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str("done")
+            self.bar.close()
+
+
+def no_progress(desc: str, total: int) -> Steps:
+    del desc, total
+    return Steps()
+
+
+def tqdm_progress(desc: str, total: int) -> Steps:
+    from tqdm import tqdm
+
+    return Steps(tqdm(total=total, desc=f"{desc:9s}", unit="step", leave=True))
+
+
+Progress = Callable[[str, int], Steps]
 
 
 # ----------------------------------------------------------------------------------
@@ -84,6 +142,16 @@ def hand_lax_map(k: int):
 _GRID_DIMS = dict(in_dims="b1 b2 L", out_dims="b1 b2 L")
 
 
+def normal_input(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    """Standard normal float32 inputs, drawn by numpy: `jax.random` would compile a
+    generator for every new shape, which costs more than a small grid cell's run."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+
+
+TWIN = "vmap (twin)"
+
+
 def auto_plan_kwargs() -> dict | None:
     """`{"plan": "auto"}` if this `eqx_multimap` has the planner, else `None`.
 
@@ -97,13 +165,20 @@ def auto_plan_kwargs() -> dict | None:
 
 
 def grid_methods(b1: int, auto: dict | None) -> dict[str, Callable]:
-    """The programs compared on one grid cell, by column name (baseline first)."""
+    """The programs compared on one grid cell, by column name (baseline first).
+
+    `vmap (twin)` is the hand-written `vmap` again, compiled separately: the pair
+    measures the noise floor. It sits between the hand-written programs and ours, so
+    that it and `vmap` follow different programs in every round, as the programs of
+    the other pairs do.
+    """
     k = max(1, b1 // 8)
     methods = {
         "vmap": hand_vmap,
         "scan(vmap)": hand_scan_vmap,
         "vmap(scan)": hand_vmap_scan,
         f"lax.map(bs={k})": hand_lax_map(k),
+        TWIN: fresh(hand_vmap),
         "ours vmap": filter_multi_vmap(f, **_GRID_DIMS, vmap="b1 b2"),
         "ours scan(vmap)": filter_multi_vmap(f, **_GRID_DIMS, scan="b1", vmap="b2"),
         f"ours chunk {k}": filter_multi_vmap(
@@ -123,6 +198,16 @@ def method_family(name: str) -> str:
     if name.startswith("ours chunk"):
         return "ours chunk k"
     return name
+
+
+# The comparisons that answer the grid's questions: (question, a, b), ratios a / b.
+GRID_PAIRS = (
+    ("noise", TWIN, "vmap"),
+    ("ours_vs_hand", "ours vmap", "vmap"),
+    ("ours_vs_hand", "ours scan(vmap)", "scan(vmap)"),
+    ("ours_vs_hand", "ours chunk k", "lax.map(bs=k)"),
+    ("order", "scan(vmap)", "vmap(scan)"),
+)
 
 
 @dataclasses.dataclass
@@ -149,81 +234,183 @@ def time_thunks(
     return time_side_by_side(thunks, repeats=rounds, warmup=0)
 
 
-def time_programs(
-    programs: dict[str, Callable], args: tuple, repeats: int, budget_s: float
-) -> dict[str, Timed]:
-    """Compile each program (timed apart), then time them all side by side."""
+def compile_programs(
+    programs: dict[str, Callable], args: tuple, steps: Steps, where: str = ""
+) -> tuple[dict, dict[str, float]]:
+    """Compile each program, one progress step each; also the seconds each took."""
     comp, compile_s = {}, {}
     for name, fn in programs.items():
-        t0 = time.perf_counter()
-        comp[name] = compiled(fn, *args)
-        compile_s[name] = time.perf_counter() - t0
+        with steps.step(f"compile {name}{where}"):
+            t0 = time.perf_counter()
+            comp[name] = compiled(fn, *args)
+            compile_s[name] = time.perf_counter() - t0
+    return comp, compile_s
+
+
+def time_compiled(
+    comp: dict,
+    compile_s: dict[str, float],
+    args: tuple,
+    repeats: int,
+    budget_s: float,
+    steps: Steps,
+    where: str = "",
+) -> dict[str, Timed]:
+    """Time compiled programs side by side, as one progress step."""
     thunks = [lambda c=c: c(*args) for c in comp.values()]
-    times = time_thunks(thunks, repeats, budget_s)
+    with steps.step(f"time {len(thunks)} programs{where}"):
+        times = time_thunks(thunks, repeats, budget_s)
     return {
         name: Timed(compile_s[name], t, paired_ratio(t, times[0]))
         for name, t in zip(comp, times)
     }
 
 
-def run_grid(cfg, progress) -> dict:
+def time_programs(
+    programs: dict[str, Callable],
+    args: tuple,
+    repeats: int,
+    budget_s: float,
+    steps: Steps | None = None,
+    where: str = "",
+) -> dict[str, Timed]:
+    """Compile each program (timed apart), then time them all side by side."""
+    steps = steps or Steps()
+    comp, compile_s = compile_programs(programs, args, steps, where)
+    return time_compiled(comp, compile_s, args, repeats, budget_s, steps, where)
+
+
+def _skip_reason(elements: int, max_elements: int) -> str:
+    return f"skipped: {elements:,} elements > max {max_elements:,}"
+
+
+def pair_row(cell, question: str, a: str, b: str, ta=None, tb=None, status="ok"):
+    """One paired comparison `a / b` on one cell; `ta`, `tb` their per-round times.
+
+    `paired` is the median of the per-round ratios, `q25`/`q75` their quartiles, and
+    `ratio_of_medians` is `median(ta) / median(tb)`, which can differ from it.
+    """
+    b1, b2, L = cell
+    row = dict(b1=b1, b2=b2, L=L, question=question, a=a, b=b, status=status)
+    row.update(
+        paired=None,
+        q25=None,
+        q75=None,
+        ratio_of_medians=None,
+        rounds=None,
+        round_ratios=None,
+        note="",
+    )
+    if ta is not None and tb is not None:
+        ratios = paired_ratios(ta, tb)
+        q25, q50, q75 = quartiles(ratios)
+        row.update(
+            paired=q50,
+            q25=q25,
+            q75=q75,
+            ratio_of_medians=median(ta) / median(tb),
+            rounds=len(ratios),
+            round_ratios=" ".join(f"{r:.4g}" for r in ratios),
+        )
+    return row
+
+
+def grid_pairs(cell, timed: dict[str, Timed], auto_nest: str = "") -> list[dict]:
+    """The comparisons that answer the benchmark's questions, as paired ratios."""
+    family = {method_family(name): t.times for name, t in timed.items()}
+    out = [pair_row(cell, q, a, b, family[a], family[b]) for q, a, b in GRID_PAIRS]
+    if "ours auto" in family:
+        fixed = {k: v for k, v in family.items() if k not in ("ours auto", TWIN)}
+        best = min(fixed, key=lambda k: median(fixed[k]))
+        row = pair_row(
+            cell, "auto", "ours auto", best, family["ours auto"], fixed[best]
+        )
+        row["note"] = auto_nest
+        out.append(row)
+    return out
+
+
+def _auto_nest(fn: Callable, xs) -> str:
+    """The nest that `plan="auto"` chose for `xs`, as `eqx_multimap.explain` says."""
+    if explain is None:
+        return ""
+    plan = explain(fn, xs)
+    return plan.chosen.nest(dict(plan.sizes)).removesuffix(" -> body")
+
+
+def _grid_row(cell, name: str, status: str, t: Timed | None = None) -> dict:
+    b1, b2, L = cell
+    row = dict(
+        b1=b1,
+        b2=b2,
+        L=L,
+        elements=b1 * b2 * L,
+        method=name,
+        family=method_family(name),
+        status=status,
+        compile_s=None,
+        median_ms=None,
+        q25_ms=None,
+        q75_ms=None,
+        min_ms=None,
+        ratio_vs_vmap=None,
+        rounds=None,
+    )
+    if t is not None:
+        q25, q50, q75 = quartiles(t.times)
+        row.update(
+            compile_s=t.compile_s,
+            median_ms=1e3 * q50,
+            q25_ms=1e3 * q25,
+            q75_ms=1e3 * q75,
+            min_ms=1e3 * min(t.times),
+            ratio_vs_vmap=t.ratio,
+            rounds=len(t.times),
+        )
+    return row
+
+
+def run_grid(cfg, progress: Progress = no_progress) -> dict:
     auto = auto_plan_kwargs()
     cells = list(it.product(cfg.b_sizes, cfg.b_sizes, cfg.l_sizes))
     run_cells = [c for c in cells if np.prod(c) <= cfg.max_elements]
     skipped = [c for c in cells if np.prod(c) > cfg.max_elements]
-    rows, pairs = [], []
-    for b1, b2, L in progress(run_cells, desc="grid"):
-        xs = jax.random.normal(jax.random.key(0), (b1, b2, L), jnp.float32)
-        timed = time_programs(
-            grid_methods(b1, auto), (xs,), cfg.repeats, cfg.cell_budget_s
-        )
-        for name, t in timed.items():
-            rows.append(
-                dict(
-                    b1=b1,
-                    b2=b2,
-                    L=L,
-                    elements=b1 * b2 * L,
-                    method=name,
-                    family=method_family(name),
-                    compile_s=t.compile_s,
-                    median_ms=1e3 * median(t.times),
-                    min_ms=1e3 * min(t.times),
-                    ratio_vs_vmap=t.ratio,
-                    rounds=len(t.times),
+    n_programs = len(grid_methods(1, auto))
+    steps = progress("grid", len(run_cells) * (n_programs + 1))
+    rows, pairs, twin_identical = [], [], True
+    for cell in cells:
+        b1, b2, L = cell
+        methods = grid_methods(b1, auto)
+        if cell in skipped:
+            status = _skip_reason(b1 * b2 * L, cfg.max_elements)
+            rows += [_grid_row(cell, name, status) for name in methods]
+            pairs += [pair_row(cell, q, a, b, status=status) for q, a, b in GRID_PAIRS]
+            if auto is not None:
+                pairs.append(
+                    pair_row(cell, "auto", "ours auto", "fastest other", status=status)
                 )
-            )
-        pairs += [
-            dict(b1=b1, b2=b2, L=L, a=a, b=b, ratio=ratio)
-            for a, b, ratio in grid_pairs(timed)
-        ]
-        del xs
-    return dict(rows=rows, pairs=pairs, skipped=skipped, auto=auto is not None)
-
-
-def grid_pairs(timed: dict[str, "Timed"]) -> list[tuple[str, str, float]]:
-    """The comparisons that answer the benchmark's questions, as paired ratios."""
-    family = {method_family(name): t.times for name, t in timed.items()}
-    out = [
-        (a, b, paired_ratio(family[a], family[b]))
-        for a, b in (
-            ("vmap(scan)", "scan(vmap)"),
-            ("ours vmap", "vmap"),
-            ("ours scan(vmap)", "scan(vmap)"),
-            ("ours chunk k", "lax.map(bs=k)"),
+            continue
+        xs = normal_input(0, cell)
+        where = f" @ {b1}x{b2}x{L}"
+        comp, compile_s = compile_programs(methods, (xs,), steps, where)
+        twin_identical &= normalised_hlo(comp["vmap"]) == normalised_hlo(comp[TWIN])
+        timed = time_compiled(
+            comp, compile_s, (xs,), cfg.repeats, cfg.cell_budget_s, steps, where
         )
-    ]
-    if "ours auto" in family:
-        fixed = {k: v for k, v in family.items() if k != "ours auto"}
-        best = min(fixed, key=lambda k: median(fixed[k]))
-        out.append(
-            (
-                "ours auto",
-                "fastest other",
-                paired_ratio(family["ours auto"], fixed[best]),
-            )
-        )
-    return out
+        rows += [_grid_row(cell, name, "ok", t) for name, t in timed.items()]
+        nest = _auto_nest(methods["ours auto"], xs) if auto is not None else ""
+        pairs += grid_pairs(cell, timed, nest)
+        del xs, comp
+    steps.close()
+    return dict(
+        rows=rows,
+        pairs=pairs,
+        cells=cells,
+        skipped=skipped,
+        max_elements=cfg.max_elements,
+        auto=auto is not None,
+        twin_identical=twin_identical,
+    )
 
 
 # ----------------------------------------------------------------------------------
@@ -250,10 +437,10 @@ MEMORY_WORKLOADS = {
 
 def memory_inputs(workload: str, n: int, m: int):
     _, in_dims, _ = MEMORY_WORKLOADS[workload]
-    keys = jax.random.split(jax.random.key(1), len(in_dims))
+    rng = np.random.default_rng(1)
     return tuple(
-        jax.random.uniform(key, (n, m), jnp.float32, -1.0, 1.0)
-        for key in keys  # |x * y| <= 1: exp stays finite
+        jnp.asarray(rng.uniform(-1.0, 1.0, (n, m)).astype(np.float32))
+        for _ in in_dims  # |x * y| <= 1: exp stays finite
     )
 
 
@@ -269,7 +456,10 @@ def memory_program(workload: str, strategy: str, chunk: int, budget: int):
     elif strategy == "auto":
         kw.update(vmap="n", plan="auto", memory_budget=budget)
     else:
-        raise ValueError(f"Unrecognised strategy {strategy!r}")
+        raise ValueError(
+            f"Unrecognised memory strategy {strategy!r}; choose from 'vmap', "
+            "'scan', 'chunk' or 'auto'."
+        )
     return filter_multi_vmap(fun, **kw)
 
 
@@ -342,52 +532,71 @@ def memory_child(spec: dict) -> dict:
     )
 
 
-def run_memory(cfg, progress) -> dict:
+def _run_memory_child(spec: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--memory-child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory child {spec} failed:\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_memory(cfg, progress: Progress = no_progress) -> dict:
+    """Memory of each (workload, strategy) in a fresh subprocess, then the times.
+
+    The subprocesses measure memory only, so up to `cfg.workers` of them run at
+    once; the times are measured afterwards, side by side in this process, with
+    nothing else running.
+    """
     n, m = cfg.mem_n, cfg.mem_m
     strategies = memory_strategies(cfg)
     jobs = list(it.product(MEMORY_WORKLOADS, strategies))
-    rows = []
-    for workload, strategy in progress(jobs, desc="memory"):
-        spec = dict(
-            workload=workload,
-            strategy=strategy,
-            n=n,
-            m=m,
-            chunk=cfg.chunk,
-            budget=cfg.budget,
-        )
-        proc = subprocess.run(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--memory-child",
-                json.dumps(spec),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"memory child {spec} failed:\n{proc.stdout}\n{proc.stderr}"
-            )
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        rows.append(dict(workload=workload, strategy=strategy, **result))
-    # Run times, side by side in this process (each child ran in its own).
+    steps = progress(
+        "memory", len(jobs) + len(MEMORY_WORKLOADS) * (len(strategies) + 1)
+    )
+    specs = [
+        dict(workload=w, strategy=s, n=n, m=m, chunk=cfg.chunk, budget=cfg.budget)
+        for w, s in jobs
+    ]
+    results: dict[tuple[str, str], dict] = {}
+    with cf.ThreadPoolExecutor(max(1, cfg.workers)) as pool:
+        futures = {
+            pool.submit(_run_memory_child, spec): job for spec, job in zip(specs, jobs)
+        }
+        for future in cf.as_completed(futures):
+            workload, strategy = futures[future]
+            with steps.step(f"subprocess {workload} {strategy}"):
+                results[futures[future]] = future.result()
+    rows = [dict(workload=w, strategy=s, **results[(w, s)]) for w, s in jobs]
     for workload in MEMORY_WORKLOADS:
         inputs = memory_inputs(workload, n, m)
         programs = {
             s: memory_program(workload, s, cfg.chunk, cfg.budget) for s in strategies
         }
-        timed = time_programs(programs, inputs, cfg.repeats, cfg.cell_budget_s)
+        timed = time_programs(
+            programs, inputs, cfg.repeats, cfg.cell_budget_s, steps, f" @ {workload}"
+        )
         for row in rows:
             if row["workload"] == workload:
                 t = timed[row["strategy"]]
+                q25, q50, q75 = quartiles(t.times)
+                ratios = paired_ratios(t.times, timed["vmap"].times)
+                r25, _, r75 = quartiles(ratios)
                 row.update(
                     compile_s=t.compile_s,
-                    median_ms=1e3 * median(t.times),
+                    median_ms=1e3 * q50,
+                    q25_ms=1e3 * q25,
+                    q75_ms=1e3 * q75,
                     ratio_vs_vmap=t.ratio,
+                    ratio_q25=r25,
+                    ratio_q75=r75,
+                    ratio_of_medians=q50 / median(timed["vmap"].times),
+                    rounds=len(t.times),
                 )
         del inputs
+    steps.close()
     intermediate = n * m * m * 4
     return dict(rows=rows, n=n, m=m, intermediate=intermediate, budget=cfg.budget)
 
@@ -400,7 +609,7 @@ def double_plus_one(x):
     return 2 * x + 1
 
 
-def run_bandwidth(cfg, progress) -> dict:
+def run_bandwidth(cfg, progress: Progress = no_progress) -> dict:
     """Elementwise maps and two reference copies, all timed side by side.
 
     References: `numpy copyto` copies into a preallocated, already touched buffer,
@@ -409,11 +618,10 @@ def run_bandwidth(cfg, progress) -> dict:
     the same bytes, so its fraction of a reference is the paired time ratio.
     """
     b1, b2, L = cfg.bw_shape
-    xs = jax.random.normal(jax.random.key(2), (b1, b2, L), jnp.float32)
+    xs = normal_input(2, (b1, b2, L))
     nbytes = xs.nbytes
     src = np.asarray(xs)
     dst = np.empty_like(src)
-    thunks: list[Callable[[], object]] = [lambda: np.copyto(dst, src)]
     programs = {"XLA copy": lambda x: x.copy()}
     for fname, fn in (("sin(x**2+1)", f), ("2*x+1", double_plus_one)):
         programs[f"{fname}|jnp (no map)"] = fn
@@ -423,9 +631,13 @@ def run_bandwidth(cfg, progress) -> dict:
         programs[f"{fname}|ours scan(vmap)"] = filter_multi_vmap(
             fn, **_GRID_DIMS, scan="b1", vmap="b2"
         )
-    for fn in progress(list(programs.values()), desc="bandwidth"):
-        thunks.append(lambda c=compiled(fn, xs): c(xs))
-    times = time_thunks(thunks, max(cfg.repeats, 7), cfg.cell_budget_s)
+    steps = progress("bandwidth", len(programs) + 1)
+    comp, _ = compile_programs(programs, (xs,), steps)
+    thunks: list[Callable[[], object]] = [lambda: np.copyto(dst, src)]
+    thunks += [lambda c=c: c(xs) for c in comp.values()]
+    with steps.step(f"time {len(thunks)} programs"):
+        times = time_thunks(thunks, max(cfg.repeats, 7), cfg.cell_budget_s)
+    steps.close()
     by = dict(zip(["numpy copyto", *programs], times))
     rows = []
     for name, t in by.items():
@@ -446,274 +658,17 @@ def run_bandwidth(cfg, progress) -> dict:
 
 
 # ----------------------------------------------------------------------------------
-# Output: CSV, Markdown, plots.
+# Output and the command line.
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
+    """`rows` as CSV with a header; `None` is written as an empty field."""
     if not rows:
         return
     with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-
-
-def _table(header: list[str], rows: list[list], align: str | None = None) -> str:
-    align = align or "l" + "r" * (len(header) - 1)
-    rule = ["---:" if a == "r" else "---" for a in align]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def _group_pairs(pairs: list[dict]) -> dict[tuple[str, str], list[float]]:
-    out: dict[tuple[str, str], list[float]] = {}
-    for p in pairs:
-        out.setdefault((p["a"], p["b"]), []).append(p["ratio"])
-    return out
-
-
-def grid_markdown(grid: dict) -> str:
-    rows = grid["rows"]
-    families = list(dict.fromkeys(r["family"] for r in rows))
-    cells = list(dict.fromkeys((r["b1"], r["b2"], r["L"]) for r in rows))
-    by = {(r["b1"], r["b2"], r["L"], r["family"]): r for r in rows}
-    head = ["b1", "b2", "L"]
-    out = ["## Grid: `sin(x**2 + 1)` over `(b1, b2, L)`, mapped over `b1, b2`", ""]
-    out.append(
-        "`lax.map(bs=k)` and `ours chunk k` use `k = b1 // 8` (so the remainder "
-        "path runs too). Ratios are medians of per-round ratios against `vmap`, "
-        "timed side by side in the same rounds; below 1 is faster than `vmap`."
-    )
-    out.append("")
-    tables = [
-        ("Time ratio against full `vmap` (paired)", "ratio_vs_vmap", ".2f"),
-        ("Median time (ms)", "median_ms", ".3g"),
-        ("Compile time (s), lower + compile, timed apart", "compile_s", ".3f"),
-    ]
-    for k, (title, key, fmt) in enumerate(tables):
-        out += ([] if k == 0 else [""]) + [f"### {title}", ""]
-        rows = [
-            list(c) + [format(by[c + (fam,)][key], fmt) for fam in families]
-            for c in cells
-        ]
-        out.append(_table(head + families, rows))
-    out += ["", "### Summary", ""]
-    for fam in families[1:]:
-        ratios = [by[c + (fam,)]["ratio_vs_vmap"] for c in cells]
-        out.append(
-            f"- `{fam}` / `vmap`: median {statistics.median(ratios):.2f}, range "
-            f"{min(ratios):.2f} to {max(ratios):.2f} over {len(cells)} cells."
-        )
-    out += ["", "Paired ratios, each pair timed in the same rounds:", ""]
-    for (a, b), ratios in _group_pairs(grid["pairs"]).items():
-        faster = sum(r < 1 for r in ratios)
-        out.append(
-            f"- `{a}` / `{b}`: median {statistics.median(ratios):.2f}, range "
-            f"{min(ratios):.2f} to {max(ratios):.2f}; `{a}` faster in {faster} of "
-            f"{len(ratios)} cells."
-        )
-    if not grid["auto"]:
-        out.append(
-            '- `ours auto`: not measured, this `eqx_multimap` has no `plan="auto"`.'
-        )
-    if grid["skipped"]:
-        cells_s = ", ".join(f"{b1}x{b2}x{L}" for b1, b2, L in grid["skipped"])
-        out.append(
-            f"- Skipped (more than `--max-elements` elements; in + out + the "
-            f"transposed copy of `vmap(scan)` is 12 bytes per element and a call "
-            f"takes seconds on 2 cores): {cells_s}."
-        )
-    return "\n".join(out)
-
-
-def memory_markdown(mem: dict) -> str:
-    rows = mem["rows"]
-    out = [
-        "## Memory: a big per-element intermediate",
-        "",
-        f"`n = {mem['n']}` elements, `M = K = {mem['m']}`: `exp(outer(x, y))` is "
-        f"`{_bytes(mem['intermediate'])}` when all `n` are vmapped at once. Temp "
-        "bytes are from `compiled.memory_analysis()`; peak RSS is that of a fresh "
-        "subprocess per row (`VmHWM`: JAX, the inputs and the compiled program "
-        "included), and 'run adds' is how far the one call raised it above the RSS "
-        "before the call. Times are side by side in one process.",
-        "",
-    ]
-    if any(r["strategy"] == "auto" for r in rows):
-        out += [
-            f'`auto` is `plan="auto"` with `memory_budget` = {_bytes(mem["budget"])}.',
-            "",
-        ]
-    out.append(
-        _table(
-            [
-                "workload",
-                "strategy",
-                "temp bytes",
-                "peak RSS",
-                "run adds",
-                "median (ms)",
-                "ratio vs vmap",
-            ],
-            [
-                [
-                    f"`{r['workload']}`",
-                    r["strategy"],
-                    _bytes(r["temp_bytes"]),
-                    _bytes(r["peak_rss"]),
-                    _bytes(r["run_peak_rss"] - r["rss_before_run"]),
-                    f"{r['median_ms']:.3g}",
-                    f"{r['ratio_vs_vmap']:.2f}",
-                ]
-                for r in rows
-            ],
-            "llrrrrr",
-        )
-    )
-    return "\n".join(out)
-
-
-def bandwidth_markdown(bw: dict) -> str:
-    b1, b2, L = bw["shape"]
-    out = [
-        "## Bandwidth: elementwise maps against memcpy",
-        "",
-        f"`xs` of shape `({b1}, {b2}, {L})` float32 ({_bytes(bw['nbytes'])}); every "
-        "row reads and writes that many bytes, so GB/s counts 2 x that. The two "
-        "copies are the references: `numpy copyto` into a preallocated, touched "
-        "buffer (the memory bandwidth), and a jitted `x.copy()` (which, like every "
-        "jitted function, writes a freshly allocated output). Fractions are paired "
-        "time ratios against them, all rows timed side by side.",
-        "",
-    ]
-    out.append(
-        _table(
-            ["function", "method", "median (ms)", "GB/s", "of memcpy", "of XLA copy"],
-            [
-                [
-                    r["function"]
-                    if r["function"] == "(copy)"
-                    else f"`{r['function']}`",
-                    r["method"],
-                    f"{r['median_ms']:.3g}",
-                    f"{r['bandwidth_gbs']:.2f}",
-                    f"{100 * r['frac_memcpy']:.0f}%",
-                    f"{100 * r['frac_xla_copy']:.0f}%",
-                ]
-                for r in bw["rows"]
-            ],
-            "llrrrr",
-        )
-    )
-    return "\n".join(out)
-
-
-def _pyplot():
-    """`matplotlib.pyplot` on the Agg backend (files only, no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_grid(grid: dict, path: str) -> None:
-    plt = _pyplot()
-
-    rows = grid["rows"]
-    l_sizes = sorted({r["L"] for r in rows})
-    families = list(dict.fromkeys(r["family"] for r in rows))
-    fig, axes = plt.subplots(
-        2, len(l_sizes), figsize=(5 * len(l_sizes), 8), squeeze=False
-    )
-    for j, L in enumerate(l_sizes):
-        sub = [r for r in rows if r["L"] == L]
-        cells = list(dict.fromkeys((r["b1"], r["b2"]) for r in sub))
-        labels = [f"{b1}x{b2}" for b1, b2 in cells]
-        for fam in families:
-            by = {(r["b1"], r["b2"]): r for r in sub if r["family"] == fam}
-            style = "--" if fam.startswith("ours") else "-"
-            axes[0][j].plot(
-                labels,
-                [by[c]["median_ms"] for c in cells],
-                style,
-                marker="o",
-                label=fam,
-            )
-            axes[1][j].plot(
-                labels, [by[c]["ratio_vs_vmap"] for c in cells], style, marker="o"
-            )
-        axes[0][j].set_yscale("log")
-        axes[0][j].set_title(f"L = {L}")
-        axes[0][j].set_ylabel("median time (ms)")
-        axes[1][j].axhline(1.0, color="grey", lw=0.8)
-        axes[1][j].set_ylabel("time / full vmap (paired)")
-        axes[1][j].set_xlabel("b1 x b2")
-        for ax in axes[:, j]:
-            ax.tick_params(axis="x", rotation=45)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("sin(x**2 + 1) over (b1, b2, L), mapped over b1 and b2")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_memory(mem: dict, path: str) -> None:
-    plt = _pyplot()
-
-    rows = mem["rows"]
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    by = {(r["workload"], r["strategy"]): r for r in rows}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(strategies)
-    for i, s in enumerate(strategies):
-        xs = [
-            w + (i - (len(strategies) - 1) / 2) * width for w in range(len(workloads))
-        ]
-        temps = [by[(w, s)]["temp_bytes"] for w in workloads]
-        bars = axes[0].bar(xs, [max(t, 1) / MiB for t in temps], width, label=s)
-        axes[0].bar_label(bars, [_bytes(t) for t in temps], fontsize=7)
-        axes[1].bar(xs, [by[(w, s)]["peak_rss"] / MiB for w in workloads], width)
-    for ax, title in zip(axes, ["compiled temp bytes (MiB)", "peak RSS (MiB)"]):
-        ax.set_xticks(range(len(workloads)), workloads)
-        ax.set_title(title)
-    axes[0].set_yscale("log")
-    axes[0].axhline(mem["intermediate"] / MiB, color="grey", ls=":", lw=1)
-    axes[0].legend()
-    fig.suptitle(f"big intermediate: n={mem['n']}, M=K={mem['m']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_bandwidth(bw: dict, path: str) -> None:
-    plt = _pyplot()
-
-    rows = bw["rows"]
-    labels = [f"{r['function']}\n{r['method']}" for r in rows]
-    colors = ["C1" if r["function"] == "(copy)" else "C0" for r in rows]
-    fig, ax = plt.subplots(figsize=(11, 4))
-    ax.bar(range(len(rows)), [r["bandwidth_gbs"] for r in rows], color=colors)
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("GB/s (read + write)")
-    b1, b2, L = bw["shape"]
-    ax.set_title(f"elementwise over ({b1}, {b2}, {L}) float32; orange: copies")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -728,21 +683,22 @@ class Config:
     chunk: int
     budget: int
     bw_shape: tuple[int, int, int]
+    workers: int = 2  # memory subprocesses run at once
 
 
 def make_config(args) -> Config:
     if args.quick:
         cfg = Config(
             b_sizes=(100, 1000),
-            l_sizes=(1, 100),
-            max_elements=10**7,
-            repeats=9,
-            cell_budget_s=0.5,
-            mem_n=64,
+            l_sizes=(1, 10),
+            max_elements=2 * 10**6,
+            repeats=15,
+            cell_budget_s=1.0,
+            mem_n=32,
             mem_m=1024,
             chunk=8,
-            budget=64 * MiB,
-            bw_shape=(1000, 1000, 16),
+            budget=32 * MiB,
+            bw_shape=(1000, 1000, 8),
         )
     else:
         cfg = Config(
@@ -764,12 +720,34 @@ def make_config(args) -> Config:
     return cfg
 
 
+RUNNERS = {
+    "grid": (run_grid, report.grid_markdown, report.grid_figures),
+    "memory": (run_memory, report.memory_markdown, report.memory_figures),
+    "bandwidth": (run_bandwidth, report.bandwidth_markdown, report.no_figures),
+}
+
+
+def write_section(out: str, section: str, result: dict, plots: bool) -> str:
+    """Write a section's CSVs and figures into `out`; return its Markdown."""
+    _, markdown, figures = RUNNERS[section]
+    write_csv(os.path.join(out, f"{section}.csv"), result["rows"])
+    if "pairs" in result:
+        write_csv(os.path.join(out, f"{section}_pairs.csv"), result["pairs"])
+    text = markdown(result)
+    if plots:
+        for name, title in figures(result, out):
+            text += f"\n\n![{title}]({name})"
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true", help="reduced sizes (< 2 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="reduced sizes (about a minute)"
+    )
     parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
@@ -781,7 +759,7 @@ def main(argv=None) -> int:
         "--max-elements",
         type=float,
         default=None,
-        help="skip grid cells with more elements (default 3e8; 1e7 with --quick)",
+        help="skip grid cells with more elements (default 3e8; 2e6 with --quick)",
     )
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
@@ -797,46 +775,31 @@ def main(argv=None) -> int:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     cfg = make_config(args)
     os.makedirs(args.out, exist_ok=True)
-
-    from tqdm import tqdm
-
-    def progress(items, desc):
-        return tqdm(items, desc=desc, disable=args.no_progress, leave=False)
+    progress = no_progress if args.no_progress else tqdm_progress
 
     header = (
         f"jax {jax.__version__} on {jax.devices()[0].platform} "
         f"({os.cpu_count()} cores, {platform.machine()}), "
         f"{'quick' if args.quick else 'full'} mode, up to {cfg.repeats} rounds"
     )
-    report = ["# `eqx_multimap` benchmark results", "", header, ""]
-    t_start = time.perf_counter()
-    runners = {
-        "grid": (run_grid, grid_markdown, plot_grid),
-        "memory": (run_memory, memory_markdown, plot_memory),
-        "bandwidth": (run_bandwidth, bandwidth_markdown, plot_bandwidth),
-    }
     print(header, flush=True)
+    t_start = time.perf_counter()
+    results, texts = {}, []
     for section in sections:
-        run, markdown, plot = runners[section]
         t0 = time.perf_counter()
-        result = run(cfg, progress)
-        write_csv(os.path.join(args.out, f"{section}.csv"), result["rows"])
-        if "pairs" in result:
-            write_csv(os.path.join(args.out, f"{section}_pairs.csv"), result["pairs"])
-        text = markdown(result)
-        if not args.no_plots:
-            plot(result, os.path.join(args.out, f"{section}.png"))
-            text += f"\n\n![{section}]({section}.png)"
-        report += [text, ""]
-        print()
-        print(text, flush=True)
-        print(f"\n({section}: {time.perf_counter() - t0:.0f} s)", flush=True)
-    report.append(f"Total: {time.perf_counter() - t_start:.0f} s.")
-    with open(os.path.join(args.out, "results.md"), "w") as fh:
-        fh.write("\n".join(report) + "\n")
-    print(
-        f"\nWrote {args.out}/results.md, *.csv" + ("" if args.no_plots else ", *.png")
-    )
+        results[section] = RUNNERS[section][0](cfg, progress)
+        text = write_section(args.out, section, results[section], not args.no_plots)
+        texts.append(f"{text}\n\n({section}: {time.perf_counter() - t0:.0f} s)")
+    total = f"Total: {time.perf_counter() - t_start:.0f} s."
+    summary = report.summary_rows(results)
+    blocks = ["# `eqx_multimap` benchmark results", header]
+    blocks += [report.summary_markdown(summary), *texts, total]
+    path = os.path.join(args.out, "results.md")
+    with open(path, "w") as fh:
+        fh.write("\n\n".join(blocks) + "\n")
+    print(f"\nSummary ({total})\n", flush=True)
+    print(report.summary_text(summary))
+    print(f"\nReport: {path} (and the CSVs and figures beside it)", flush=True)
     return 0
 
 

@@ -1,8 +1,12 @@
 """`benchmarks/run.py`: the programs it compares compute the same thing, and its
-sections and reports work (on tiny sizes; the timings themselves are not tested)."""
+sections, report, figures, progress and summary have the structure they promise (on
+tiny sizes; the timings themselves are never tested)."""
 
 import csv
 import itertools as it
+import os
+import re
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,8 @@ from .helpers import load_benchmark
 
 
 run = load_benchmark("run")
+report = run.report
+timing = load_benchmark("_timing")
 
 
 def _tiny_config(**changes):
@@ -31,11 +37,6 @@ def _tiny_config(**changes):
     for k, v in changes.items():
         setattr(cfg, k, v)
     return cfg
-
-
-def _no_progress(items, desc):
-    del desc
-    return items
 
 
 @pytest.mark.parametrize("b1", [1, 4, 9])
@@ -91,33 +92,188 @@ def test_memory_child_sees_the_vmapped_intermediate():
         assert 0 < r["rss_before_run"] <= r["peak_rss"]
 
 
-def test_grid_section_and_report(tmp_path):
-    result = run.run_grid(_tiny_config(), _no_progress)
-    cells = {(r["b1"], r["b2"], r["L"]) for r in result["rows"]}
-    every = set(it.product((4, 9), (4, 9), (1, 2)))
-    assert cells == every - {(9, 9, 2)}  # 162 elements, over `max_elements`
-    assert result["skipped"] == [(9, 9, 2)]
+def test_memory_program_rejects_an_unknown_strategy():
+    with pytest.raises(ValueError, match="Unrecognised memory strategy 'bogus'"):
+        run.memory_program("sumexp", "bogus", 4, 2**20)
+
+
+def test_timing_helpers():
+    assert timing.paired_ratios([2.0, 6.0], [1.0, 2.0]) == [2.0, 3.0]
+    assert timing.quartiles([5.0]) == (5.0, 5.0, 5.0)
+    assert timing.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
+
+
+def test_fresh_compiles_a_separate_executable_of_the_same_program():
+    xs = jnp.ones((3, 4, 2), jnp.float32)
+    a = timing.compiled(run.hand_vmap, xs)
+    again = timing.compiled(run.hand_vmap, xs)
+    twin = timing.compiled(timing.fresh(run.hand_vmap), xs)
+    # `jax.jit` hands back its cached executable for the same function ...
+    assert again.runtime_executable() is a.runtime_executable()
+    # ... but not for a fresh one, whose optimised HLO is the same.
+    assert twin.runtime_executable() is not a.runtime_executable()
+    assert timing.normalised_hlo(twin) == timing.normalised_hlo(a)
+
+
+@pytest.fixture(scope="module")
+def grid():
+    """Three measured cells and one skipped: 81 elements, over `max_elements`."""
+    return run.run_grid(_tiny_config(l_sizes=(1,), max_elements=9 * 4))
+
+
+def test_grid_section_rows_pairs_and_skipped_cells(grid, tmp_path):
+    result = grid
+    assert result["cells"] == list(it.product((4, 9), (4, 9), (1,)))
+    assert result["skipped"] == [(9, 9, 1)]
+    assert result["twin_identical"]
+    skip = "skipped: 81 elements > max 36"
     for r in result["rows"]:
+        if (r["b1"], r["b2"], r["L"]) == (9, 9, 1):
+            assert r["status"] == skip and r["median_ms"] is None
+            continue
+        assert r["status"] == "ok"
         if r["method"] == "vmap":
             assert r["ratio_vs_vmap"] == 1.0
         assert r["rounds"] >= 3 and r["median_ms"] > 0 and r["compile_s"] > 0
-    pairs = {(p["a"], p["b"]) for p in result["pairs"]}
-    assert ("vmap(scan)", "scan(vmap)") in pairs
-    text = run.grid_markdown(result)
-    assert "`vmap(scan)` / `scan(vmap)`" in text
-    assert "Skipped" in text and "9x9x2" in text
+        assert r["q25_ms"] <= r["median_ms"] <= r["q75_ms"]
+    questions = {(p["question"], p["a"], p["b"]) for p in result["pairs"]}
+    assert set(run.GRID_PAIRS) <= questions
+    for p in result["pairs"]:
+        if p["status"] != "ok":
+            assert p["status"] == skip and p["paired"] is None
+            continue
+        rounds = [float(r) for r in p["round_ratios"].split()]
+        assert len(rounds) == p["rounds"] >= 3
+        assert p["q25"] <= p["paired"] <= p["q75"]
+        assert p["paired"] == pytest.approx(statistics.median(rounds), rel=1e-3)
     path = tmp_path / "grid.csv"
     run.write_csv(str(path), result["rows"])
     with open(path) as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == len(result["rows"])
+    marked = [r for r in rows if (r["b1"], r["b2"], r["L"]) == ("9", "9", "1")]
+    assert len(marked) == len(run.grid_methods(9, run.auto_plan_kwargs()))
+    assert all(r["status"] == skip and r["median_ms"] == "" for r in marked)
+
+
+def test_grid_report_has_each_table_and_a_computed_takeaway(grid):
+    result = grid
+    text = report.grid_markdown(result)
+    headings = [
+        "### Ours against hand-written",
+        "### Map order: `scan(vmap)` against `vmap(scan)`",
+        "### Every program against full `vmap`",
+        "### Median time (ms)",
+        "### Compile time (s), lower + compile, timed apart",
+    ]
+    if result["auto"]:
+        headings.append('### `plan="auto"` against the fastest fixed program')
+    sections = re.split(r"\n(?=### )", text)
+    for heading in headings:
+        (section,) = [s for s in sections if s.startswith(heading + "\n")]
+        assert "| b1 | b2 | L |" in section, heading
+        assert "\n**Takeaway:** " in section, heading
+    assert report.PAIRED in text
+    assert "ratio, paired" in text and "ratio, of medians" in text
+    assert "Skipped: 9x9x1" in text and "| 9 | 9 | 1 | skipped |" in text
+    # The takeaways are computed from the data.
+    ours = [
+        p["paired"]
+        for p in result["pairs"]
+        if p["question"] == "ours_vs_hand" and p["status"] == "ok"
+    ]
+    lo, hi = report.noise_floor(result)
+    assert (
+        f"ours / hand-written: median {statistics.median(ours):.2f} over "
+        f"{len(ours)} cell-strategies ({min(ours):.2f} to {max(ours):.2f})"
+    ) in text
+    assert f"noise floor ({lo:.2f} to {hi:.2f})" in text
 
 
 def test_bandwidth_section_and_report():
-    result = run.run_bandwidth(_tiny_config(), _no_progress)
+    result = run.run_bandwidth(_tiny_config())
     by = {(r["function"], r["method"]): r for r in result["rows"]}
     assert by[("(copy)", "numpy copyto")]["frac_memcpy"] == 1.0
     assert by[("(copy)", "XLA copy")]["frac_xla_copy"] == 1.0
     assert ("sin(x**2+1)", "ours scan(vmap)") in by
     assert result["nbytes"] == 4 * 3 * 2 * 4
-    assert "of memcpy" in run.bandwidth_markdown(result)
+    text = report.bandwidth_markdown(result)
+    assert "of memcpy, paired" in text and "of XLA copy, paired" in text
+    assert "\n**Takeaway:** the maps run at " in text
+
+
+class _Bar:
+    """Stands in for `tqdm`: records the total and the steps counted."""
+
+    def __init__(self, desc, total):
+        self.desc, self.total, self.n, self.closed = desc, total, 0, False
+
+    def set_postfix_str(self, what):
+        self.what = what
+
+    def update(self):
+        self.n += 1
+
+    def close(self):
+        self.closed = True
+
+
+def _tiny_main(monkeypatch, tmp_path, *extra):
+    """`run.main` on one measured grid cell and one skipped, tiny memory and
+    bandwidth sizes, memory children run in this process; returns the bars."""
+    cfg = _tiny_config(b_sizes=(4,), max_elements=4 * 4 * 1, mem_m=8, workers=1)
+    bars = []
+
+    def progress(desc, total):
+        bars.append(_Bar(desc, total))
+        return run.Steps(bars[-1])
+
+    monkeypatch.setattr(run, "make_config", lambda args: cfg)
+    monkeypatch.setattr(run, "tqdm_progress", progress)
+    monkeypatch.setattr(run, "_run_memory_child", run.memory_child)
+    assert run.main(["--out", str(tmp_path), *extra]) == 0
+    return bars
+
+
+def test_main_writes_the_report_figures_and_summary(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    bars = _tiny_main(monkeypatch, tmp_path)
+    out = capsys.readouterr().out
+    # Progress: one bar per section, every step counted, then closed.
+    assert [b.desc for b in bars] == list(run.SECTIONS)
+    for b in bars:
+        assert b.n == b.total and b.closed, b.desc
+    for name in ("ours_vs_hand.png", "order.png", "memory.png"):
+        assert os.path.getsize(tmp_path / name) > 0, name
+    for name in ("grid.png", "bandwidth.png"):
+        assert not (tmp_path / name).exists()
+    for name in ("grid.csv", "grid_pairs.csv", "memory.csv", "bandwidth.csv"):
+        assert (tmp_path / name).exists(), name
+    text = (tmp_path / "results.md").read_text()
+    assert text.index("## Summary") < text.index("## Grid") < text.index("## Memory")
+    for image in ("ours_vs_hand.png", "order.png", "memory.png"):
+        assert f"]({image})" in text
+    assert "| `sumexp` | vmap | 0 B |" in text  # XLA fuses it: no temp memory
+    assert "time / vmap, paired" in text and "time / vmap, of medians" in text
+    assert text.count("\n**Takeaway:** ") >= 7
+    # The terminal summary: the headline rows, then where the report is.
+    for row in (
+        "ours / hand-written, vmap",
+        "noise floor: identical programs",
+        "scan(vmap) / vmap(scan)",
+        "memory softmax_matvec: scan / vmap time",
+    ):
+        assert re.search(rf"^{re.escape(row)} +\d+\.\d\d  ", out, re.M), row
+    assert f"Report: {tmp_path}/results.md" in out
+
+
+def test_main_no_plots_writes_no_figures(monkeypatch, tmp_path):
+    _tiny_main(monkeypatch, tmp_path, "--no-plots", "--sections", "bandwidth")
+    assert not list(tmp_path.glob("*.png"))
+    assert "## Bandwidth" in (tmp_path / "results.md").read_text()
+
+
+def test_main_rejects_an_unknown_section(capsys):
+    with pytest.raises(SystemExit):
+        run.main(["--sections", "grid,bogus"])
+    assert "unknown sections ['bogus']; choose from" in capsys.readouterr().err
