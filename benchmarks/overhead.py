@@ -62,7 +62,7 @@ def hand(body, strategy: str, k: int):
 
 
 def ours(body, strategy: str, k: int):
-    dims = dict(in_dims="b1 b2 L", out_dims="b1 b2 L")
+    dims = dict(in_dims="b1 b2 L", out_dims="b1 b2 L", core="L")
     if strategy == "vmap":
         return filter_multi_vmap(body, **dims, vmap="b1 b2")
     if strategy == "scan":

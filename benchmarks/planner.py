@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _timing import normalised_hlo, time_side_by_side
-from eqx_multimap import _planner, explain, filter_multi_vmap
+from eqx_multimap import _planner, explain, filter_multi_vmap, Planner
 
 
 # Each workload: (name, body, options, args(quick), budget fraction of full vmap).
@@ -89,7 +89,7 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
         (
             "elementwise",
             _elementwise,
-            dict(in_dims=("T B C", "B"), out_dims="T B C", vmap="T B"),
+            dict(in_dims=("T B C", "B"), out_dims="T B C", core="C"),
             (_normal(next(k), (t, b, c)), _normal(next(k), (b,))),
             0.125,
         )
@@ -141,7 +141,7 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
         (
             "matmul-like",
             _matmul,
-            dict(in_dims=("B N K", None), out_dims="B N K", vmap="B N"),
+            dict(in_dims=("B N K", None), out_dims="B N K", core="K"),
             (_normal(next(k), (b, n, kk)), _normal(next(k), (kk, m), 0.1)),
             0.25,
         )
@@ -151,7 +151,7 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
         (
             "reductions",
             _reduce,
-            dict(in_dims="A N B M", out_dims=("A B N", "B A"), vmap="A B"),
+            dict(in_dims="A N B M", out_dims=("A B N", "B A"), core="N"),
             (_normal(next(k), (a, n, bb, m)),),
             0.2,
         )
@@ -164,6 +164,7 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
             dict(
                 in_dims=("P Q R K", "R P"),
                 out_dims="R Q P K",
+                core="K",
                 scan={"Q": 8},
                 vmap="P R",
             ),
@@ -177,7 +178,7 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
         (
             "attention",
             _attention,
-            dict(in_dims="B H L D", out_dims="B H L D", vmap="B H"),
+            dict(in_dims="B H L D", out_dims="B H L D", core="L D"),
             tuple(qkv),
             0.5,
         )
@@ -185,16 +186,8 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
     return out
 
 
-def _without_fresh(make_plan: Callable[[], Any]) -> Any:
-    """Plan with the fresh-memory term off, the plan cache bypassed."""
-    saved = _planner.fresh_threshold
-    _planner._CACHE.clear()
-    _planner.fresh_threshold = lambda: (None, "off")
-    try:
-        return make_plan()
-    finally:
-        _planner.fresh_threshold = saved
-        _planner._CACHE.clear()
+# A planner with the fresh-memory term off, for a side-by-side comparison.
+_NO_FRESH = _planner.TimeModel(fresh_threshold=None, fresh_source="off")
 
 
 def _compile(fn: Callable, args: tuple) -> Any:
@@ -214,14 +207,19 @@ def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict
     for name, body, kw, args, fraction in workloads(quick):
         if only is not None and only not in name:
             continue
-        mapped = tuple(kw.get("scan", ())) + tuple(kw["vmap"].split())
-        full = filter_multi_vmap(body, **{**kw, "scan": None, "vmap": mapped})
+        full = filter_multi_vmap(body, **{**kw, "scan": None, "vmap": None})
         full_temp = _compile(full, args).memory_analysis().temp_size_in_bytes
         budget = max(1024, int(full_temp * fraction))
         auto = filter_multi_vmap(body, plan="auto", memory_budget=budget, **kw)
         # The plan without the fresh-memory term, timed in the same round-robin for a
         # side-by-side comparison.
-        base_plan = _without_fresh(lambda: explain(auto, *args))
+        base = filter_multi_vmap(
+            body,
+            plan=Planner(time_model=_NO_FRESH),
+            memory_budget=budget,
+            **kw,
+        )
+        base_plan = explain(base, *args)
         plan = explain(auto, *args)
         sizes = dict(plan.sizes)
 

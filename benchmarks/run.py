@@ -139,7 +139,7 @@ def hand_lax_map(k: int):
     return lambda xs: lax.map(jax.vmap(f), xs, batch_size=k)
 
 
-_GRID_DIMS = dict(in_dims="b1 b2 L", out_dims="b1 b2 L")
+_GRID_DIMS = dict(in_dims="b1 b2 L", out_dims="b1 b2 L", core="L")
 
 
 def normal_input(seed: int, shape: tuple[int, ...]) -> jax.Array:
@@ -433,6 +433,8 @@ MEMORY_WORKLOADS = {
     "sumexp": (sumexp, {"x": "n M", "y": "n K"}, "n"),
     "softmax_matvec": (softmax_matvec, {"x": "n M", "y": "n K", "v": "n K"}, "n M"),
 }
+MEMORY_CORE = {"sumexp": None, "softmax_matvec": "M"
+}
 
 
 def memory_inputs(workload: str, n: int, m: int):
@@ -446,7 +448,7 @@ def memory_inputs(workload: str, n: int, m: int):
 
 def memory_program(workload: str, strategy: str, chunk: int, budget: int):
     fun, in_dims, out_dims = MEMORY_WORKLOADS[workload]
-    kw: dict = dict(in_dims=in_dims, out_dims=out_dims)
+    kw: dict = dict(in_dims=in_dims, out_dims=out_dims, core=MEMORY_CORE[workload])
     if strategy == "vmap":
         kw["vmap"] = "n"
     elif strategy == "scan":

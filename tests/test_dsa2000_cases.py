@@ -482,7 +482,7 @@ CALL_ERRORS = [
         (T3, 2.0),
         {},
         ShapeError,
-        [r"argument `y` is `float`", r"not an array"],
+        [r"argument `y` is the Python `float` 2\.0", r"rank 0, but dims 'T \.\.\.'"],
     ),
 ]
 
