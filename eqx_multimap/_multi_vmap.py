@@ -6,6 +6,7 @@ One call flows one way: the wrapper's options were parsed at decoration
 `jax.shard_map` with `shard=` (`_shard`); the wrapper rebuilds the output.
 """
 
+import dataclasses
 import functools as ft
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload, TypeVar
@@ -16,7 +17,7 @@ import jax.tree_util as jtu
 from jax._src import traceback_util
 from jaxtyping import PyTree
 
-from ._blocks import describe_nest
+from ._blocks import describe_nest, NestSpec
 from ._errors import SpecError
 from ._nest import Build, mapped_function
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
@@ -50,25 +51,28 @@ def run_call(call: Call) -> Any:
     """Choose the nest of a resolved call, build it, run it; the output pytree."""
     options = call.options
     spec = call.given_nest()
-    diff_spec = None
-    if options.plan is not None:
-        plan = options.plan.planner.plan(call)
-        spec, diff_spec = plan.spec, plan.backward_spec
     build = Build(isolate=call.isolate, checkpoint=options.checkpoint)
-    diff_build = None
+    diff = None
+    if options.plan is not None:
+        planner = options.plan.planner
+        spec = planner.plan(call).spec
+
+        def diff() -> tuple[NestSpec, Build]:
+            # Planned only when the call is differentiated.
+            plan = planner.plan(call, backward=True)
+            return plan.spec, Build(isolate=call.isolate, checkpoint=plan.checkpoint)
+
     if options.shard is None:
         if options.verbose:
             print(f"{call.fun_name}: {describe_nest(spec, call.mapped_sizes)}")
-        fn = mapped_function(call.problem(), spec, build, diff_spec, diff_build)
+        fn = mapped_function(call.problem(), spec, build, diff)
         return call.out.combine(fn(list(call.values)))
     shard = call.shard
     assert shard is not None
     local_sizes = {name: shard.local_sizes[name] for name in call.mapped}
     if options.verbose:
         print(shard.describe(f"{call.fun_name}: {describe_nest(spec, local_sizes)}"))
-    local = mapped_function(
-        call.problem(local_sizes), spec, build, diff_spec, diff_build
-    )
+    local = mapped_function(call.problem(local_sizes), spec, build, diff)
     n_mapped = len(call.mapped)
     outs = shard.run(
         list(call.values),
@@ -381,7 +385,9 @@ def explain(fn: Callable, /, *args, **kwargs) -> Plan:
         call = resolve(wrapper._fun, wrapper._options, args, kwargs)
         if call.options.plan is None:
             return describe_fixed(call)
-        return call.options.plan.planner.plan(call)
+        planner = call.options.plan.planner
+        gradient = planner.plan(call, backward=True)
+        return dataclasses.replace(planner.plan(call), gradient=gradient)
 
     # A `Plan` is not an array: `filter_eval_shape` returns it as it is.
     return eqx.filter_eval_shape(resolve_and_plan, bound_args + args, kwargs)

@@ -354,23 +354,20 @@ def mapped_function(
     problem: Problem,
     spec: NestSpec,
     build: Build,
-    diff_spec: NestSpec | None = None,
-    diff_build: Build | None = None,
+    diff: Callable[[], tuple[NestSpec, Build]] | None = None,
 ) -> Callable[[Leaves], Leaves]:
     """The nest `spec` of `problem`, as a function of the input leaves.
 
-    With a different `diff_spec` or `diff_build` (the planner's nest for the
-    backward pass: smaller blocks, checkpointed), differentiating it (`jax.jvp`, and
-    so `jax.grad` and every transform built on it) runs that nest instead: a
-    `jax.custom_jvp` whose primal is the forward nest and whose tangent rule is the
-    JVP of the differentiable nest. Otherwise it is the plain nest.
+    With `diff` (the planner's nest for differentiation: its blocks sized so that
+    the backward pass fits the memory budget, its scan bodies checkpointed),
+    differentiating the function (`jax.jvp`, and so `jax.grad` and every transform
+    built on it) runs that nest instead: a `jax.custom_jvp` whose primal is the
+    forward nest and whose tangent rule is the JVP of the nest `diff()` gives, which
+    is planned only when the function is differentiated.
     """
-    diff_spec = spec if diff_spec is None else diff_spec
-    diff_build = build if diff_build is None else diff_build
     primal = ft.partial(run, problem, spec, build)
-    if (diff_spec, diff_build) == (spec, build):
+    if diff is None:
         return primal
-    differentiable = ft.partial(run, problem, diff_spec, diff_build)
 
     @jax.custom_jvp
     def f(values: Leaves) -> Leaves:
@@ -378,6 +375,7 @@ def mapped_function(
 
     def f_jvp(primals: tuple, tangents: tuple) -> tuple:
         (values,), (dvalues,) = primals, tangents
+        differentiable = ft.partial(run, problem, *diff())
         live = [i for i, t in enumerate(dvalues) if not isinstance(t, SymbolicZero)]
 
         def of_live(*xs: Any) -> Leaves:

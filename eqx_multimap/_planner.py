@@ -162,6 +162,11 @@ class Plan:
     - `shard`: with `shard=`, one `ShardDim` per sharded dim. The nest is then
         `shard_map` outermost, and `sizes`, `dims`, the candidates and the budget
         are *per device* (the local nest on one device's block).
+    - `backward`: `True` for the plan of the nest run under differentiation: its
+        candidates' memory is that of their reverse-mode derivative, and
+        `checkpoint` says whether its scan bodies are checkpointed.
+    - `gradient`: from `explain`, the plan of the nest that differentiation runs.
+    - `time_model`: the time model that ranked the candidates.
     """
 
     fun_name: str
@@ -175,18 +180,15 @@ class Plan:
     n_compiled: int
     seconds: float
     shard: tuple[ShardDim, ...] = ()
-
+    backward: bool = False
+    checkpoint: bool = False
+    gradient: "Plan | None" = None
     time_model: "TimeModel | None" = None
 
     @property
     def spec(self) -> NestSpec:
         """The chosen nest."""
         return self.chosen.spec
-
-    @property
-    def backward_spec(self) -> NestSpec | None:
-        """The nest run under differentiation (`None`: the same nest)."""
-        return None
 
     @property
     def scan(self) -> dict[str, int | None]:
@@ -202,10 +204,14 @@ class Plan:
 
     def __str__(self) -> str:
         sizes = dict(self.sizes)
-        lines = [f"{self.fun_name}: " + ("plan='auto'" if self.auto else "fixed nest")]
+        head = "plan='auto'" if self.auto else "fixed nest"
+        if self.backward:
+            head += ", under differentiation (reverse mode)"
+        lines = [f"{self.fun_name}: {head}"]
         if self.budget_bytes is not None:
+            what = "of the derivative" if self.backward else "of temporary memory"
             lines.append(
-                f"memory budget: {_fmt_bytes(self.budget_bytes)} of temporary memory "
+                f"memory budget: {_fmt_bytes(self.budget_bytes)} {what} "
                 f"({self.budget_source})"
             )
         nest = self.chosen.nest(sizes)
@@ -275,9 +281,16 @@ class Plan:
                 )
             )
         lines.extend(_table(rows))
+        if self.backward and self.checkpoint:
+            lines.append(
+                "scan bodies checkpointed: the backward pass recomputes each block"
+            )
         if self.auto and self.time_model is not None:
             lines.append("")
             lines.append(self.time_model.describe())
+        if self.gradient is not None:
+            lines.append("")
+            lines.append(str(self.gradient))
         return "\n".join(lines)
 
 
@@ -591,11 +604,19 @@ def _struct(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruc
 
 class _Compiler:
     """Compiles candidate nests of one resolved call, every input leaf an explicit
-    argument (given as a `ShapeDtypeStruct` at the sizes planned for)."""
+    argument (given as a `ShapeDtypeStruct` at the sizes planned for).
 
-    def __init__(self, call: Call, sizes: dict[str, int], model: TimeModel):
+    With `backward`, a candidate's memory is that of its reverse-mode derivative
+    (`jax.vjp` of the nest, every scan body checkpointed); its cost is still that of
+    its forward nest, which ranks candidates alike."""
+
+    def __init__(
+        self, call: Call, sizes: dict[str, int], model: TimeModel, backward: bool
+    ):
         self.problem = call.problem(sizes)
-        self.build = Build(isolate=call.isolate, checkpoint=call.options.checkpoint)
+        self.checkpoint = call.options.checkpoint
+        self.isolate = call.isolate
+        self.backward = backward
         self.model = model
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
@@ -609,15 +630,54 @@ class _Compiler:
         self.n_compiled += 1
         return jax.jit(fn).lower(specs).compile()
 
+    def build(self, spec: NestSpec) -> Build:
+        """How a candidate is built: under differentiation, every scan body
+        checkpointed (so the backward pass recomputes one block at a time)."""
+        checkpoint = self.checkpoint or (self.backward and bool(spec.scan))
+        return Build(isolate=self.isolate, checkpoint=checkpoint)
+
+    def _temp_bytes(self, spec: NestSpec) -> tuple[int, Any]:
+        """The temporary memory of the nest (or of its derivative), and the compiled
+        forward nest when that is what was compiled."""
+        build = self.build(spec)
+
+        def forward(values: list) -> Any:
+            return run(self.problem, spec, build, values)
+
+        if not self.backward:
+            compiled = self.compile(forward, self.specs)
+            return int(compiled.memory_analysis().temp_size_in_bytes), compiled
+        outs = jax.eval_shape(forward, self.specs)
+        diff_in = [i for i, s in enumerate(self.specs) if _inexact(s)]
+        diff_out = [i for i, s in enumerate(outs) if _inexact(s)]
+
+        def gradient(values: list, cts: list) -> Any:
+            def of_inexact(xs: list) -> list:
+                full = list(values)
+                for i, x in zip(diff_in, xs):
+                    full[i] = x
+                out = forward(full)
+                return [out[i] for i in diff_out]
+
+            _, pullback = jax.vjp(of_inexact, [values[i] for i in diff_in])
+            return pullback(cts)
+
+        compiled = self.compile(
+            lambda args: gradient(*args), [self.specs, [outs[i] for i in diff_out]]
+        )
+        return int(compiled.memory_analysis().temp_size_in_bytes), None
+
     def evaluate(self, cand: "PlanCandidate", budget: int | None) -> "PlanCandidate":
         """Compile `cand`: its temporary memory, and if it fits, its costs."""
-        compiled = self.compile(
-            lambda values: run(self.problem, cand.spec, self.build, values), self.specs
-        )
-        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+        temp, compiled = self._temp_bytes(cand.spec)
         fits = None if budget is None else temp <= budget
         if fits is False:
             return dataclasses.replace(cand, temp_bytes=temp, fits=fits)
+        if compiled is None:
+            build = self.build(cand.spec)
+            compiled = self.compile(
+                lambda values: run(self.problem, cand.spec, build, values), self.specs
+            )
         flops, trans, nbytes, ws = self._corrected_cost(compiled, cand)
         trips = cand.trips if cand.scan else 0
         fresh = self.model.fresh(temp)
@@ -661,6 +721,10 @@ class _Compiler:
         if not looped:
             ws = _footprint(compiled)
         return total[0], total[1], total[2], ws
+
+
+def _inexact(s: Any) -> bool:
+    return jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)
 
 
 def _footprint(compiled: Any) -> int:
@@ -776,8 +840,11 @@ class Planner:
         """Forget every cached plan."""
         self._cache.clear()
 
-    def plan(self, call: Call) -> Plan:
+    def plan(self, call: Call, backward: bool = False) -> Plan:
         """The (cached) automatic plan for a resolved call.
+
+        With `backward`, the plan of the nest that differentiation runs: the memory
+        budget is then that of its reverse-mode derivative.
 
         With `shard=`, the plan is for the local nest inside `shard_map`: the sharded
         dims keep their strategy (scanned if in `scan`, else vmapped) at their local
@@ -786,7 +853,14 @@ class Planner:
         options = call.options.plan
         budget, source = resolve_budget(options.memory_budget)
         sizes, shard = _localize(call)
-        key = (call.options, budget, shard, tuple(sizes.items()), _fingerprint(call))
+        key = (
+            call.options,
+            budget,
+            shard,
+            tuple(sizes.items()),
+            _fingerprint(call),
+            backward,
+        )
         if key in self._cache:
             self._cache.move_to_end(key)
             cached = self._cache[key]
@@ -794,7 +868,7 @@ class Planner:
                 raise SpecError(cached)
             return cached
         try:
-            plan = self._plan(call, sizes, budget, source, shard)
+            plan = self._plan(call, sizes, budget, source, shard, backward)
         except _NoFit as e:
             self._store(key, str(e))
             raise SpecError(str(e)) from None
@@ -815,11 +889,12 @@ class Planner:
         budget: int,
         source: str,
         shard: tuple[ShardDim, ...],
+        backward: bool,
     ) -> Plan:
         self.n_plans += 1
         start = time.perf_counter()
         mapped = call.mapped
-        compiler = _Compiler(call, sizes, self.time_model)
+        compiler = _Compiler(call, sizes, self.time_model, backward)
         orders = dim_orders(call, sizes)
         given = call.given_nest()
         # Sharded dims keep their local strategy: scanned (outermost) if in `scan`.
@@ -874,7 +949,12 @@ class Planner:
                     chosen = min(fitting, key=lambda c: c.seconds or 0.0)
                 if not chosen.fits:
                     _raise_no_fit(
-                        call.fun_name, call, budget, list(evaluated.values()), sizes
+                        call.fun_name,
+                        call,
+                        budget,
+                        list(evaluated.values()),
+                        sizes,
+                        backward,
                     )
         finally:
             self.n_compiles += compiler.n_compiled
@@ -891,6 +971,8 @@ class Planner:
             n_compiled=compiler.n_compiled,
             seconds=time.perf_counter() - start,
             shard=shard,
+            backward=backward,
+            checkpoint=compiler.build(chosen.spec).checkpoint,
             time_model=self.time_model,
         )
 
@@ -916,13 +998,14 @@ def _first(
     return lo if ok(steps[lo]) else None
 
 
-def _raise_no_fit(fun_name, call, budget, evaluated, sizes) -> None:
+def _raise_no_fit(fun_name, call, budget, evaluated, sizes, backward) -> None:
     smallest = min(evaluated, key=lambda c: c.temp_bytes or 0)
+    what = "its derivative (reverse mode) needs" if backward else "needs"
     raise _NoFit(
         f"`{fun_name}` with `plan='auto'`: no nest fits "
         f"`memory_budget={call.options.plan.memory_budget!r}` ({_fmt_bytes(budget)} "
         f"of temporary memory). The smallest of the {len(evaluated)} compiled "
-        f"candidates needs {_fmt_bytes(smallest.temp_bytes or 0)}: "
+        f"candidates {what} {_fmt_bytes(smallest.temp_bytes or 0)}: "
         f"{smallest.nest(sizes)}. Raise `memory_budget`, or map fewer dims."
     )
 
@@ -932,7 +1015,7 @@ def describe_fixed(call: Call) -> Plan:
     start = time.perf_counter()
     sizes, shard = _localize(call)
     model = TimeModel.for_backend(jax.default_backend())
-    compiler = _Compiler(call, sizes, model)
+    compiler = _Compiler(call, sizes, model, backward=False)
     given = call.given_nest()
     cand = _candidate(given.scan, given.vmap, sizes, "given")
     if all(sizes[n] > 0 for n in call.mapped):
