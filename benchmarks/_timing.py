@@ -1,5 +1,6 @@
 """Shared timing helpers: compile first, then time candidates side by side."""
 
+import math
 import re
 import statistics
 import time
@@ -101,3 +102,99 @@ def normalised_hlo(c) -> str:
     # Instruction and computation names carry counters that differ between traces.
     text = re.sub(r"%[\w.\-]+", "%x", text)
     return re.sub(r"\b[\w\-]+(\.\d+)+\b", "n", text)
+
+
+#
+# Additions for `overhead.py` and `grad.py`: calibrated side-by-side timing, compile
+# times of freshly built programs, and short summaries of paired ratios.
+#
+
+
+def batched(fn: Callable[[], object], number: int) -> Callable[[], object]:
+    """A thunk that calls `fn` `number` times, waiting for each call; for programs
+    too short to time one call at a time."""
+
+    def thunk():
+        out = None
+        for _ in range(number):
+            out = jax.block_until_ready(fn())
+        return out
+
+    return thunk
+
+
+def time_calibrated(
+    fns: Sequence[Callable[[], object]],
+    budget_s: float,
+    max_rounds: int,
+    min_rounds: int = 5,
+    min_sample_s: float = 2e-3,
+    settle: int = 0,
+) -> list[list[float]]:
+    """Time `fns` side by side (`time_side_by_side`); the seconds *per call* of every
+    round, per thunk.
+
+    One call of each (which also warms up) sets how many calls make one timed
+    sample (so that the quickest thunk's sample takes at least `min_sample_s`; the
+    same number for every thunk) and how many rounds fit in about `budget_s` (at
+    least `min_rounds`, at most `max_rounds`)."""
+    firsts = []
+    for fn in fns:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        firsts.append(time.perf_counter() - t0)
+    number = max(1, math.ceil(min_sample_s / max(min(firsts), 1e-9)))
+    per_round = number * (1 + settle) * sum(firsts)
+    rounds = max(min_rounds, min(max_rounds, int(budget_s / max(per_round, 1e-9))))
+    thunks = [batched(fn, number) for fn in fns]
+    times = time_side_by_side(thunks, repeats=rounds, warmup=1, settle=settle)
+    return [[t / number for t in ts] for ts in times]
+
+
+def compile_seconds(
+    makers: Sequence[Callable[[], Callable]], args: Sequence, repeats: int
+) -> list[list[float]]:
+    """Lower + compile seconds of freshly built programs, `repeats` times each.
+
+    Each maker returns a *new* function object every time it is called (`jax.jit`
+    caches on the function: compiling the same object twice is a cache hit). The
+    makers take turns, the order rotating every repetition, after one untimed
+    compile of each (the first compile of a kind pays one-off costs)."""
+    for make in makers:
+        compiled(make(), *args)
+    out: list[list[float]] = [[] for _ in makers]
+    n = len(makers)
+    for r in range(repeats):
+        for k in range(n):
+            i = (k + r) % n
+            fn = makers[i]()
+            t0 = time.perf_counter()
+            compiled(fn, *args)
+            out[i].append(time.perf_counter() - t0)
+    return out
+
+
+def distinct(*executables) -> bool:
+    """Whether compiled programs (`jax.stages.Compiled`) are separate executables:
+    their optimised HLO was produced by compiling each of them, not read back from
+    `jax.jit`'s cache of an equal function."""
+    ids = {id(c.runtime_executable()) for c in executables}
+    return len(ids) == len(executables)
+
+
+def has_conditional(c) -> bool:
+    """Whether a compiled program's optimised HLO has a `conditional`."""
+    return re.search(r"\bconditional\(", c.as_text()) is not None
+
+
+def ratio_spread(ratios: Sequence[float]) -> str:
+    """`median (q25 to q75)` of per-round ratios, as printed in the tables."""
+    q1, q2, q3 = quartiles(list(ratios))
+    return f"{q2:.2f} ({q1:.2f} to {q3:.2f})"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

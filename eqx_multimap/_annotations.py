@@ -29,12 +29,16 @@ from typing import Any, get_args, get_origin
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jax._src import traceback_util
 from jaxtyping import AbstractArray, PyTree
 
 from ._args import broadcast_spec, is_array, LeafSpec
 from ._check import dtype_matches
 from ._dims import Dims, parse_dims
 from ._errors import ShapeError, SpecError
+
+
+traceback_util.register_exclusion(__file__)
 
 
 _UNION_TYPES: tuple[Any, ...] = (typing.Union, types.UnionType)

@@ -7,9 +7,13 @@ from typing import Any
 
 import equinox as eqx
 import jax.tree_util as jtu
+from jax._src import traceback_util
 
 from ._dims import Dims, parse_dims
 from ._errors import SpecError
+
+
+traceback_util.register_exclusion(__file__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +106,162 @@ class BoundCall:
         return args, kwargs
 
 
-def _signature(fun: Callable) -> inspect.Signature | None:
-    try:
-        return inspect.signature(fun)
-    except (TypeError, ValueError):
-        return None
+_UNSET: Any = object()  # no spec given: from the annotation, else `None`
+
+
+@dataclasses.dataclass(frozen=True)
+class _Params:
+    """The parameters of the mapped function, as far as its signature tells."""
+
+    signature: inspect.Signature | None
+    positional: tuple[str, ...]  # positional-only and positional-or-keyword
+    named: tuple[str, ...]  # every parameter but `*args` and `**kwargs`
+    var_pos: str | None
+    var_kw: str | None
+
+    @classmethod
+    def of(cls, fun: Callable) -> "_Params":
+        try:
+            sig = inspect.signature(fun)
+        except (TypeError, ValueError):
+            return cls(None, (), (), None, None)
+        ps = list(sig.parameters.values())
+        return cls(
+            sig,
+            tuple(
+                p.name
+                for p in ps
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ),
+            tuple(
+                p.name for p in ps if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            ),
+            next((p.name for p in ps if p.kind is p.VAR_POSITIONAL), None),
+            next((p.name for p in ps if p.kind is p.VAR_KEYWORD), None),
+        )
+
+    def check_call(self, fun_name: str, args: tuple, kwargs: dict) -> None:
+        if self.signature is None:
+            return
+        try:
+            self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(
+                f"`{fun_name}` was called with bad arguments: {e}"
+            ) from None
+
+    def arg_param(self, i: int) -> str | None:
+        """The parameter that positional argument `i` binds to."""
+        return self.positional[i] if i < len(self.positional) else self.var_pos
+
+    def kwarg_param(self, k: str) -> str | None:
+        return k if k in self.named else self.var_kw
+
+    def arg_path(self, i: int) -> str:
+        """Positional argument `i` as errors name it: `x`, `xs[0]`, `args[2]`."""
+        if i < len(self.positional):
+            return self.positional[i]
+        if self.var_pos is not None:
+            return f"{self.var_pos}[{i - len(self.positional)}]"
+        return f"args[{i}]"
+
+    def kwarg_path(self, k: str) -> str:
+        return k if k in self.named else f"{self.var_kw or 'kwargs'}[{k!r}]"
+
+
+def _specs_from_dict(
+    in_dims: dict, params: _Params, args: tuple, kwargs: dict, fun_name: str
+) -> tuple[list[Any], dict[str, Any]]:
+    """One spec per argument from `in_dims` by parameter name (`*args` and
+    `**kwargs` by their names too)."""
+    arg_specs = [_UNSET] * len(args)
+    kw_specs = {k: _UNSET for k in kwargs}
+    used = set()
+    for i in range(min(len(args), len(params.positional))):
+        name = params.positional[i]
+        if name in in_dims:
+            arg_specs[i] = in_dims[name]
+            used.add(name)
+    # `*args` by its name: one spec for every extra positional argument, or a
+    # tuple/list with one entry per extra positional argument.
+    var_pos = params.var_pos
+    if var_pos is not None and var_pos in in_dims:
+        used.add(var_pos)
+        n_extra = len(args) - len(params.positional)
+        spec = in_dims[var_pos]
+        if isinstance(spec, (tuple, list)):
+            if len(spec) != n_extra:
+                raise SpecError(
+                    f"`{fun_name}`: `in_dims[{var_pos!r}]` has {len(spec)} entries, "
+                    f"one per argument of `*{var_pos}`, but the function was called "
+                    f"with {n_extra}."
+                )
+            extra = list(spec)
+        else:
+            extra = [spec] * n_extra
+        arg_specs[len(params.positional) :] = extra
+    var_kw = params.var_kw
+    var_kw_spec = _UNSET
+    if var_kw is not None and var_kw in in_dims:
+        used.add(var_kw)
+        var_kw_spec = in_dims[var_kw]
+    for k in kwargs:
+        if k in in_dims:
+            kw_specs[k] = in_dims[k]
+            used.add(k)
+        elif k not in params.named and var_kw_spec is not _UNSET:
+            if not isinstance(var_kw_spec, dict):
+                kw_specs[k] = var_kw_spec
+            elif k in var_kw_spec:
+                kw_specs[k] = var_kw_spec[k]
+    known = set(params.named) | {n for n in (var_pos, var_kw) if n is not None}
+    unknown = [k for k in in_dims if k not in used and k not in known]
+    if params.signature is not None and var_kw is None and unknown:
+        raise SpecError(
+            f"`{fun_name}`: the following `in_dims` keys did not correspond to any "
+            f"parameter: {tuple(unknown)}. The parameters are "
+            f"{tuple(params.signature.parameters)}."
+        )
+    return arg_specs, kw_specs
+
+
+def _specs(
+    in_dims: Any, params: _Params, args: tuple, kwargs: dict, fun_name: str
+) -> tuple[list[Any], dict[str, Any]]:
+    """One spec per positional and keyword argument (`_UNSET` where `in_dims` says
+    nothing)."""
+    if in_dims is None:
+        return [_UNSET] * len(args), {k: _UNSET for k in kwargs}
+    if isinstance(in_dims, (str, Dims)):
+        return [in_dims] * len(args), {k: in_dims for k in kwargs}
+    if isinstance(in_dims, (tuple, list)):
+        if len(in_dims) != len(args):
+            raise SpecError(
+                f"`{fun_name}`: `in_dims` has {len(in_dims)} entries, one per "
+                f"positional argument, but the function was called with {len(args)} "
+                "positional arguments. Use a dict of `in_dims` by parameter name to "
+                "give dims for keyword arguments."
+            )
+        return list(in_dims), {k: _UNSET for k in kwargs}
+    if isinstance(in_dims, dict):
+        return _specs_from_dict(in_dims, params, args, kwargs, fun_name)
+    raise SpecError(
+        f"`{fun_name}`: `in_dims` must be `None`, a dims string, a tuple with one "
+        "entry per positional argument, or a dict by parameter name; but got "
+        f"{in_dims!r} of type `{type(in_dims).__name__}`."
+    )
+
+
+def _leaves(fun_name: str, path: str, value: Any, spec: Any) -> list[InLeaf]:
+    """The leaves of one argument, each with its spec and its path."""
+    where = f"`{fun_name}`: `in_dims` for argument `{path}`"
+    specs = broadcast_spec(spec, value, where, path)
+    paths_and_leaves = jtu.tree_flatten_with_path(value)[0]
+    assert len(specs) == len(paths_and_leaves)
+    return [
+        InLeaf(path + jtu.keystr(p), leaf, leaf_spec)
+        for (p, leaf), leaf_spec in zip(paths_and_leaves, specs)
+    ]
 
 
 def bind_call(
@@ -123,149 +278,30 @@ def bind_call(
     entry per positional argument) or a dict by parameter name (keyword-only and
     `**kwargs` entries included). `default_dims(param_name, value, path)`, if
     given, supplies a spec for arguments that `in_dims` does not mention (used for
-    annotations); `path` is the argument as errors name it (`kwargs['nu']`).
+    annotations; that of `*args` or `**kwargs` is that of each of their entries);
+    `path` is the argument as errors name it (`kwargs['nu']`).
     """
-    sig = _signature(fun)
-    var_pos = var_kw = None
-    param_names: list[str] = []
-    if sig is not None:
-        for p in sig.parameters.values():
-            if p.kind is p.VAR_POSITIONAL:
-                var_pos = p.name
-            elif p.kind is p.VAR_KEYWORD:
-                var_kw = p.name
-            else:
-                param_names.append(p.name)
-        try:
-            sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(
-                f"`{fun_name}` was called with bad arguments: {e}"
-            ) from None
-        positional = [
-            p.name
-            for p in sig.parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    else:
-        positional = []
+    params = _Params.of(fun)
+    params.check_call(fun_name, args, kwargs)
+    arg_specs, kw_specs = _specs(in_dims, params, args, kwargs, fun_name)
 
-    def arg_name(i: int) -> str:
-        if i < len(positional):
-            return positional[i]
-        if var_pos is not None:
-            return f"{var_pos}[{i - len(positional)}]"
-        return f"args[{i}]"
-
-    def kwarg_name(k: str) -> tuple[str, bool]:
-        if k in param_names:
-            return k, True
-        return f"{var_kw or 'kwargs'}[{k!r}]", False
-
-    # One spec per argument.
-    unset = object()
-    arg_specs: list[Any] = [unset] * len(args)
-    kw_specs: dict[str, Any] = {k: unset for k in kwargs}
-    if in_dims is None:
-        pass
-    elif isinstance(in_dims, (str, Dims)):
-        arg_specs = [in_dims] * len(args)
-        kw_specs = {k: in_dims for k in kwargs}
-    elif isinstance(in_dims, (tuple, list)):
-        if len(in_dims) != len(args):
-            raise SpecError(
-                f"`{fun_name}`: `in_dims` has {len(in_dims)} entries, one per "
-                f"positional argument, but the function was called with {len(args)} "
-                "positional arguments. Use a dict of `in_dims` by parameter name to "
-                "give dims for keyword arguments."
-            )
-        arg_specs = list(in_dims)
-    elif isinstance(in_dims, dict):
-        used = set()
-        for i in range(len(args)):
-            name = positional[i] if i < len(positional) else None
-            if name is not None and name in in_dims:
-                arg_specs[i] = in_dims[name]
-                used.add(name)
-        # `*args` by its name: one spec for every extra positional argument, or a
-        # tuple/list with one entry per extra positional argument.
-        var_pos_spec = in_dims.get(var_pos, unset) if var_pos is not None else unset
-        n_extra = len(args) - len(positional)
-        if var_pos_spec is not unset:
-            used.add(var_pos)
-            if isinstance(var_pos_spec, (tuple, list)):
-                if len(var_pos_spec) != n_extra:
-                    raise SpecError(
-                        f"`{fun_name}`: `in_dims[{var_pos!r}]` has "
-                        f"{len(var_pos_spec)} entries, one per argument of "
-                        f"`*{var_pos}`, but the function was called with {n_extra}."
-                    )
-                extra = list(var_pos_spec)
-            else:
-                extra = [var_pos_spec] * n_extra
-            for j, s in enumerate(extra):
-                arg_specs[len(positional) + j] = s
-        var_kw_spec = in_dims.get(var_kw, unset) if var_kw is not None else unset
-        if var_kw_spec is not unset:
-            used.add(var_kw)
-        for k in kwargs:
-            if k in in_dims:
-                kw_specs[k] = in_dims[k]
-                used.add(k)
-            elif k not in param_names and var_kw_spec is not unset:
-                if isinstance(var_kw_spec, dict):
-                    if k in var_kw_spec:
-                        kw_specs[k] = var_kw_spec[k]
-                else:
-                    kw_specs[k] = var_kw_spec
-        known = set(param_names) | {n for n in (var_pos, var_kw) if n is not None}
-        unknown = [k for k in in_dims if k not in used and k not in known]
-        if sig is not None and var_kw is None and unknown:
-            all_params = tuple(sig.parameters)
-            raise SpecError(
-                f"`{fun_name}`: the following `in_dims` keys did not correspond to any "
-                f"parameter: {tuple(unknown)}. The parameters are {all_params}."
-            )
-    else:
-        raise SpecError(
-            f"`{fun_name}`: `in_dims` must be `None`, a dims string, a tuple with one "
-            "entry per positional argument, or a dict by parameter name; but got "
-            f"{in_dims!r} of type `{type(in_dims).__name__}`."
-        )
-
-    names = [arg_name(i) for i in range(len(args))]
-    kw_names = {k: kwarg_name(k)[0] for k in kwargs}
-    pieces: list[tuple[str, Any, Any]] = []
-    # An annotation of `*args` or `**kwargs` is that of each of their entries.
-    for i, (a, s) in enumerate(zip(args, arg_specs)):
-        if s is unset:
-            pname = positional[i] if i < len(positional) else var_pos
-            if default_dims is not None and pname is not None:
-                s = default_dims(pname, a, names[i])
-            else:
-                s = None
-        pieces.append((names[i], a, s))
-    for k in sorted(kwargs):  # the order in which `jax.tree_util` flattens a dict
-        v = kwargs[k]
-        s = kw_specs[k]
-        if s is unset:
-            pname = k if k in param_names else var_kw
-            if default_dims is not None and pname is not None:
-                s = default_dims(pname, v, kw_names[k])
-            else:
-                s = None
-        pieces.append((kw_names[k], v, s))
+    def spec_of(param: str | None, value: Any, spec: Any, path: str) -> Any:
+        if spec is not _UNSET:
+            return spec
+        if default_dims is None or param is None:
+            return None
+        return default_dims(param, value, path)
 
     leaves: list[InLeaf] = []
-    for name, value, spec in pieces:
-        where = f"`{fun_name}`: `in_dims` for argument `{name}`"
-        specs = broadcast_spec(spec, value, where, name)
-        paths_and_leaves = jtu.tree_flatten_with_path(value)[0]
-        assert len(specs) == len(paths_and_leaves)
-        for (path, leaf), leaf_spec in zip(paths_and_leaves, specs):
-            leaves.append(InLeaf(name + jtu.keystr(path), leaf, leaf_spec))
-    treedef = jtu.tree_structure((args, kwargs))
-    return BoundCall(treedef, leaves)
+    for i, (value, spec) in enumerate(zip(args, arg_specs)):
+        path = params.arg_path(i)
+        spec = spec_of(params.arg_param(i), value, spec, path)
+        leaves.extend(_leaves(fun_name, path, value, spec))
+    for k in sorted(kwargs):  # the order in which `jax.tree_util` flattens a dict
+        path = params.kwarg_path(k)
+        spec = spec_of(params.kwarg_param(k), kwargs[k], kw_specs[k], path)
+        leaves.extend(_leaves(fun_name, path, kwargs[k], spec))
+    return BoundCall(jtu.tree_structure((args, kwargs)), leaves)
 
 
 def is_array(x: Any) -> bool:

@@ -18,6 +18,11 @@ import itertools as it
 import math
 from typing import Literal
 
+from jax._src import traceback_util
+
+
+traceback_util.register_exclusion(__file__)
+
 
 LevelKind = Literal["scan", "vmap"]
 

@@ -21,10 +21,14 @@ import jax
 import jax.core
 import jax.extend.core
 import numpy as np
+from jax._src import traceback_util
 from jax.sharding import AxisType, Mesh
 
 from ._args import BoundCall, is_array
 from ._shard import ShardPlan
+
+
+traceback_util.register_exclusion(__file__)
 
 
 def struct(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
@@ -39,14 +43,26 @@ def struct(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct
 class Body:
     """The body traced on one element: `jaxpr` (a `ClosedJaxpr`) over the array
     leaves of the arguments, then the arrays the body closed over (`hoisted`),
-    which the nest passes in as unmapped inputs."""
+    which the nest passes in as unmapped inputs.
+
+    With `shard=`, `jaxpr` was traced for inside `jax.shard_map` (the mesh's axes
+    manual), and `standalone` is the body traced outside, from which the planner
+    compiles one device's nest on its own.
+    """
 
     jaxpr: Any
     hoisted: tuple[Any, ...]
     n_args: int
+    standalone_jaxpr: Any = None
 
     def __call__(self, leaves: list[Any]) -> list[Any]:
         return jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *leaves)
+
+    @property
+    def standalone(self) -> "Body":
+        if self.standalone_jaxpr is None:
+            return self
+        return Body(self.standalone_jaxpr, self.hoisted, self.n_args)
 
 
 def _rebind(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
@@ -104,20 +120,20 @@ def trace_body(
         return _rebind(closed.jaxpr, consts, dyn)
 
     hoisted_specs = [struct(c) for c in hoisted]
-    if shard is None:
-        jaxpr = jax.make_jaxpr(with_hoisted, axis_env=axis_env)(
-            element_specs, hoisted_specs
-        )
-    else:
-        # As `jax.shard_map` traces its function: with the mesh's axes manual.
-        mesh = shard.mesh.abstract_mesh if isinstance(shard.mesh, Mesh) else shard.mesh
-        manual = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
-        with jax.sharding.use_abstract_mesh(manual):
-            jaxpr = jax.make_jaxpr(
-                with_hoisted, axis_env=[*axis_env, *mesh.shape.items()]
-            )(element_specs, hoisted_specs)
+    jaxpr = jax.make_jaxpr(with_hoisted, axis_env=axis_env)(
+        element_specs, hoisted_specs
+    )
     out = eqx.combine(shapes, static_out[-1])
-    return Body(jaxpr, hoisted, len(element_specs)), out
+    if shard is None:
+        return Body(jaxpr, hoisted, len(element_specs)), out
+    # As `jax.shard_map` traces its function: with the mesh's axes manual.
+    mesh = shard.mesh.abstract_mesh if isinstance(shard.mesh, Mesh) else shard.mesh
+    manual = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
+    with jax.sharding.use_abstract_mesh(manual):
+        inside = jax.make_jaxpr(
+            with_hoisted, axis_env=[*axis_env, *mesh.shape.items()]
+        )(element_specs, hoisted_specs)
+    return Body(inside, hoisted, len(element_specs), jaxpr), out
 
 
 #

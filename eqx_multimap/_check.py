@@ -8,10 +8,14 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+from jax._src import traceback_util
 
 from ._args import InLeaf, is_array
 from ._dims import AnonDim, axes_of, Dims, EllipsisDim, FixedDim, NamedDim
 from ._errors import ShapeError, SpecError
+
+
+traceback_util.register_exclusion(__file__)
 
 
 def describe(x: Any) -> str:

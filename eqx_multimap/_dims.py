@@ -18,7 +18,12 @@ import dataclasses
 import functools as ft
 import re
 
+from jax._src import traceback_util
+
 from ._errors import SpecError
+
+
+traceback_util.register_exclusion(__file__)
 
 
 @dataclasses.dataclass(frozen=True)

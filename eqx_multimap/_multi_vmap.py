@@ -386,8 +386,12 @@ def explain(fn: Callable, /, *args, **kwargs) -> Plan:
         if call.options.plan is None:
             return describe_fixed(call)
         planner = call.options.plan.planner
-        gradient = planner.plan(call, backward=True)
-        return dataclasses.replace(planner.plan(call), gradient=gradient)
+        plan = planner.plan(call)
+        try:
+            gradient: Plan | str = planner.plan(call, backward=True)
+        except SpecError as e:  # only differentiating the map would raise it
+            gradient = str(e)
+        return dataclasses.replace(plan, gradient=gradient)
 
     # A `Plan` is not an array: `filter_eval_shape` returns it as it is.
     return eqx.filter_eval_shape(resolve_and_plan, bound_args + args, kwargs)

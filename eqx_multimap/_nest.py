@@ -23,10 +23,14 @@ from typing import Any
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+from jax._src import traceback_util
 from jax.custom_derivatives import SymbolicZero
 
 from ._blocks import Block, blocks, chunk_key, Level, NestSpec, Part
 from ._dims import axes_of, Dims, EllipsisDim, NamedDim
+
+
+traceback_util.register_exclusion(__file__)
 
 
 Leaves = list[Any]

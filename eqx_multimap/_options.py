@@ -16,10 +16,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, SupportsIndex
 
 import jax.tree_util as jtu
+from jax._src import traceback_util
 
 from ._dims import Dims, parse_dims, parse_names
 from ._errors import SpecError
 from ._shard import ShardOptions
+
+
+traceback_util.register_exclusion(__file__)
 
 
 ScanSpec = str | Sequence[str] | Mapping[str, SupportsIndex | None] | None

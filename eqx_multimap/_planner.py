@@ -45,12 +45,16 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
+from jax._src import traceback_util
 
 from ._blocks import blocks, describe_nest, NestSpec, plural
 from ._errors import SpecError
 from ._nest import Build, build_levels, loop_body_inputs, run
 from ._resolve import Call
 from ._shard import axes_str, describe_split
+
+
+traceback_util.register_exclusion(__file__)
 
 
 PlanMode = Literal["auto"]
@@ -165,7 +169,8 @@ class Plan:
     - `backward`: `True` for the plan of the nest run under differentiation: its
         candidates' memory is that of their reverse-mode derivative, and
         `checkpoint` says whether its scan bodies are checkpointed.
-    - `gradient`: from `explain`, the plan of the nest that differentiation runs.
+    - `gradient`: from `explain`, the plan of the nest that differentiation runs
+        (or, if none fits the budget, the error that differentiating would raise).
     - `time_model`: the time model that ranked the candidates.
     """
 
@@ -182,7 +187,7 @@ class Plan:
     shard: tuple[ShardDim, ...] = ()
     backward: bool = False
     checkpoint: bool = False
-    gradient: "Plan | None" = None
+    gradient: "Plan | str | None" = None
     time_model: "TimeModel | None" = None
 
     @property
@@ -611,9 +616,13 @@ class _Compiler:
     its forward nest, which ranks candidates alike."""
 
     def __init__(
-        self, call: Call, sizes: dict[str, int], model: TimeModel, backward: bool
+        self,
+        call: Call,
+        sizes: dict[str, int],
+        model: TimeModel,
+        backward: bool = False,
     ):
-        self.problem = call.problem(sizes)
+        self.problem = call.problem(sizes, standalone=True)
         self.checkpoint = call.options.checkpoint
         self.isolate = call.isolate
         self.backward = backward
@@ -1000,13 +1009,14 @@ def _first(
 
 def _raise_no_fit(fun_name, call, budget, evaluated, sizes, backward) -> None:
     smallest = min(evaluated, key=lambda c: c.temp_bytes or 0)
-    what = "its derivative (reverse mode) needs" if backward else "needs"
+    what = "the derivative (reverse mode) of " if backward else ""
     raise _NoFit(
         f"`{fun_name}` with `plan='auto'`: no nest fits "
         f"`memory_budget={call.options.plan.memory_budget!r}` ({_fmt_bytes(budget)} "
-        f"of temporary memory). The smallest of the {len(evaluated)} compiled "
-        f"candidates {what} {_fmt_bytes(smallest.temp_bytes or 0)}: "
-        f"{smallest.nest(sizes)}. Raise `memory_budget`, or map fewer dims."
+        f"of temporary memory){' under differentiation' if backward else ''}. The "
+        f"smallest of the {len(evaluated)} compiled candidates needs "
+        f"{_fmt_bytes(smallest.temp_bytes or 0)} for {what}{smallest.nest(sizes)}. "
+        "Raise `memory_budget`, or map fewer dims."
     )
 
 

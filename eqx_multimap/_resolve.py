@@ -28,6 +28,7 @@ import jax.core
 import jax.extend.core
 import jax.tree_util as jtu
 import numpy as np
+from jax._src import traceback_util
 
 from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
 from ._args import bind_call, BoundCall, broadcast_spec
@@ -45,6 +46,9 @@ from ._options import (
     Options,
 )
 from ._shard import ShardPlan
+
+
+traceback_util.register_exclusion(__file__)
 
 
 def fun_name_of(fun: Callable) -> str:
@@ -113,10 +117,13 @@ class Call:
     def mapped_sizes(self) -> dict[str, int]:
         return {name: self.sizes[name] for name in self.mapped}
 
-    def problem(self, sizes: dict[str, int] | None = None) -> Problem:
-        """The nest's problem; `sizes` overrides the mapped sizes (per device)."""
+    def problem(
+        self, sizes: dict[str, int] | None = None, standalone: bool = False
+    ) -> Problem:
+        """The nest's problem; `sizes` overrides the mapped sizes (per device), and
+        `standalone` gives the body for compiling one device's nest on its own."""
         return Problem(
-            body=self.body,
+            body=self.body.standalone if standalone else self.body,
             leaf_axes=self.leaf_axes,
             out_dims=self.out.dims,
             sizes=self.mapped_sizes if sizes is None else sizes,

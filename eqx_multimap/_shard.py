@@ -26,6 +26,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import traceback_util
 from jax.sharding import (
     AbstractMesh,
     AxisType,
@@ -38,6 +39,9 @@ from ._blocks import plural
 from ._check import InputCheck, Seen
 from ._errors import ShapeError, SpecError
 from ._nest import final_axis
+
+
+traceback_util.register_exclusion(__file__)
 
 
 ShardSpec = Mapping[str, str | tuple[str, ...]] | None

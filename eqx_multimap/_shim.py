@@ -7,10 +7,14 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax.tree_util as jtu
+from jax._src import traceback_util
 
 from ._dims import is_dim_name
 from ._errors import SpecError
 from ._multi_vmap import filter_multi_vmap
+
+
+traceback_util.register_exclusion(__file__)
 
 
 _C = TypeVar("_C", bound=Callable)

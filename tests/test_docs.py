@@ -1,32 +1,41 @@
-"""The docs: the site builds under `strict: true`, its snippets are the library's
-real output, and the code on its pages runs."""
+"""The docs: the code on every page runs, its snippets are the library's real output,
+and the site builds under `strict: true`.
 
-import contextlib
+The code runs as a reader would run it: in a fresh Python process with JAX's default
+configuration (one CPU device, standard dtype promotion), not under this suite's
+`conftest.py` (8 simulated devices, strict promotion).
+"""
+
+import concurrent.futures
+import functools as ft
 import importlib.util
-import io
+import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
+SNIPPETS = DOCS / "_snippets"
+GENERATE = SNIPPETS / "generate.py"
 
-_spec = importlib.util.spec_from_file_location(
-    "generate_snippets", DOCS / "_snippets" / "generate.py"
-)
+_spec = importlib.util.spec_from_file_location("generate_snippets", GENERATE)
 assert _spec is not None and _spec.loader is not None
 snippets = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(snippets)
 
+_TIMEOUT = 900  # seconds, per process
 
-def _python_blocks(text: str) -> list[str]:
-    """The ```python blocks of a page, except those marked `<!-- not run ... -->`
-    on the line before, and snippet includes."""
+
+def _python_blocks(text: str) -> list[tuple[int, str]]:
+    """The ```python blocks of a page, as (line of their first line, code), except
+    those marked `<!-- not run ... -->` on the line before, and snippet includes."""
     blocks = []
     lines = text.splitlines()
     i = 0
@@ -36,58 +45,142 @@ def _python_blocks(text: str) -> list[str]:
             j = i + 1
             while lines[j].strip() != "```":
                 j += 1
-            body = "\n".join(lines[i + 1 : j])
+            body = textwrap.dedent("\n".join(lines[i + 1 : j]))
             if not skip and "--8<--" not in body:
-                blocks.append(body)
+                blocks.append((i + 2, body))
             i = j
         i += 1
     return blocks
 
 
-PAGES = sorted(
-    str(p.relative_to(DOCS))
-    for p in DOCS.rglob("*.md")
-    if "_snippets" not in p.parts and "api" not in p.parts
+# Every Markdown page (repository-relative), but the generated snippets.
+PAGES = ["README.md"] + sorted(
+    str(p.relative_to(ROOT)) for p in DOCS.rglob("*.md") if SNIPPETS not in p.parents
 )
+RUN_PAGES = [p for p in PAGES if _python_blocks((ROOT / p).read_text())]
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without JAX's or XLA's settings (`conftest.py`
+    sets `XLA_FLAGS` for 8 devices), on the CPU."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    return env
+
+
+# Runs one page's blocks in order, in one namespace. Each block is compiled under
+# the page's path with its own line numbers, so a traceback points into the page.
+_RUNNER = r"""
+import json, sys, traceback
+
+import jax
+
+page, blocks = json.load(sys.stdin)
+if jax.device_count() != 1:
+    sys.exit(f"expected JAX's default of 1 CPU device, got {jax.devices()}")
+namespace = {"__name__": "__main__"}
+for k, (line, code) in enumerate(blocks):
+    try:
+        exec(compile("\n" * (line - 1) + code, page, "exec"), namespace)
+    except BaseException:
+        sys.stdout.flush()
+        print(f"@@ block {k} (line {line}) raised:", file=sys.stderr)
+        traceback.print_exc()
+        sys.exit(1)
+"""
+
+
+def _run_page(page: str) -> subprocess.CompletedProcess:
+    blocks = _python_blocks((ROOT / page).read_text())
+    return subprocess.run(
+        [sys.executable, "-c", _RUNNER],
+        input=json.dumps([page, blocks]),
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT,
+    )
+
+
+def _run_generate_check() -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(GENERATE), "--check"],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT,
+    )
+
+
+@ft.cache
+def _processes() -> dict[str, concurrent.futures.Future]:
+    """Every page's process, and the snippets' check, started together on first use
+    and run a few at a time."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
+    futures = {page: pool.submit(_run_page, page) for page in RUN_PAGES}
+    futures["snippets"] = pool.submit(_run_generate_check)
+    pool.shutdown(wait=False)
+    return futures
 
 
 def test_pages_found():
-    assert {"index.md", "getting-started.md", "errors.md", "strategies.md"} <= set(
-        PAGES
-    )
+    assert {
+        "README.md",
+        "docs/index.md",
+        "docs/getting-started.md",
+        "docs/errors.md",
+        "docs/strategies.md",
+        "docs/sharding.md",
+    } <= set(RUN_PAGES)
     assert len(_python_blocks((DOCS / "getting-started.md").read_text())) >= 5
 
 
-@pytest.mark.parametrize("page", PAGES + ["../README.md"])
+@pytest.mark.parametrize("page", RUN_PAGES)
 def test_page_code_runs(page):
-    blocks = _python_blocks((DOCS / page).read_text())
-    namespace: dict = {"__name__": "__docs__"}
-    for k, block in enumerate(blocks):
-        with contextlib.redirect_stdout(io.StringIO()):
-            try:
-                exec(compile(block, f"{page} block {k}", "exec"), namespace)
-            except Exception as e:
-                pytest.fail(f"{page}, code block {k} raised {e!r}:\n{block}")
+    proc = _processes()[page].result()
+    if proc.returncode != 0:
+        where = re.search(r"^@@ (block \d+ \(line \d+\)) raised:$", proc.stderr, re.M)
+        pytest.fail(
+            f"{page}, {where.group(1) if where else 'before its first block'}, "
+            f"in a fresh process with JAX's defaults:\n{proc.stderr[-4000:]}",
+            pytrace=False,
+        )
 
 
-@pytest.mark.parametrize("name", sorted(snippets.EXAMPLES))
-def test_snippet_up_to_date(name):
-    path = pathlib.Path(snippets.path_of(name))
-    assert path.exists(), f"run `python docs/_snippets/generate.py` to write {path}"
-    expected = snippets.render(snippets.EXAMPLES[name])
-    assert path.read_text() == expected, (
-        f"{path} is out of date: run `python docs/_snippets/generate.py`"
-    )
+def test_snippets_up_to_date():
+    proc = _processes()["snippets"].result()
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def test_error_snippets_raise_the_documented_class():
-    for name, code in snippets.EXAMPLES.items():
+    for name in snippets.EXAMPLES:
         if name.startswith("errors/"):
-            out = snippets.run_example(code)
-            assert re.search(r"^eqx_multimap\.(ShapeError|SpecError): ", out, re.M), (
-                name,
-                out,
+            text = pathlib.Path(snippets.path_of(name)).read_text()
+            assert re.search(r"^eqx_multimap\.(ShapeError|SpecError): ", text, re.M), (
+                name
             )
+
+
+def test_every_snippet_is_used():
+    pages = "\n".join((ROOT / p).read_text() for p in PAGES)
+    for path in SNIPPETS.rglob("*.md"):
+        rel = path.relative_to(DOCS).as_posix()
+        assert f'--8<-- "{rel}"' in pages, f"{rel} is included by no page"
+        assert path.relative_to(SNIPPETS).with_suffix("").as_posix() in (
+            snippets.EXAMPLES
+        ), f"{rel} has no example in generate.py"
+
+
+def test_readme_error_is_a_snippet():
+    # The README cannot include snippets; its error message is one, verbatim.
+    text = pathlib.Path(snippets.path_of("errors/inconsistent")).read_text()
+    message = text.split("```text\n")[1].split("```")[0]
+    assert message in (ROOT / "README.md").read_text()
 
 
 def _mkdocs_missing() -> str | None:
@@ -104,8 +197,7 @@ def _mkdocs_missing() -> str | None:
 )
 def test_mkdocs_build_strict(tmp_path):
     site = tmp_path / "site"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = _clean_env()
     env["NO_MKDOCS_2_WARNING"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
@@ -113,10 +205,14 @@ def test_mkdocs_build_strict(tmp_path):
         env=env,
         capture_output=True,
         text=True,
+        timeout=_TIMEOUT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     api = (site / "api" / "filter_multi_vmap" / "index.html").read_text()
     assert "eqx_multimap.filter_multi_vmap" in api and "Arguments:" in api
+    assert 'href="../../sharding/' in api  # the API page links the Sharding page
+    planner = (site / "api" / "planner" / "index.html").read_text()
+    assert "eqx_multimap.Planner" in planner
     errors = (site / "errors" / "index.html").read_text()
     assert "got inconsistent sizes for dim" in errors  # a snippet was included
     example = (site / "examples" / "radio_interferometry" / "index.html").read_text()

@@ -275,10 +275,13 @@ def test_plan_cache(getkey):
     assert planner.n_plans == 1 and planner.n_compiles > 0
     after_first = planner.n_compiles
     out2 = f(a, b)
-    plan = explain(f, a, b)
     jitted = eqx.filter_jit(f)(a, b)
     # Same signature: nothing planned or compiled by the planner again.
     assert planner.n_plans == 1 and planner.n_compiles == after_first
+    # `explain` plans the derivative's nest too, once.
+    plan = explain(f, a, b)
+    explain(f, a, b)
+    assert planner.n_plans == 2
     ref = _sumexp_reference(a, b)
     for out in (out1, out2, jitted):
         assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -288,14 +291,14 @@ def test_plan_cache(getkey):
     # each of these plans compiles only full vmap).
     g = _sumexp_wrapper(plan=planner, memory_budget=2**30)
     g(a, b)
-    assert planner.n_plans == 2
-    g(a[:4], b[:4])
     assert planner.n_plans == 3
-    g(a.astype(jnp.float16), b.astype(jnp.float16))
+    g(a[:4], b[:4])
     assert planner.n_plans == 4
+    g(a.astype(jnp.float16), b.astype(jnp.float16))
+    assert planner.n_plans == 5
     # A fresh wrapper with equal options and the same planner shares the cache.
     _sumexp_wrapper(plan=planner, memory_budget=2**30)(a[:4], b[:4])
-    assert planner.n_plans == 4
+    assert planner.n_plans == 5
 
 
 def test_explain_table(getkey):
@@ -307,10 +310,13 @@ def test_explain_table(getkey):
         jax.ShapeDtypeStruct(a.shape, a.dtype),
         jax.ShapeDtypeStruct(b.shape, b.dtype),
     )
-    assert isinstance(plan, Plan) and plan is explain(f, a, b)
+    assert isinstance(plan, Plan) and plan == explain(f, a, b)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.auto = False  # pyright: ignore[reportAttributeAccessIssue]
-    text = str(plan)
+    # The plan of the derivative's nest comes last; check the forward plan's part.
+    assert isinstance(plan.gradient, Plan) and plan.gradient.backward
+    text = str(plan).split("\n\n" + str(plan.gradient))[0]
+    assert str(plan).endswith(str(plan.gradient))
     lines = text.splitlines()
     assert lines[0] == "filter_multi_vmap(_sumexp): plan='auto'"
     assert f"memory budget: 80.0 KiB of temporary memory (memory_budget={budget})" in (
@@ -652,9 +658,10 @@ def test_auto_with_shard_cache_and_ambient_mesh(getkey):
     planner = Planner()
     f = _sumexp_wrapper(shard={"B": "x"}, plan=planner, memory_budget=2**30)
     with jax.set_mesh(mesh):
-        plan = explain(f, a, b)
+        plan = explain(f, a, b)  # plans the forward nest and the derivative's
+        assert planner.n_plans == 2
         out = f(a, b)
-        assert planner.n_plans == 1  # cached by explain
+        assert planner.n_plans == 2  # cached by explain
     # A generous per-device budget: the local nest is full vmap of T and B's block.
     assert plan.scan == {} and plan.vmap == ("T", "B")
     assert dict(plan.sizes) == {"T": 8, "B": 2, "K": 32}
