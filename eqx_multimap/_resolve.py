@@ -109,6 +109,12 @@ class Call:
     shard: ShardPlan | None
 
     @property
+    def collective_dims(self) -> frozenset[str]:
+        """The mapped dims that the body uses as axis names of collectives
+        (`lax.psum(x, "F")`): they must be vmapped or sharded, never scanned."""
+        return frozenset()
+
+    @property
     def isolate(self) -> frozenset[int]:
         """The input leaves that scans slice apart from the body's kernels."""
         return inputs_to_isolate(self.body)
