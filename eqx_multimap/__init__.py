@@ -12,7 +12,7 @@ from ._multi_vmap import (
     OutDims as OutDims,
 )
 from ._options import ScanSpec as ScanSpec
-from ._planner import Plan as Plan, Planner as Planner
+from ._planner import Plan as Plan, Planner as Planner, TimeModel as TimeModel
 from ._shard import ShardSpec as ShardSpec
 from ._shim import multi_vmap as multi_vmap
 

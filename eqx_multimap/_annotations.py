@@ -406,8 +406,12 @@ def _dims_or_raise(array_types: list[Any], ann: Any, path: str, ctx: _Context) -
     return dims
 
 
-def _annotation_names(ann: Any, ctx: _Context, path: str, depth: int = 0) -> list[str]:
-    """The dim names in a (return) annotation, in order, without a value."""
+def _annotation_dims(
+    ann: Any, ctx: _Context, path: str, depth: int = 0
+) -> list[tuple[str, Dims, bool]]:
+    """The dims of every array type in a (return) annotation, without a value:
+    `(path, dims, certain)`, where `certain` is `False` for a member of a union
+    (which may not be the type of the value)."""
     ann = _strip(ann)
     if depth > 20:
         return []
@@ -415,30 +419,33 @@ def _annotation_names(ann: Any, ctx: _Context, path: str, depth: int = 0) -> lis
         raise ctx.unresolved(ann, path)
     members = _union_members(ann)
     if members is not None:
-        parts = [_annotation_names(m, ctx, path, depth + 1) for m in members]
-    elif _is_array_type(ann):
-        return list(_dims_or_raise([ann], ann, path, ctx).names)
-    elif _is_pytree_type(ann):
-        parts = [_annotation_names(getattr(ann, "leaftype", None), ctx, path, depth)]
-    elif _is_module_type(ann):
+        return [
+            (p, d, False)
+            for m in members
+            for p, d, _ in _annotation_dims(m, ctx, path, depth + 1)
+        ]
+    if _is_array_type(ann):
+        return [(path, _dims_or_raise([ann], ann, path, ctx), True)]
+    if _is_pytree_type(ann):
+        return _annotation_dims(getattr(ann, "leaftype", None), ctx, path, depth)
+    if _is_module_type(ann):
         hints = _class_hints(ann)
-        parts = [
-            _annotation_names(hints.get(f.name), ctx, f"{path}.{f.name}", depth + 1)
+        return [
+            found
             for f in dataclasses.fields(ann)
             if not f.metadata.get("static", False)
+            for found in _annotation_dims(
+                hints.get(f.name), ctx, f"{path}.{f.name}", depth + 1
+            )
         ]
-    elif get_origin(ann) in (tuple, list, Sequence):
-        parts = [
-            _annotation_names(a, ctx, f"{path}[{i}]", depth + 1)
+    if get_origin(ann) in (tuple, list, Sequence):
+        return [
+            found
             for i, a in enumerate(get_args(ann))
             if a is not Ellipsis
+            for found in _annotation_dims(a, ctx, f"{path}[{i}]", depth + 1)
         ]
-    else:
-        return []
-    names: list[str] = []
-    for part in parts:
-        names.extend(n for n in part if n not in names)
-    return names
+    return []
 
 
 #
@@ -477,12 +484,17 @@ class FunAnnotations:
 
         return default_dims
 
-    def out_names(self, fun_name: str) -> tuple[str, ...]:
-        """The dim names of the return annotation (vmapped if no strategy is given)."""
+    def out_leaf_dims(self, fun_name: str) -> list[tuple[str, Dims, bool]]:
+        """The dims of every array type in the return annotation, by output path
+        (see `_annotation_dims`)."""
         if not self.has_return:
-            return ()
-        ctx = self._out_ctx(fun_name)
-        return tuple(_annotation_names(self.hints["return"], ctx, "output"))
+            return []
+        return _annotation_dims(self.hints["return"], self._out_ctx(fun_name), "output")
+
+    def out_names(self, fun_name: str) -> tuple[str, ...]:
+        """The dim names of the return annotation, in order."""
+        names = (n for _, dims, _ in self.out_leaf_dims(fun_name) for n in dims.names)
+        return tuple(dict.fromkeys(names))
 
     def out_dims(
         self, fun_name: str, mapped: tuple[str, ...]

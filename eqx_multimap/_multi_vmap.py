@@ -29,7 +29,7 @@ from ._planner import (
     Planner,
 )
 from ._resolve import Call, fun_name_of, resolve
-from ._shard import parse_shard, ShardSpec
+from ._shard import parse_shard, shard_repr, ShardSpec
 
 
 traceback_util.register_exclusion(__file__)
@@ -142,6 +142,10 @@ class _MultiVmapWrapper(eqx.Module):
         return _describe_wrapper(self._fun, self._options)
 
 
+def _axes_shape(mesh: jax.sharding.Mesh) -> str:
+    return ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
+
+
 def _describe_wrapper(fun: Callable, options: Options) -> str:
     parts = [fun_name_of(fun)[len("filter_multi_vmap(") : -1]]
     if options.in_dims.value is not None:
@@ -158,9 +162,15 @@ def _describe_wrapper(fun: Callable, options: Options) -> str:
     if options.vmap:
         parts.append(f"vmap={' '.join(options.vmap)!r}")
     if options.shard is not None:
-        parts.append(f"shard={options.shard!r}")
+        parts.append(f"shard={shard_repr(options.shard.dims)}")
+        if options.shard.mesh is not None:
+            parts.append(f"mesh=Mesh({_axes_shape(options.shard.mesh)})")
+        if options.shard.pad:
+            parts.append("pad=True")
     if options.plan is not None:
-        parts.append(f"plan={options.plan!r}")
+        parts.append(f"plan={options.plan.planner!r}")
+        if options.plan.memory_budget is not None:
+            parts.append(f"memory_budget={options.plan.memory_budget!r}")
     if options.checkpoint:
         parts.append("checkpoint=True")
     return f"filter_multi_vmap({', '.join(parts)})"
@@ -242,7 +252,8 @@ def filter_multi_vmap(
     - `out_dims`: the dims of the output, as a dims string or a pytree prefix of the
         output. Each output array names every mapped dim once. Defaults to the
         return annotation; one of the two is needed.
-    - `core`: dims of the output that are *not* mapped: the body makes them whole.
+    - `core`: dims of the output that are *not* mapped: the body sees them whole
+        (and makes them, if no argument has them).
     - `vmap`: mapped dims to `jax.vmap` over, in this order (outermost first). A
         mapped dim that no strategy names is vmapped.
     - `scan`: mapped dims to `jax.lax.scan` over, outermost first, as `"T"`, or
@@ -255,8 +266,9 @@ def filter_multi_vmap(
         the mesh does not divide. See [Sharding](../sharding.md).
     - `plan`: `"auto"` lets the planner choose the scans, their order and chunk
         sizes per call signature, within `memory_budget` (bytes, or a fraction of
-        device memory), for the forward and the backward pass. See
-        [The planner](../planner.md).
+        device memory), for the forward and the backward pass; an
+        [`eqx_multimap.Planner`][] instead of `"auto"` gives the wrapper a planner
+        (and plan cache) of its own. See [The planner](../planner.md).
     - `checkpoint`: wrap each scan body in `jax.checkpoint`, so that reverse-mode
         autodiff stores only each iteration's inputs.
     - `verbose`: print the nest whenever the function is traced.

@@ -183,9 +183,22 @@ def _out_spec(
             "output. Give `out_dims`, e.g. `out_dims='T F ...'` (the output's dims, "
             "mapped dims first here), or a jaxtyping return annotation."
         )
-    names = annotations.out_names(fun_name)
-    mapped = mapped_dims(names, options.core, "the return annotation", fun_name)
-    check_strategies(options, mapped, "the return annotation", fun_name)
+    leaves = annotations.out_leaf_dims(fun_name)
+    names = [n for _, dims, _ in leaves for n in dims.names]
+    if not names:
+        raise SpecError(
+            f"`{fun_name}` has no `out_dims`, and its return annotation names no "
+            "dims, so which dims are mapped is unknown: the mapped dims are the "
+            "named dims of the output. Give `out_dims`, e.g. `out_dims='T F ...'`, "
+            "or annotate the return value with its dims, e.g. "
+            "`-> Float[Array, 'T F']`."
+        )
+    source = "the return annotation"
+    mapped = mapped_dims(names, options.core, source, fun_name)
+    for where, dims, certain in leaves:
+        if certain:
+            check_out_leaf(fun_name, source, where, dims, mapped)
+    check_strategies(options, mapped, source, fun_name)
     spec = annotations.out_dims(fun_name, mapped)
     return _OutSpec(spec, "the return annotation"), mapped
 

@@ -76,7 +76,7 @@ Leaves = list[Any]
 AxesList = list[dict[str, int]]
 
 
-def _shard_repr(dims: Sequence[tuple[str, tuple[str, ...]]]) -> str:
+def shard_repr(dims: Sequence[tuple[str, tuple[str, ...]]]) -> str:
     body = ", ".join(
         f"{name!r}: {axes[0]!r}" if len(axes) == 1 else f"{name!r}: {axes!r}"
         for name, axes in dims
@@ -111,7 +111,7 @@ class ShardOptions:
 
     def plan(self, fun_name: str, check: InputCheck) -> "ShardPlan":
         """Resolve the mesh and the local sizes for one call (at trace time)."""
-        where = f"`{fun_name}`: `shard={_shard_repr(self.dims)}`"
+        where = f"`{fun_name}`: `shard={shard_repr(self.dims)}`"
         ambient = jax.sharding.get_abstract_mesh()
         if self.mesh is not None:
             mesh: AnyMesh = self.mesh
@@ -232,7 +232,7 @@ def parse_shard(shard: Any, mesh: Any, pad: Any) -> ShardOptions | None:
             owner[axis] = name
         dims.append((name, tuple(axes)))
     if mesh is not None:
-        check_axes(dims, mesh, f"`filter_multi_vmap(..., shard={_shard_repr(dims)})`")
+        check_axes(dims, mesh, f"`filter_multi_vmap(..., shard={shard_repr(dims)})`")
     return ShardOptions(tuple(dims), mesh, pad)
 
 

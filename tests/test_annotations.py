@@ -801,3 +801,23 @@ def test_callable_module_as_the_mapped_function():
     f = filter_multi_vmap(Linear(jnp.asarray(w)), vmap="B")
     expected = loop_reference(lambda i: np.dot(w, x[i["B"]]), {"B": 4}, "B")
     assert_same(f(jnp.asarray(x)), expected)
+
+
+def test_return_annotation_errors_before_the_body_is_traced():
+    def f(x: Float[Array, "T F"]) -> tuple[Float[Array, "T F"], Float[Array, " T"]]:
+        raise AssertionError("the body was traced")
+
+    raises_all(
+        SpecError,
+        [r"the return annotation 'T' for `output\[1\]`", "mapped dim 'F'"],
+        lambda: filter_multi_vmap(f)(jnp.ones((2, 3))),
+    )
+
+
+def test_return_annotation_without_dims():
+    # `jnp.sin` is annotated `-> Array`: no dims, so which are mapped is unknown.
+    raises_all(
+        SpecError,
+        [r"has no `out_dims`, and its return annotation names no dims", "out_dims="],
+        lambda: filter_multi_vmap(jnp.sin, in_dims="T F", scan="T")(jnp.ones((2, 3))),
+    )

@@ -887,3 +887,38 @@ def test_describe_nest_counts():
     assert describe_nest(NestSpec((("F", 2),)), sizes) == (
         "scan(F: 2 chunks of 2) -> body"
     )
+
+
+def test_repr_names_the_function_dims_and_strategies():
+    mesh = jax.make_mesh((1,), ("x",))
+    assert repr(
+        filter_multi_vmap(
+            _body, in_dims=("T F B 2", "F"), out_dims="T F B 2", scan={"T": 2}
+        )
+    ) == (
+        "filter_multi_vmap(_body, in_dims=('T F B 2', 'F'), out_dims='T F B 2', "
+        "scan={'T': 2})"
+    )
+    assert repr(
+        filter_multi_vmap(
+            jnp.sin,
+            in_dims="T F",
+            out_dims="T F",
+            core="F",
+            vmap="T",
+            plan="auto",
+            memory_budget=2**20,
+            checkpoint=True,
+        )
+    ) == (
+        "filter_multi_vmap(sin, in_dims='T F', out_dims='T F', core='F', vmap='T', "
+        "plan='auto', memory_budget=1048576, checkpoint=True)"
+    )
+    assert repr(
+        filter_multi_vmap(
+            jnp.sin, in_dims="T", out_dims="T", shard={"T": "x"}, mesh=mesh, pad=True
+        )
+    ) == (
+        "filter_multi_vmap(sin, in_dims='T', out_dims='T', shard={'T': 'x'}, "
+        "mesh=Mesh('x': 1), pad=True)"
+    )
