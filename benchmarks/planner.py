@@ -222,6 +222,7 @@ def run(quick: bool, repeats: int, verbose: bool, only: str | None) -> list[dict
         base_plan = explain(base, *args)
         plan = explain(auto, *args)
         sizes = dict(plan.sizes)
+        mapped = {d.name for d in plan.dims}
 
         auto_compiled = _compile(auto, args)
         auto_temp = auto_compiled.memory_analysis().temp_size_in_bytes
