@@ -1,8 +1,11 @@
 """The automatic planner behind `filter_multi_vmap(..., plan="auto")`.
 
-A plan picks, for the mapped dims of one call signature, which dims to scan, in which
-order and with which chunk sizes; the rest are vmapped. Candidates are lowered and
-compiled against `jax.ShapeDtypeStruct`s of the arguments, never executed:
+A plan picks, for the mapped dims of one call signature that no strategy names,
+which to scan, in which order and with which chunk sizes; the rest are vmapped. Dims
+named by `scan=`, `vmap=` or `shard=` keep the strategy given (the given scans
+outermost, in their order, with their chunks), and dims that the body uses in
+collectives are never scanned. Candidates are lowered and compiled against
+`jax.ShapeDtypeStruct`s of the arguments:
 
 - `compiled.memory_analysis().temp_size_in_bytes` must fit the memory budget;
 - `compiled.cost_analysis()` gives flops and bytes accessed. XLA costs the body of a
@@ -11,8 +14,9 @@ compiled against `jax.ShapeDtypeStruct`s of the arguments, never executed:
 
 The search is bounded:
 
-1. Full vmap is compiled first and chosen if it fits, unless its temporaries are
-   allocated afresh on every call (see 3.).
+1. Full vmap (of the planned dims) is compiled first and chosen if it fits, unless
+   its temporaries are allocated afresh on every call (see 3.) or the planner
+   measures.
 2. Otherwise the candidates form ladders, one per order of the dims (the output's
    layout, the inputs' layout, by size): scan a prefix of the dims of size > 1, the
    outer ones one element at a time and the last one in chunks from a small
@@ -26,35 +30,57 @@ The search is bounded:
    big out as fresh `mmap`s) are page-faulted in again on *every* call. So when the
    largest fitting block of a ladder is above the threshold, a second binary search
    finds its largest block below it, which is costed too.
+4. With `Planner(measure=True)`, the time model's best few candidates that fit
+   (`_MAX_MEASURED`, among every block that fits in the ladders searched) are run
+   on fresh inputs of the call's shapes, side by side, and the fastest wins: the
+   model cannot see what the chunk shape does to XLA:CPU's code.
 
 With `shard=`, the plan is of the local nest of one device (`_localize`): the sharded
 dims keep their strategy, at their local sizes, and the budget is per device.
 
-A [`Planner`][] owns the plan cache and its statistics; `plan="auto"` uses one
-shared by the process, and `plan=Planner()` gives a wrapper its own.
+A [`Planner`][] owns the plan cache (in memory, and on disk: `_plan_cache`), the time
+model (calibrated on first use: `_time_model`) and its statistics; `plan="auto"`
+uses one shared by the process, and `plan=Planner(...)` gives a wrapper its own.
 """
 
 import collections as co
 import dataclasses
+import datetime
 import hashlib
+import importlib.metadata
+import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import jaxlib
 import numpy as np
 from jax._src import traceback_util
 
 from ._blocks import blocks, describe_nest, NestSpec, plural
 from ._errors import SpecError
 from ._nest import Build, build_levels, loop_body_inputs, run
+from ._plan_cache import default_cache_dir, DiskCache
 from ._resolve import Call
 from ._shard import axes_str, describe_split
+from ._time_model import (
+    calibrate,
+    concrete_inputs,
+    fmt_bytes,
+    fmt_seconds,
+    machine,
+    time_interleaved,
+    TimeModel,
+)
 
 
 traceback_util.register_exclusion(__file__)
+
+logger = logging.getLogger("eqx_multimap")
 
 
 PlanMode = Literal["auto"]
@@ -70,9 +96,27 @@ _MAX_CACHE = 256
 # Once planning has compiled this many programs (candidates and loop bodies), it
 # searches no further ladders.
 _MAX_COMPILES = 12
+# Measured mode: how many candidates are timed, and for about how long.
+_MAX_MEASURED = 8
+_MEASURE_SECONDS = 2.0
+# Planning that has taken longer than this reports its progress.
+_PROGRESS_AFTER = 1.0
+# Bumped whenever the search changes what it chooses: plans on disk from another
+# version are not used.
+_SEARCH_VERSION = 1
 
 
 ScanNest = tuple[tuple[str, int | None], ...]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("eqx_multimap")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+_fmt_bytes = fmt_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +160,11 @@ class PlanCandidate:
     `temp_bytes`, `flops`, `transcendentals`, `bytes_accessed`, `working_set` (the
     memory one loop iteration touches), `fresh_bytes` (the temporary bytes allocated,
     and page-faulted in, afresh on every call: see `fresh_threshold`) and `seconds`
-    (the estimated run time) are `None` when the candidate was not compiled; all but
-    `temp_bytes` are also `None` for a compiled candidate that did not fit. `fits` is
-    `None` when there is no budget (a fixed nest) or the candidate was not compiled.
+    (the estimated run time) are `None` when the candidate was not compiled, or not
+    costed. `fits` is `None` when there is no budget (a fixed nest) or the
+    candidate was not compiled. `measured` is its median time per call when the
+    planner ran it (`Planner(measure=True)`), and `reason` says why it was, or was
+    not, chosen.
     """
 
     scan: ScanNest
@@ -134,10 +180,16 @@ class PlanCandidate:
     seconds: float | None = None
     fits: bool | None = None
     fresh_bytes: int | None = None
+    measured: float | None = None
+    reason: str = ""
 
     @property
     def spec(self) -> NestSpec:
         return NestSpec(self.scan, self.vmap)
+
+    @property
+    def key(self) -> tuple[ScanNest, tuple[str, ...]]:
+        return (self.scan, self.vmap)
 
     def nest(self, sizes: dict[str, int]) -> str:
         return describe_nest(self.spec, sizes)
@@ -148,21 +200,30 @@ class Plan:
     """The nest chosen for one call signature, and how it was chosen.
 
     Returned by [`eqx_multimap.explain`][]; printed by `verbose=True` when planning.
-    `str(plan)` is a readable table.
+    `str(plan)` is a readable table, opening with `summary`.
 
     - `fun_name`: the wrapped function, as in error messages.
-    - `auto`: `True` for `plan="auto"`, `False` for a fixed nest.
+    - `auto`: `True` for a planned nest, `False` for a fixed nest.
+    - `summary`: one sentence: what was chosen, and why.
     - `sizes`: `(name, size)` of every dim bound by the arguments.
     - `dims`: one `PlanDim` (name, size, strategy, chunk, order) per mapped dim, in
         nest order.
     - `scan`, `vmap`: the chosen strategies, as `filter_multi_vmap` takes them.
     - `chosen`: the chosen candidate.
-    - `candidates`: every `PlanCandidate` considered, compiled or not; compiled ones
-        carry their temporary memory, trip-count-corrected cost, working set,
-        estimated time and whether they fit.
+    - `candidates`: every `PlanCandidate` considered, compiled or not, each with
+        the reason it was or was not chosen; compiled ones carry their temporary
+        memory, trip-count-corrected cost, working set, estimated (and, when
+        measured, measured) time and whether they fit.
     - `budget_bytes`, `budget_source`: the memory budget and where it came from.
-    - `n_compiled`: how many compiles planning took (candidates and loop bodies).
-    - `seconds`: how long planning took.
+    - `n_compiled`: how many compiles planning took here (candidates and loop
+        bodies; `0` when the plan was read from the disk cache).
+    - `seconds`: how long planning (or reading the plan) took.
+    - `measured`: whether candidates were timed (`Planner(measure=True)`).
+    - `given`: the mapped dims whose strategy was given (`scan=`, `vmap=`,
+        `shard=`), which the planner kept; `collective`: the dims the body uses in
+        collectives, which it never scans.
+    - `cache`: where the plan came from: planned now (and stored on disk, or not),
+        or read from the disk cache.
     - `shard`: with `shard=`, one `ShardDim` per sharded dim. The nest is then
         `shard_map` outermost, and `sizes`, `dims`, the candidates and the budget
         are *per device* (the local nest on one device's block).
@@ -188,7 +249,12 @@ class Plan:
     backward: bool = False
     checkpoint: bool = False
     gradient: "Plan | str | None" = None
-    time_model: "TimeModel | None" = None
+    time_model: TimeModel | None = None
+    summary: str = ""
+    measured: bool = False
+    given: tuple[str, ...] = ()
+    collective: tuple[str, ...] = ()
+    cache: str = ""
 
     @property
     def spec(self) -> NestSpec:
@@ -209,14 +275,19 @@ class Plan:
 
     def __str__(self) -> str:
         sizes = dict(self.sizes)
-        head = "plan='auto'" if self.auto else "fixed nest"
+        if not self.auto:
+            head = "fixed nest"
+        else:
+            head = "plan='auto'" + (", measured" if self.measured else "")
         if self.backward:
             head += ", under differentiation (reverse mode)"
         lines = [f"{self.fun_name}: {head}"]
+        if self.summary:
+            lines.append(self.summary)
         if self.budget_bytes is not None:
             what = "of the derivative" if self.backward else "of temporary memory"
             lines.append(
-                f"memory budget: {_fmt_bytes(self.budget_bytes)} {what} "
+                f"memory budget: {fmt_bytes(self.budget_bytes)} {what} "
                 f"({self.budget_source})"
             )
         nest = self.chosen.nest(sizes)
@@ -230,6 +301,18 @@ class Plan:
                 "sharded: sizes, candidates and the budget below are per device"
             )
         lines.append(f"nest: {nest}")
+        if self.auto and self.given:
+            planned = [d.name for d in self.dims if d.name not in self.given]
+            lines.append(
+                f"strategies given, kept: {', '.join(self.given)}; planned: "
+                f"{', '.join(planned) or 'none'}"
+            )
+        if self.collective:
+            lines.append(
+                f"used in collectives, never scanned: {', '.join(self.collective)}"
+            )
+        if self.cache:
+            lines.append(f"plan cache: {self.cache}")
         lines.append("")
         sharded = {d.name: d for d in self.shard}
         rows = [("dim", "size", "strategy", "chunk", "order")]
@@ -251,40 +334,41 @@ class Plan:
         lines.extend(_table(rows))
         lines.append("")
         n_cand = sum(c.temp_bytes is not None for c in self.candidates)
+        n_timed = sum(c.measured is not None for c in self.candidates)
+        timed = f", {n_timed} measured" if self.measured else ""
         lines.append(
-            f"candidates: {self.n_candidates} considered, {n_cand} compiled "
+            f"candidates: {self.n_candidates} considered, {n_cand} compiled{timed} "
             f"({self.n_compiled} compiles including loop bodies, "
             f"{self.seconds:.2f} s)"
         )
-        rows = [
-            (
-                "",
-                "nest",
-                "temp memory",
-                "flops",
-                "bytes accessed",
-                "working set",
-                "fresh",
-                "est. time",
-                "fits",
-            )
-        ]
+        header = (
+            "",
+            "nest",
+            "temp memory",
+            "flops",
+            "bytes accessed",
+            "working set",
+            "fresh",
+            "est. time",
+        )
+        header += ("measured",) if self.measured else ()
+        rows = [header + ("fits", "why")]
         for c in self.candidates:
             mark = "*" if c == self.chosen else ""
             fits = "-" if c.fits is None else ("yes" if c.fits else "no")
-            rows.append(
-                (
-                    mark,
-                    c.nest(sizes),
-                    "-" if c.temp_bytes is None else _fmt_bytes(c.temp_bytes),
-                    _fmt_num(c.flops),
-                    _fmt_num(c.bytes_accessed),
-                    "-" if c.working_set is None else _fmt_bytes(c.working_set),
-                    "-" if c.fresh_bytes is None else _fmt_bytes(c.fresh_bytes),
-                    "-" if c.seconds is None else f"{c.seconds * 1e3:.3g} ms",
-                    fits,
-                )
+            row = (
+                mark,
+                c.nest(sizes),
+                "-" if c.temp_bytes is None else fmt_bytes(c.temp_bytes),
+                _fmt_num(c.flops),
+                _fmt_num(c.bytes_accessed),
+                "-" if c.working_set is None else fmt_bytes(c.working_set),
+                "-" if c.fresh_bytes is None else fmt_bytes(c.fresh_bytes),
+                "-" if c.seconds is None else fmt_seconds(c.seconds),
             )
+            if self.measured:
+                row += ("-" if c.measured is None else fmt_seconds(c.measured),)
+            rows.append(row + (fits, c.reason))
         lines.extend(_table(rows))
         if self.backward and self.checkpoint:
             lines.append(
@@ -309,21 +393,9 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     return out
 
 
-def _fmt_bytes(n: int | float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def _fmt_num(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
-
-#
-# Options and budget
-#
 
 #
 # Options and budget
@@ -416,7 +488,7 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
     total, where = _device_memory()
     given = "default " if memory_budget is None else ""
     return int(total * fraction), (
-        f"{given}memory_budget={fraction:g} of {_fmt_bytes(total)} {where}"
+        f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
     )
 
 
@@ -495,104 +567,25 @@ def ladder(
     return out
 
 
-def dim_orders(call: Call, sizes: dict[str, int]) -> list[tuple[str, ...]]:
-    """Orders in which the planner scans the mapped dims, first one the layout.
+def dim_orders(
+    call: Call, sizes: dict[str, int], names: tuple[str, ...] | None = None
+) -> list[tuple[str, ...]]:
+    """Orders in which the planner scans the mapped dims (or `names` of them),
+    the first one the layout.
 
     The layout is the order of the mapped dims in the first output's dims: scanning
     (and vmapping) in that order stacks the output without a transpose. Then the
     order in which the inputs name them (scanning an input's leading axis needs no
     copy), then by size, largest first (the fewest scans for a given block).
     """
-    mapped = call.mapped
-    names = [n for n in call.out.dims[0].names if n in mapped] if call.out.dims else []
-    layout = tuple(names) + tuple(n for n in mapped if n not in names)
+    mapped = call.mapped if names is None else names
+    names_out = call.out.dims[0].names if call.out.dims else ()
+    first = [n for n in names_out if n in mapped]
+    layout = tuple(first) + tuple(n for n in mapped if n not in first)
     inputs = tuple(n for n in call.check.seen if n in mapped)
     inputs += tuple(n for n in mapped if n not in inputs)
     by_size = tuple(sorted(layout, key=lambda n: -sizes[n]))
     return list(dict.fromkeys([layout, inputs, by_size]))
-
-
-#
-# Lowering and compiling
-#
-
-
-#
-# The time model.
-#
-
-
-@dataclasses.dataclass(frozen=True)
-class TimeModel:
-    """The estimated run time of a candidate that fits the budget (see `seconds`).
-
-    Rough throughputs, the overhead of one loop iteration, and on CPU the size above
-    which temporaries are allocated (and page-faulted in) afresh on every call.
-    """
-
-    flops: float = 5e10
-    transcendentals: float = 5e9
-    bandwidth: float = 2e10
-    loop_overhead: float = 1e-6
-    # Fresh temporaries are page-faulted in at this rate (measured 2.9-4.3 GB/s on
-    # a 2-core x86-64 machine).
-    page_bandwidth: float = 3e9
-    # glibc's malloc serves blocks above its mmap threshold with a fresh `mmap` each
-    # time; the threshold adapts to the blocks freed, up to this size (64-bit
-    # Linux). `None`: no such cost (pooled device memory).
-    fresh_threshold: int | None = 32 * 2**20
-    fresh_source: str = "glibc malloc's largest mmap threshold"
-
-    @classmethod
-    def for_backend(cls, backend: str) -> "TimeModel":
-        if backend == "cpu":
-            return cls()
-        return cls(
-            loop_overhead=1e-5,  # an accelerator launches kernels per iteration
-            fresh_threshold=None,
-            fresh_source=f"{backend}: pooled device memory, no fresh pages",
-        )
-
-    def fresh(self, temp: int) -> int:
-        """The temporary bytes that each call allocates, and page-faults in, afresh."""
-        threshold = self.fresh_threshold
-        return temp if threshold is not None and temp > threshold else 0
-
-    def seconds(
-        self, flops: float, trans: float, nbytes: float, trips: int, fresh: float = 0.0
-    ) -> float:
-        """Estimated run time, roofline-like: the larger of compute and memory
-        traffic, plus the page faults of fresh temporaries, plus loop overhead.
-
-        A rough model: it only ranks candidates that already fit the budget, and
-        those do nearly the same flops; when memory-bound, it separates them by the
-        bytes they move (a small block re-reads shared operands once per
-        iteration); on CPU, by the temporaries that every call page-faults in afresh
-        (a big block's); and when compute-bound, by their loop trips.
-        """
-        compute = flops / self.flops + trans / self.transcendentals
-        memory = nbytes / self.bandwidth
-        return (
-            max(compute, memory)
-            + fresh / self.page_bandwidth
-            + trips * self.loop_overhead
-        )
-
-    def describe(self) -> str:
-        if self.fresh_threshold is not None:
-            fresh = (
-                f"fresh = the temporary bytes when above "
-                f"{_fmt_bytes(self.fresh_threshold)}, {self.fresh_source} (allocated "
-                "and page-faulted in on every call), else 0"
-            )
-        else:
-            fresh = f"fresh = 0 ({self.fresh_source})"
-        return (
-            f"est. time = max(flops / {self.flops:.0e} + transcendentals / "
-            f"{self.transcendentals:.0e}, bytes accessed / {self.bandwidth:.0e}) + "
-            f"fresh / {self.page_bandwidth:.0e} + loop trips x "
-            f"{self.loop_overhead:.0e} s; {fresh}"
-        )
 
 
 #
@@ -612,8 +605,9 @@ class _Compiler:
     argument (given as a `ShapeDtypeStruct` at the sizes planned for).
 
     With `backward`, a candidate's memory is that of its reverse-mode derivative
-    (`jax.vjp` of the nest, every scan body checkpointed); its cost is still that of
-    its forward nest, which ranks candidates alike."""
+    (`jax.vjp` of the nest, every scan body checkpointed), and the program that
+    measured mode runs is that derivative; its estimated cost is still that of its
+    forward nest, which ranks candidates alike."""
 
     def __init__(
         self,
@@ -621,12 +615,15 @@ class _Compiler:
         sizes: dict[str, int],
         model: TimeModel,
         backward: bool = False,
+        on_compile: Callable[[str], None] | None = None,
     ):
         self.problem = call.problem(sizes, standalone=True)
         self.checkpoint = call.options.checkpoint
         self.isolate = call.isolate
         self.backward = backward
         self.model = model
+        self.sizes = sizes
+        self.on_compile = on_compile
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
             shape = list(np.shape(v))
@@ -634,8 +631,14 @@ class _Compiler:
                 shape[ax] = sizes[name]
             self.specs.append(_struct(v, tuple(shape)))
         self.n_compiled = 0
+        # The compiled program of each candidate compiled for its memory (the
+        # forward nest, or its derivative), by nest: what measured mode runs.
+        self.programs: dict[NestSpec, Any] = {}
+        self._program_args: Any = None
 
-    def compile(self, fn: Callable[[list], Any], specs: list) -> Any:
+    def compile(self, fn: Callable[[list], Any], specs: Any, what: str = "") -> Any:
+        if self.on_compile is not None:
+            self.on_compile(what or "compiling a loop body")
         self.n_compiled += 1
         return jax.jit(fn).lower(specs).compile()
 
@@ -645,22 +648,24 @@ class _Compiler:
         checkpoint = self.checkpoint or (self.backward and bool(spec.scan))
         return Build(isolate=self.isolate, checkpoint=checkpoint)
 
-    def _temp_bytes(self, spec: NestSpec) -> tuple[int, Any]:
-        """The temporary memory of the nest (or of its derivative), and the compiled
-        forward nest when that is what was compiled."""
+    def _program(self, spec: NestSpec) -> tuple[Callable, Any]:
+        """The program whose memory counts (and which measured mode runs): the
+        forward nest, or with `backward` its reverse-mode derivative; and the
+        `ShapeDtypeStruct`s of its one argument."""
         build = self.build(spec)
 
         def forward(values: list) -> Any:
             return run(self.problem, spec, build, values)
 
         if not self.backward:
-            compiled = self.compile(forward, self.specs)
-            return int(compiled.memory_analysis().temp_size_in_bytes), compiled
+            return forward, self.specs
         outs = jax.eval_shape(forward, self.specs)
         diff_in = [i for i, s in enumerate(self.specs) if _inexact(s)]
         diff_out = [i for i, s in enumerate(outs) if _inexact(s)]
 
-        def gradient(values: list, cts: list) -> Any:
+        def gradient(args: list) -> Any:
+            values, cts = args
+
             def of_inexact(xs: list) -> list:
                 full = list(values)
                 for i, x in zip(diff_in, xs):
@@ -671,39 +676,55 @@ class _Compiler:
             _, pullback = jax.vjp(of_inexact, [values[i] for i in diff_in])
             return pullback(cts)
 
-        compiled = self.compile(
-            lambda args: gradient(*args), [self.specs, [outs[i] for i in diff_out]]
-        )
-        return int(compiled.memory_analysis().temp_size_in_bytes), None
+        return gradient, [self.specs, [outs[i] for i in diff_out]]
 
-    def evaluate(self, cand: "PlanCandidate", budget: int | None) -> "PlanCandidate":
-        """Compile `cand`: its temporary memory, and if it fits, its costs."""
-        temp, compiled = self._temp_bytes(cand.spec)
-        fits = None if budget is None else temp <= budget
-        if fits is False:
-            return dataclasses.replace(cand, temp_bytes=temp, fits=fits)
-        if compiled is None:
+    def memory(self, cand: PlanCandidate) -> int:
+        """Compile the candidate's program; its temporary memory."""
+        fn, specs = self._program(cand.spec)
+        compiled = self.compile(fn, specs, f"compiling {cand.nest(self.sizes)}")
+        self.programs[cand.spec] = compiled
+        if self._program_args is None:
+            self._program_args = specs
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+
+    def program_inputs(self) -> Any:
+        """Fresh concrete arguments for the compiled programs."""
+        return concrete_inputs(self._program_args)
+
+    def costs(self, cand: PlanCandidate) -> PlanCandidate:
+        """A compiled candidate with its costs and estimated time."""
+        assert cand.temp_bytes is not None
+        if self.backward:
             build = self.build(cand.spec)
             compiled = self.compile(
-                lambda values: run(self.problem, cand.spec, build, values), self.specs
+                lambda values: run(self.problem, cand.spec, build, values),
+                self.specs,
+                f"compiling the forward nest of {cand.nest(self.sizes)}",
             )
+        else:
+            compiled = self.programs[cand.spec]
         flops, trans, nbytes, ws = self._corrected_cost(compiled, cand)
         trips = cand.trips if cand.scan else 0
-        fresh = self.model.fresh(temp)
+        fresh = self.model.fresh(cand.temp_bytes)
         return dataclasses.replace(
             cand,
-            temp_bytes=temp,
             flops=flops,
             transcendentals=trans,
             bytes_accessed=nbytes,
             working_set=ws,
             fresh_bytes=fresh,
             seconds=self.model.seconds(flops, trans, nbytes, trips, float(fresh)),
-            fits=fits,
         )
 
+    def evaluate(self, cand: PlanCandidate, budget: int | None) -> PlanCandidate:
+        """Compile `cand`: its temporary memory, and if it fits, its costs."""
+        temp = self.memory(cand)
+        fits = None if budget is None else temp <= budget
+        cand = dataclasses.replace(cand, temp_bytes=temp, fits=fits)
+        return cand if fits is False else self.costs(cand)
+
     def _corrected_cost(
-        self, compiled: Any, cand: "PlanCandidate"
+        self, compiled: Any, cand: PlanCandidate
     ) -> tuple[float, float, float, int]:
         """Flops, transcendentals, bytes and working set, loop bodies counted fully.
 
@@ -722,7 +743,9 @@ class _Compiler:
             looped = True
             specs, axes = loop_body_inputs(self.specs, self.problem.leaf_axes, block)
             body = build_levels(self.problem.body, block.vmaps, axes)
-            body_compiled = self.compile(body, specs)
+            body_compiled = self.compile(
+                body, specs, f"costing the loop body of {cand.nest(self.sizes)}"
+            )
             costs = _costs(body_compiled)
             for j in range(3):
                 total[j] += (block.trips - 1) * costs[j]
@@ -756,13 +779,69 @@ def _costs(compiled: Any) -> tuple[float, float, float]:
 
 
 #
+# Progress
+#
+
+
+class _Progress:
+    """Reports what a long planning run is doing.
+
+    Once planning has taken `after` seconds, every step is logged at INFO level on
+    the `"eqx_multimap"` logger and, with `verbose`, shown on a `tqdm` progress bar
+    (if `tqdm` is installed; it is optional)."""
+
+    def __init__(self, what: str, verbose: bool, after: float = _PROGRESS_AFTER):
+        self.what = what
+        self.verbose = verbose
+        self.after = after
+        self.start = time.perf_counter()
+        self.n = 0
+        self.bar: Any = None
+        self.reported = False
+
+    def step(self, doing: str) -> None:
+        self.n += 1
+        elapsed = time.perf_counter() - self.start
+        if elapsed < self.after:
+            return
+        self.reported = True
+        logger.info(
+            "%s: %s (step %d, %.1f s so far)", self.what, doing, self.n, elapsed
+        )
+        if self.verbose and self.bar is None:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:  # optional: the `bench` extra installs it
+                self.verbose = False
+            else:
+                self.bar = tqdm(desc=self.what, initial=self.n - 1, leave=False)
+        if self.bar is not None:
+            self.bar.set_postfix_str(doing, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.reported:
+            logger.info(
+                "%s: planned in %.1f s (%d steps)",
+                self.what,
+                time.perf_counter() - self.start,
+                self.n,
+            )
+
+
+#
 # Planning
 #
 
 
 def _fingerprint(call: Call) -> str:
     """What determines a call's plan besides its options: the body's jaxpr, and the
-    shapes and dtypes of every input leaf with its mapped axes."""
+    shapes and dtypes of every input leaf with its mapped axes.
+
+    Stable from process to process (object addresses that a jaxpr may print, e.g.
+    of callbacks, are dropped), so it can key the disk cache."""
     text = str(call.body.jaxpr.jaxpr) + repr(
         [
             (str(_struct(v)), sorted(a.items()))
@@ -770,6 +849,7 @@ def _fingerprint(call: Call) -> str:
         ]
     )
     text += repr([str(d) for d in call.out.dims])
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -807,187 +887,56 @@ def _localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
     return {n: sp.local_sizes[n] for n in call.mapped}, dims
 
 
+def _given_dims(call: Call) -> tuple[str, ...]:
+    """The mapped dims whose strategy the user gave, in nest order."""
+    named = set(call.options.scan_names) | set(call.options.vmap)
+    named |= set(call.options.shard_names)
+    return tuple(n for n in call.given_nest().dims if n in named)
+
+
+def _collective_dims(call: Call) -> tuple[str, ...]:
+    used = call.collective_dims
+    return tuple(n for n in call.mapped if n in used)
+
+
 class _NoFit(Exception):
-    pass
+    def __init__(self, message: str, smallest: PlanCandidate, n: int):
+        super().__init__(message)
+        self.smallest = smallest
+        self.n = n
 
 
-class Planner:
-    """Plans nests for `plan="auto"`, and caches the plans per call signature.
-
-    `plan="auto"` uses one `Planner` shared by the process; pass `plan=Planner()`
-    to give a wrapper a planner (and a cache) of its own.
-
-    **Arguments:**
-
-    - `max_cache`: the most plans kept in memory.
-    - `time_model`: the time model that ranks candidates (default: the one for the
-        default backend).
-
-    The counters `n_plans` (planning runs: cache misses) and `n_compiles` (programs
-    compiled while planning) are read by tests and benchmarks.
-    """
-
-    def __init__(
-        self, *, max_cache: int = _MAX_CACHE, time_model: TimeModel | None = None
-    ):
-        self.max_cache = max_cache
-        self._time_model = time_model
-        self._cache: co.OrderedDict[Any, Plan | str] = co.OrderedDict()
-        self.n_plans = 0
-        self.n_compiles = 0
-
-    def __repr__(self) -> str:
-        return "'auto'" if self is DEFAULT_PLANNER else "Planner()"
-
-    @property
-    def time_model(self) -> TimeModel:
-        if self._time_model is None:
-            self._time_model = TimeModel.for_backend(jax.default_backend())
-        return self._time_model
-
-    def clear(self) -> None:
-        """Forget every cached plan."""
-        self._cache.clear()
-
-    def plan(self, call: Call, backward: bool = False) -> Plan:
-        """The (cached) automatic plan for a resolved call.
-
-        With `backward`, the plan of the nest that differentiation runs: the memory
-        budget is then that of its reverse-mode derivative.
-
-        With `shard=`, the plan is for the local nest inside `shard_map`: the sharded
-        dims keep their strategy (scanned if in `scan`, else vmapped) at their local
-        sizes; the other mapped dims are planned, under the budget per device.
-        """
-        options = call.options.plan
-        budget, source = resolve_budget(options.memory_budget)
-        sizes, shard = _localize(call)
-        key = (
-            call.options,
-            budget,
-            shard,
-            tuple(sizes.items()),
-            _fingerprint(call),
-            backward,
-        )
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            cached = self._cache[key]
-            if isinstance(cached, str):  # no nest fit this signature
-                raise SpecError(cached)
-            return cached
-        try:
-            plan = self._plan(call, sizes, budget, source, shard, backward)
-        except _NoFit as e:
-            self._store(key, str(e))
-            raise SpecError(str(e)) from None
-        self._store(key, plan)
-        if options.verbose:
-            print(plan)
-        return plan
-
-    def _store(self, key: Any, value: "Plan | str") -> None:
-        self._cache[key] = value
-        if len(self._cache) > self.max_cache:
-            self._cache.popitem(last=False)
-
-    def _plan(
-        self,
-        call: Call,
-        sizes: dict[str, int],
-        budget: int,
-        source: str,
-        shard: tuple[ShardDim, ...],
-        backward: bool,
-    ) -> Plan:
-        self.n_plans += 1
-        start = time.perf_counter()
-        mapped = call.mapped
-        compiler = _Compiler(call, sizes, self.time_model, backward)
-        orders = dim_orders(call, sizes)
-        given = call.given_nest()
-        # Sharded dims keep their local strategy: scanned (outermost) if in `scan`.
-        frozen = frozenset(d.name for d in shard)
-        fixed = tuple((n, c) for n, c in given.scan if n in frozen)
-        layout = tuple(n for n in orders[0] if n not in dict(fixed))
-        full = _candidate(fixed, layout, sizes, "full vmap")
-        ladders = [ladder(order, orders[0], sizes, fixed, frozen) for order in orders]
-        considered = {(full.scan, full.vmap): full}
-        for c in sorted(
-            (c for steps in ladders for c in steps), key=lambda c: -c.block
-        ):
-            considered.setdefault((c.scan, c.vmap), c)
-        if call.options.scan or call.options.vmap:
-            g = _candidate(given.scan, given.vmap, sizes, "given")
-            considered.setdefault((g.scan, g.vmap), g)
-        evaluated: dict[tuple, PlanCandidate] = {}
-
-        def evaluate(c: PlanCandidate) -> PlanCandidate:
-            k = (c.scan, c.vmap)
-            if k not in evaluated:
-                evaluated[k] = compiler.evaluate(c, budget)
-            return evaluated[k]
-
-        try:
-            if any(sizes[n] == 0 for n in mapped):
-                chosen = full  # nothing to run; no need to compile anything
-            else:
-                chosen = evaluate(full)
-                finalists = [chosen]
-                # Full vmap is kept if it fits and allocates nothing afresh per call.
-                search = not chosen.fits or bool(chosen.fresh_bytes)
-                for i, steps in enumerate(ladders if search else []):
-                    if i > 0 and compiler.n_compiled >= _MAX_COMPILES:
-                        break  # bounded planning: the first ladder is always searched
-                    # Binary search for the largest block that fits.
-                    j = _first(steps, 0, lambda c: bool(evaluate(c).fits))
-                    # And for the largest whose temporaries are reused per call.
-                    if j is not None and evaluate(steps[j]).fresh_bytes:
-                        k = _first(steps, j, lambda c: not evaluate(c).fresh_bytes)
-                    else:
-                        k = None
-                    for edge in (j, k):
-                        if edge is not None:  # the boundary block, and its ties
-                            finalists.extend(
-                                evaluate(c)
-                                for c in steps
-                                if c.block == steps[edge].block
-                            )
-                fitting = [c for c in finalists if c.fits]
-                if fitting:
-                    chosen = min(fitting, key=lambda c: c.seconds or 0.0)
-                if not chosen.fits:
-                    _raise_no_fit(
-                        call.fun_name,
-                        call,
-                        budget,
-                        list(evaluated.values()),
-                        sizes,
-                        backward,
-                    )
-        finally:
-            self.n_compiles += compiler.n_compiled
-        candidates = tuple(evaluated.get(k, c) for k, c in considered.items())
-        return Plan(
-            fun_name=call.fun_name,
-            auto=True,
-            sizes=tuple({**call.sizes, **sizes}.items()),
-            dims=_dims_of(chosen, sizes),
-            chosen=chosen,
-            candidates=candidates,
-            budget_bytes=budget,
-            budget_source=source,
-            n_compiled=compiler.n_compiled,
-            seconds=time.perf_counter() - start,
-            shard=shard,
-            backward=backward,
-            checkpoint=compiler.build(chosen.spec).checkpoint,
-            time_model=self.time_model,
-        )
+def _no_fit_message(
+    call: Call,
+    budget: int,
+    smallest: PlanCandidate,
+    n: int,
+    sizes: dict[str, int],
+    backward: bool,
+) -> str:
+    what = "the derivative (reverse mode) of " if backward else ""
+    given = ""
+    if _given_dims(call):
+        given = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
+    return (
+        f"`{call.fun_name}` with `plan='auto'`: no nest fits "
+        f"`memory_budget={call.options.plan.memory_budget!r}` ({fmt_bytes(budget)} "
+        f"of temporary memory){' under differentiation' if backward else ''}. The "
+        f"smallest of the {n} compiled candidates needs "
+        f"{fmt_bytes(smallest.temp_bytes or 0)} for {what}{smallest.nest(sizes)}. "
+        f"Raise `memory_budget`, or map fewer dims{given}."
+    )
 
 
-DEFAULT_PLANNER = Planner()
-"""The planner of `plan="auto"`."""
+@dataclasses.dataclass
+class _Ladder:
+    """One ladder, as searched: the index of its largest block that fits (`j`) and
+    of its largest below the fresh threshold (`k`)."""
+
+    steps: list[PlanCandidate]
+    searched: bool = False
+    j: int | None = None
+    k: int | None = None
 
 
 def _first(
@@ -1007,17 +956,845 @@ def _first(
     return lo if ok(steps[lo]) else None
 
 
-def _raise_no_fit(fun_name, call, budget, evaluated, sizes, backward) -> None:
-    smallest = min(evaluated, key=lambda c: c.temp_bytes or 0)
-    what = "the derivative (reverse mode) of " if backward else ""
-    raise _NoFit(
-        f"`{fun_name}` with `plan='auto'`: no nest fits "
-        f"`memory_budget={call.options.plan.memory_budget!r}` ({_fmt_bytes(budget)} "
-        f"of temporary memory){' under differentiation' if backward else ''}. The "
-        f"smallest of the {len(evaluated)} compiled candidates needs "
-        f"{_fmt_bytes(smallest.temp_bytes or 0)} for {what}{smallest.nest(sizes)}. "
-        "Raise `memory_budget`, or map fewer dims."
+class _Search:
+    """One planning run: compiles candidates (each at most once), remembers what it
+    learnt about each, and says why each was or was not chosen."""
+
+    def __init__(
+        self,
+        call: Call,
+        sizes: dict[str, int],
+        budget: int,
+        model: TimeModel,
+        backward: bool,
+        measure: bool,
+        progress: _Progress,
+    ):
+        self.call = call
+        self.sizes = sizes
+        self.budget = budget
+        self.model = model
+        self.measure = measure
+        self.progress = progress
+        self.compiler = _Compiler(call, sizes, model, backward, progress.step)
+        self.known: dict[tuple, PlanCandidate] = {}  # by key: compiled ones
+        self.notes: dict[tuple, str] = {}  # by key: why an uncompiled one was not
+
+    def memory(self, c: PlanCandidate) -> PlanCandidate:
+        if c.key not in self.known:
+            temp = self.compiler.memory(c)
+            self.known[c.key] = dataclasses.replace(
+                c, temp_bytes=temp, fits=temp <= self.budget
+            )
+        return self.known[c.key]
+
+    def costed(self, c: PlanCandidate) -> PlanCandidate:
+        c = self.memory(c)
+        if c.fits and c.seconds is None:
+            self.known[c.key] = self.compiler.costs(c)
+        return self.known[c.key]
+
+    def fits(self, c: PlanCandidate) -> bool:
+        return bool(self.memory(c).fits)
+
+    def fresh(self, c: PlanCandidate) -> bool:
+        return bool(self.model.fresh(self.memory(c).temp_bytes or 0))
+
+    def note(self, c: PlanCandidate, why: str) -> None:
+        if c.key not in self.known:
+            self.notes.setdefault(c.key, why)
+
+    def search(self, lad: _Ladder, full_fits: bool) -> None:
+        """Find the ladder's largest block that fits, and (if that one allocates
+        afresh per call) its largest block below the fresh threshold."""
+        steps = lad.steps
+        lad.searched = True
+        # Memory grows with the block: if full vmap fits, every step does.
+        j = 0 if full_fits else _first(steps, 0, self.fits)
+        k = None
+        if j is not None and self.fresh(steps[j]):
+            k = _first(steps, j, lambda c: not self.fresh(c))
+        lad.j, lad.k = j, k
+        for edge in (j, k):
+            if edge is not None:  # the boundary block, and its ties
+                for c in steps:
+                    if c.block == steps[edge].block:
+                        self.costed(c)
+        # Why the others were not compiled.
+        sizes = self.sizes
+        for i, c in enumerate(steps):
+            if c.key in self.known:
+                continue
+            if j is None or i < j:
+                over = next(
+                    (
+                        s
+                        for s in steps[i:]
+                        if s.key in self.known and self.known[s.key].fits is False
+                    ),
+                    None,
+                )
+                if over is not None:
+                    self.note(
+                        c,
+                        f"not compiled: a larger block than {over.nest(sizes)}, "
+                        "which is over budget",
+                    )
+            elif k is not None and i < k:
+                self.note(
+                    c,
+                    f"not compiled: allocates afresh per call, as the larger "
+                    f"{steps[j].nest(sizes)} does, and loops more",
+                )
+            else:
+                edge = steps[k if k is not None else j]
+                self.note(
+                    c,
+                    f"not compiled: a smaller block than {edge.nest(sizes)}, "
+                    "which fits: more loop trips, not needed",
+                )
+
+    def estimate(self, c: PlanCandidate, lad: _Ladder) -> float:
+        """The estimated time of a candidate of a searched ladder that fits: its
+        own if costed, else from the costs of its ladder's boundary (the same
+        arithmetic), with its own trips and temporaries."""
+        known = self.known.get(c.key, c)
+        if known.seconds is not None:
+            return known.seconds
+        assert lad.j is not None
+        edge = self.known[lad.steps[lad.j].key]
+        if known.temp_bytes is not None:
+            temp = known.temp_bytes
+        else:
+            temp = int((edge.temp_bytes or 0) * c.block / max(edge.block, 1))
+        return self.model.seconds(
+            edge.flops or 0.0,
+            edge.transcendentals or 0.0,
+            edge.bytes_accessed or 0.0,
+            c.trips if c.scan else 0,
+            float(self.model.fresh(temp)),
+        )
+
+    def time(self, cands: list[PlanCandidate]) -> dict[tuple, float]:
+        """Run each candidate's compiled program on fresh inputs, side by side; the
+        median seconds per call of each."""
+        args = self.compiler.program_inputs()
+        programs = [self.compiler.programs[c.spec] for c in cands]
+        fns = [lambda p=p: p(args) for p in programs]
+
+        def on_round(r: int, rounds: int) -> None:
+            self.progress.step(f"timing {len(cands)} candidates, round {r + 1}")
+
+        times = time_interleaved(fns, _MEASURE_SECONDS, on_round=on_round)
+        return {c.key: float(np.median(ts)) for c, ts in zip(cands, times)}
+
+
+class Planner:
+    """Plans nests for `plan="auto"`, and caches the plans, in memory and on disk.
+
+    `plan="auto"` uses one `Planner` shared by the process; pass `plan=Planner(...)`
+    to give a wrapper a planner (and an in-memory cache) of its own.
+
+    **Arguments:**
+
+    - `measure`: `False` (the default) ranks the candidates that fit the budget by
+        the time model's estimate; `True` also compiles the model's best few and
+        runs them on fresh inputs of the call's shapes and dtypes, side by side,
+        and takes the fastest. Slower to plan (seconds), but right where the
+        model cannot see the difference.
+    - `cache_dir`: where plans and calibrations are kept on disk, so that a plan
+        (a measured one in particular) is paid for once per machine. `None` (the
+        default): the environment variable `EQX_MULTIMAP_CACHE_DIR` (`off`
+        disables the disk cache), else `$XDG_CACHE_HOME/eqx_multimap`, else
+        `~/.cache/eqx_multimap`. `False`: no disk cache.
+    - `time_model`: the [`eqx_multimap.TimeModel`][] that ranks candidates.
+        `None` (the default): calibrated on first use for the backend and device
+        kind (a micro-benchmark of about a second, kept in the disk cache).
+    - `max_cache`: the most plans kept in memory.
+
+    The counters `n_plans` (planning runs), `n_compiles` (programs compiled while
+    planning), `n_disk_hits` (plans read from disk) and `n_calibrations` are read by
+    tests and benchmarks.
+    """
+
+    def __init__(
+        self,
+        *,
+        measure: bool = False,
+        cache_dir: Any = None,  # a path, `False` or `None`; checked below
+        time_model: TimeModel | None = None,
+        max_cache: int = _MAX_CACHE,
+    ):
+        if not isinstance(measure, bool):
+            raise SpecError(
+                f"`eqx_multimap.Planner(measure=...)` must be `True` or `False`, but "
+                f"got {measure!r}."
+            )
+        if not (
+            cache_dir is None
+            or cache_dir is False
+            or isinstance(cache_dir, (str, os.PathLike))
+        ):
+            raise SpecError(
+                "`eqx_multimap.Planner(cache_dir=...)` must be a path, `None` (the "
+                "default location) or `False` (no disk cache), but got "
+                f"{cache_dir!r}."
+            )
+        if time_model is not None and not isinstance(time_model, TimeModel):
+            raise SpecError(
+                "`eqx_multimap.Planner(time_model=...)` must be an "
+                f"`eqx_multimap.TimeModel` or `None`, but got {time_model!r}."
+            )
+        self.measure = measure
+        self.max_cache = max_cache
+        self._cache_dir = cache_dir
+        self._disk: DiskCache | None = None
+        self._disk_resolved = False
+        self._time_model = time_model
+        self._cache: co.OrderedDict[Any, Plan | str] = co.OrderedDict()
+        self.n_plans = 0
+        self.n_compiles = 0
+        self.n_disk_hits = 0
+        self.n_calibrations = 0
+
+    def __repr__(self) -> str:
+        if self is DEFAULT_PLANNER:
+            return "'auto'"
+        return "Planner(measure=True)" if self.measure else "Planner()"
+
+    @property
+    def cache_dir(self) -> str | None:
+        """The disk cache's directory, or `None` if there is no disk cache."""
+        disk = self._disk_cache()
+        return None if disk is None else disk.root
+
+    def _disk_cache(self) -> DiskCache | None:
+        if not self._disk_resolved:
+            where = self._cache_dir
+            if where is None:
+                where = default_cache_dir()
+            self._disk = None if where in (None, False) else DiskCache(os.fspath(where))
+            self._disk_resolved = True
+        return self._disk
+
+    @property
+    def time_model(self) -> TimeModel:
+        """The time model: the one given, else calibrated for this machine (read
+        from the disk cache, or measured and stored there)."""
+        if self._time_model is None:
+            self._time_model = self._calibrated()
+        return self._time_model
+
+    def _calibrated(self) -> TimeModel:
+        disk = self._disk_cache()
+        key = {"machine": machine(), "versions": _versions(), "calibration": 1}
+        if disk is not None:
+            stored = disk.read("calibration", key)
+            if stored is not None:
+                try:
+                    return TimeModel.from_json(stored)
+                except ValueError as e:
+                    disk.invalid(disk.path("calibration", key), str(e))
+        logger.info("eqx_multimap: calibrating the planner's time model")
+        model = calibrate()
+        self.n_calibrations += 1
+        if disk is not None:
+            disk.write("calibration", key, model.to_json())
+        return model
+
+    def clear(self) -> None:
+        """Forget every plan cached in memory (the disk cache is kept)."""
+        self._cache.clear()
+
+    def plan(self, call: Call, backward: bool = False) -> Plan:
+        """The (cached) automatic plan for a resolved call.
+
+        With `backward`, the plan of the nest that differentiation runs: the memory
+        budget is then that of its reverse-mode derivative.
+
+        With `shard=`, the plan is for the local nest inside `shard_map`: the sharded
+        dims keep their strategy (scanned if in `scan`, else vmapped) at their local
+        sizes; the other mapped dims are planned, under the budget per device.
+        """
+        options = call.options.plan
+        budget, source = resolve_budget(options.memory_budget)
+        sizes, shard = _localize(call)
+        collective = _collective_dims(call)
+        fingerprint = _fingerprint(call)
+        key = (
+            call.options,
+            budget,
+            shard,
+            tuple(sizes.items()),
+            fingerprint,
+            backward,
+            collective,
+        )
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            cached = self._cache[key]
+            if isinstance(cached, str):  # no nest fit this signature
+                raise SpecError(cached)
+            return cached
+        start = time.perf_counter()
+        model = self.time_model
+        disk = self._disk_cache()
+        disk_key = path = None
+        if disk is not None:
+            disk_key = self._disk_key(
+                call, sizes, shard, collective, fingerprint, budget, backward, model
+            )
+            path = disk.path("plans", disk_key)
+            stored = disk.read("plans", disk_key)
+            if stored is not None:
+                try:
+                    found = _from_json(
+                        stored, call, sizes, budget, source, shard, backward, model
+                    )
+                except (ValueError, KeyError, TypeError, IndexError) as e:
+                    disk.invalid(path, f"its plan is not valid here ({e})")
+                else:
+                    self.n_disk_hits += 1
+                    if isinstance(found, str):
+                        self._store(key, found)
+                        raise SpecError(found)
+                    found = dataclasses.replace(
+                        found,
+                        seconds=time.perf_counter() - start,
+                        cache=f"hit: read from {path} ({found.cache}); "
+                        "nothing compiled now",
+                    )
+                    self._store(key, found)
+                    if options.verbose:
+                        print(found)
+                    return found
+        what = f"{call.fun_name}: planning" + (" (backward)" if backward else "")
+        progress = _Progress(what, options.verbose)
+        try:
+            plan = self._plan(
+                call, sizes, budget, source, shard, backward, model, progress
+            )
+        except _NoFit as e:
+            message = str(e)
+            if disk is not None and disk_key is not None:
+                disk.write(
+                    "plans",
+                    disk_key,
+                    {"no_fit": {"smallest": _cand_json(e.smallest), "n": e.n}},
+                )
+            self._store(key, message)
+            raise SpecError(message) from None
+        finally:
+            progress.close()
+        how = f"planned in {plan.seconds:.2f} s with {plan.n_compiled} compiles"
+        if disk is None:
+            cache = f"off: {how}, kept in memory only"
+        else:
+            assert disk_key is not None
+            written = disk.write("plans", disk_key, _plan_json(plan, how))
+            cache = (
+                f"miss: {how}, written to {written}"
+                if written is not None
+                else f"miss: {how}; could not write it to {path}"
+            )
+        plan = dataclasses.replace(plan, cache=cache)
+        self._store(key, plan)
+        if options.verbose:
+            print(plan)
+        return plan
+
+    def _disk_key(
+        self,
+        call: Call,
+        sizes: dict[str, int],
+        shard: tuple[ShardDim, ...],
+        collective: tuple[str, ...],
+        fingerprint: str,
+        budget: int,
+        backward: bool,
+        model: TimeModel,
+    ) -> dict[str, Any]:
+        """Everything that determines a plan, as JSON."""
+        return {
+            "body": fingerprint,
+            "sizes": [[n, s] for n, s in sizes.items()],
+            "scan": [[n, c] for n, c in call.options.scan],
+            "vmap": list(call.options.vmap),
+            "shard": [dataclasses.astuple(d) for d in shard],
+            "collective": list(collective),
+            "checkpoint": call.options.checkpoint,
+            "budget": budget,
+            "backward": backward,
+            "measure": self.measure,
+            "search": [_SEARCH_VERSION, _MAX_COMPILES, _MAX_MEASURED],
+            "time_model": model.to_json(),
+            "machine": machine(),
+            "versions": _versions(),
+        }
+
+    def _store(self, key: Any, value: "Plan | str") -> None:
+        self._cache[key] = value
+        if len(self._cache) > self.max_cache:
+            self._cache.popitem(last=False)
+
+    def _plan(
+        self,
+        call: Call,
+        sizes: dict[str, int],
+        budget: int,
+        source: str,
+        shard: tuple[ShardDim, ...],
+        backward: bool,
+        model: TimeModel,
+        progress: _Progress,
+    ) -> Plan:
+        self.n_plans += 1
+        start = time.perf_counter()
+        fixed = call.options.scan  # the given scans, outermost, as given
+        collective = _collective_dims(call)
+        given_dims = _given_dims(call)
+        frozen = frozenset(given_dims) | frozenset(collective)
+        free = tuple(n for n in call.mapped if n not in frozen)
+        # Unscanned dims are vmapped: those of `vmap=` in the order given, then the
+        # others in the order of the output's dims (no transpose).
+        scanned = set(call.options.scan_names)
+        layout = call.options.vmap + tuple(
+            n
+            for n in dim_orders(call, sizes)[0]
+            if n not in call.options.vmap and n not in scanned
+        )
+        full = _candidate(
+            fixed, layout, sizes, "full vmap" if not fixed else "given scans"
+        )
+        orders = dim_orders(call, sizes, free) if free else []
+        ladders = [
+            _Ladder(ladder(order, layout, sizes, fixed, frozen)) for order in orders
+        ]
+        considered = {full.key: full}
+        for c in sorted(
+            (c for lad in ladders for c in lad.steps), key=lambda c: -c.block
+        ):
+            considered.setdefault(c.key, c)
+        search = _Search(call, sizes, budget, model, backward, self.measure, progress)
+        compiler = search.compiler
+        timed: dict[tuple, float] = {}
+        compared: list[PlanCandidate] = []
+        measure_note = ""
+        try:
+            if any(sizes[n] == 0 for n in call.mapped):
+                chosen = full  # nothing to run; no need to compile anything
+                for c in considered.values():
+                    search.note(c, "not compiled: a mapped dim has size 0")
+                summary = (
+                    f"Chose {full.nest(sizes)}: a mapped dim has size 0, so nothing "
+                    "runs and nothing was compiled."
+                )
+            else:
+                f = search.costed(full)
+                # Full vmap is kept if it fits, allocates nothing afresh per call,
+                # and the planner does not measure.
+                go = bool(ladders) and (
+                    not f.fits or bool(f.fresh_bytes) or self.measure
+                )
+                for i, lad in enumerate(ladders if go else []):
+                    if i > 0 and compiler.n_compiled >= _MAX_COMPILES:
+                        for c in lad.steps:
+                            search.note(
+                                c,
+                                "not compiled: beyond the compile cap "
+                                f"({_MAX_COMPILES} compiles)",
+                            )
+                        continue  # the first ladder is always searched
+                    search.search(lad, bool(f.fits))
+                if not go:
+                    why = (
+                        "full vmap fits and reuses its temporaries from call to "
+                        "call: nothing else needed"
+                    )
+                    for c in considered.values():
+                        search.note(c, f"not compiled: {why}")
+                fitting = [
+                    c for c in search.known.values() if c.fits and c.seconds is not None
+                ]
+                if not fitting:
+                    evaluated = list(search.known.values())
+                    smallest = min(evaluated, key=lambda c: c.temp_bytes or 0)
+                    raise _NoFit(
+                        _no_fit_message(
+                            call, budget, smallest, len(evaluated), sizes, backward
+                        ),
+                        smallest,
+                        len(evaluated),
+                    )
+                chosen = min(fitting, key=lambda c: c.seconds or 0.0)
+                compared = fitting
+                if self.measure and (go or len(fitting) > 1):
+                    chosen, compared, timed, measure_note = self._measure(
+                        search, ladders, full, chosen
+                    )
+                f = search.known[full.key]
+                summary = _summary(
+                    chosen,
+                    f,
+                    compared,
+                    timed,
+                    go,
+                    bool(free),
+                    budget,
+                    model,
+                    sizes,
+                    measure_note,
+                )
+        finally:
+            self.n_compiles += compiler.n_compiled
+        candidates = tuple(
+            _with_reason(
+                search.known.get(k, c),
+                chosen,
+                search.notes.get(k),
+                timed,
+                self.measure,
+                budget,
+                compared,
+            )
+            for k, c in considered.items()
+        )
+        chosen = next(c for c in candidates if c.key == chosen.key)
+        return Plan(
+            fun_name=call.fun_name,
+            auto=True,
+            sizes=tuple({**call.sizes, **sizes}.items()),
+            dims=_dims_of(chosen, sizes),
+            chosen=chosen,
+            candidates=candidates,
+            budget_bytes=budget,
+            budget_source=source,
+            n_compiled=compiler.n_compiled,
+            seconds=time.perf_counter() - start,
+            shard=shard,
+            backward=backward,
+            checkpoint=compiler.build(chosen.spec).checkpoint,
+            time_model=model,
+            summary=summary,
+            measured=self.measure,
+            given=given_dims,
+            collective=collective,
+        )
+
+    def _measure(
+        self,
+        search: _Search,
+        ladders: list[_Ladder],
+        full: PlanCandidate,
+        model_choice: PlanCandidate,
+    ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
+        """Time the model's best few candidates that fit; the fastest, those timed,
+        their times, and a note if timing was impossible."""
+        estimates: dict[tuple, float] = {}
+        for c in search.known.values():
+            if c.fits and c.seconds is not None:
+                estimates[c.key] = c.seconds
+        for lad in ladders:
+            if not lad.searched or lad.j is None:
+                continue
+            for c in lad.steps[lad.j :]:
+                known = search.known.get(c.key)
+                if known is not None and known.fits is False:
+                    continue
+                estimates.setdefault(c.key, search.estimate(c, lad))
+        by_key = {c.key: c for lad in ladders for c in lad.steps}
+        by_key[full.key] = full
+        ranked = sorted(estimates, key=lambda k: estimates[k])
+        pool = [model_choice.key] + [k for k in ranked if k != model_choice.key]
+        pool = pool[:_MAX_MEASURED]
+        for k in pool:
+            if k not in search.known:
+                search.notes.pop(k, None)
+        timed_cands = [c for c in (search.memory(by_key[k]) for k in pool) if c.fits]
+        for k in ranked:
+            if k not in pool and k not in search.known:
+                search.notes[k] = (
+                    f"not compiled: est. {fmt_seconds(estimates[k])}, not among the "
+                    f"{_MAX_MEASURED} best estimates that were measured"
+                )
+        try:
+            timed = search.time(timed_cands)
+        except Exception as e:  # e.g. inputs of a dtype we cannot make
+            note = f"could not measure ({type(e).__name__}: {e}), so estimated"
+            return model_choice, [c for c in timed_cands if c.seconds], {}, note
+        chosen = min(timed_cands, key=lambda c: timed[c.key])
+        return chosen, timed_cands, timed, ""
+
+
+DEFAULT_PLANNER = Planner()
+"""The planner of `plan="auto"`."""
+
+
+def _versions() -> dict[str, str]:
+    return {
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", "unknown"),
+        "eqx_multimap": _version(),
+    }
+
+
+#
+# Why: the summary, and a reason per candidate.
+#
+
+
+def _summary(
+    chosen: PlanCandidate,
+    full: PlanCandidate,
+    compared: list[PlanCandidate],
+    timed: dict[tuple, float],
+    searched: bool,
+    free: bool,
+    budget: int,
+    model: TimeModel,
+    sizes: dict[str, int],
+    measure_note: str,
+) -> str:
+    nest = chosen.nest(sizes)
+    temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(budget)
+    if not free:
+        return (
+            f"Chose {nest}: every mapped dim has a strategy given (`scan=`, `vmap=`, "
+            f"`shard=`), so there was nothing to plan; it needs {temp} of the {b} "
+            "budget."
+        )
+    whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
+    if not searched:
+        return (
+            f"Chose {nest}: {whole} fits the budget ({temp} <= {b}) and reuses its "
+            "temporaries from call to call, so nothing else was compiled."
+        )
+    if not full.fits:
+        why = f"{whole} needs {temp} > {b} budget"
+    elif full.fresh_bytes:
+        threshold = fmt_bytes(model.fresh_threshold or 0)
+        why = (
+            f"{whole} fits ({temp} <= {b}) but allocates {temp} afresh on every "
+            f"call (above {threshold})"
+        )
+    else:
+        why = f"{whole} fits ({temp} <= {b})"
+    n = len(compared)
+    if timed:
+        others = sorted(t for k, t in timed.items() if k != chosen.key)
+        nxt = f"; next {fmt_seconds(others[0])}" if others else ""
+        how = (
+            f"of the {n} candidates that fit and were timed, this one was the "
+            f"fastest (measured {fmt_seconds(timed[chosen.key])}{nxt})"
+        )
+    elif n == 1:
+        how = (
+            "it is the largest block that fits, and the only candidate costed "
+            "(smaller blocks loop more)"
+        )
+        if measure_note:
+            how += f" ({measure_note})"
+    else:
+        how = (
+            f"of the {n} candidates that fit and were costed, this one is the "
+            "fastest by the time model's estimate"
+        )
+        if measure_note:
+            how += f" ({measure_note})"
+    return f"Chose {nest}: {why}; {how}."
+
+
+def _with_reason(
+    c: PlanCandidate,
+    chosen: PlanCandidate,
+    note: str | None,
+    timed: dict[tuple, float],
+    measure: bool,
+    budget: int,
+    compared: list[PlanCandidate],
+) -> PlanCandidate:
+    measured = timed.get(c.key)
+    c = dataclasses.replace(c, measured=measured)
+    if c.key == chosen.key:
+        if measured is not None:
+            why = f"chosen: fastest measured ({fmt_seconds(measured)})"
+        elif c.temp_bytes is None:
+            why = "chosen: nothing to compile"
+        elif len(compared) <= 1:
+            why = "chosen: the only candidate that fits and was costed"
+        else:
+            why = "chosen: fastest by the estimate"
+        return dataclasses.replace(c, reason=why)
+    if c.temp_bytes is None:
+        return dataclasses.replace(c, reason=note or "not compiled")
+    if not c.fits:
+        return dataclasses.replace(
+            c,
+            reason=f"over budget: {fmt_bytes(c.temp_bytes)} > {fmt_bytes(budget)}",
+        )
+    if measured is not None and chosen.key in timed:
+        why = (
+            f"slower: measured {fmt_seconds(measured)} vs "
+            f"{fmt_seconds(timed[chosen.key])}"
+        )
+    elif c.seconds is not None and chosen.seconds is not None:
+        est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
+        why = (
+            f"not measured: {est}, not among the {_MAX_MEASURED} best estimates"
+            if measure and timed
+            else f"slower ({est})"
+        )
+    else:
+        why = note or (
+            "fits, not costed: a smaller block than the largest that fits in its ladder"
+        )
+    return dataclasses.replace(c, reason=why)
+
+
+#
+# Plans as JSON, for the disk cache.
+#
+
+_CAND_FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))
+
+
+def _finite(x: Any) -> Any:
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def _cand_json(c: PlanCandidate) -> dict[str, Any]:
+    d = {name: _finite(getattr(c, name)) for name in _CAND_FIELDS}
+    d["scan"] = [[n, k] for n, k in c.scan]
+    d["vmap"] = list(c.vmap)
+    return d
+
+
+def _plan_json(plan: Plan, how: str) -> dict[str, Any]:
+    return {
+        "plan": {
+            "chosen": plan.candidates.index(plan.chosen),
+            "candidates": [_cand_json(c) for c in plan.candidates],
+            "checkpoint": plan.checkpoint,
+            "summary": plan.summary,
+            "measured": plan.measured,
+            "how": how,
+            "created": datetime.datetime.now()
+            .astimezone()
+            .isoformat(timespec="seconds"),
+        }
+    }
+
+
+def _opt(x: Any, kinds: tuple[type, ...]) -> Any:
+    if x is not None and (isinstance(x, bool) or not isinstance(x, kinds)):
+        raise ValueError(f"bad value {x!r}")
+    return x
+
+
+def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
+    """A stored candidate, checked to be a valid nest of this call."""
+    if not isinstance(d, dict) or set(d) != set(_CAND_FIELDS):
+        raise ValueError("a candidate does not have the fields of one")
+    scan = tuple((str(n), None if k is None else int(k)) for n, k in d["scan"])
+    vmap = tuple(str(n) for n in d["vmap"])
+    names = [n for n, _ in scan] + list(vmap)
+    if sorted(names) != sorted(call.mapped):
+        raise ValueError(f"a candidate maps {names}, not the mapped dims")
+    if any(k is not None and not 1 <= k <= sizes[n] for n, k in scan):
+        raise ValueError("a candidate has a chunk out of range")
+    if scan[: len(call.options.scan)] != call.options.scan:
+        raise ValueError("a candidate does not keep the scans given")
+    planned = {n for n, _ in scan[len(call.options.scan) :]}
+    if planned & (set(_given_dims(call)) | set(_collective_dims(call))):
+        raise ValueError("a candidate scans a dim it must not")
+    block, trips = _block_and_trips(scan, vmap, sizes)
+    fits = d["fits"]
+    if fits is not None and not isinstance(fits, bool):
+        raise ValueError("bad `fits`")
+    if not isinstance(d["source"], str) or not isinstance(d["reason"], str):
+        raise ValueError("bad descriptions")
+    num = (int, float)
+    return PlanCandidate(
+        scan=scan,
+        vmap=vmap,
+        block=block,
+        trips=trips,
+        source=d["source"],
+        temp_bytes=_opt(d["temp_bytes"], (int,)),
+        flops=_opt(d["flops"], num),
+        transcendentals=_opt(d["transcendentals"], num),
+        bytes_accessed=_opt(d["bytes_accessed"], num),
+        working_set=_opt(d["working_set"], (int,)),
+        seconds=_opt(d["seconds"], num),
+        fits=fits,
+        fresh_bytes=_opt(d["fresh_bytes"], (int,)),
+        measured=_opt(d["measured"], num),
+        reason=d["reason"],
     )
+
+
+def _from_json(
+    stored: Any,
+    call: Call,
+    sizes: dict[str, int],
+    budget: int,
+    source: str,
+    shard: tuple[ShardDim, ...],
+    backward: bool,
+    model: TimeModel,
+) -> "Plan | str":
+    """A stored plan (or no-fit error message), checked against this call; raises
+    `ValueError` (or `KeyError`, `TypeError`) if it is not a valid one."""
+    if not isinstance(stored, dict):
+        raise ValueError("not a stored plan")
+    if "no_fit" in stored:
+        nf = stored["no_fit"]
+        smallest = _cand_from_json(nf["smallest"], call, sizes)
+        if smallest.temp_bytes is None or smallest.temp_bytes <= budget:
+            raise ValueError("the stored no-fit result is inconsistent")
+        return _no_fit_message(call, budget, smallest, int(nf["n"]), sizes, backward)
+    p = stored["plan"]
+    candidates = tuple(_cand_from_json(d, call, sizes) for d in p["candidates"])
+    index = p["chosen"]
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ValueError("bad chosen index")
+    chosen = candidates[index]
+    if not chosen.fits and not any(sizes[n] == 0 for n in call.mapped):
+        raise ValueError("the chosen candidate does not fit the budget")
+    if chosen.temp_bytes is not None and chosen.temp_bytes > budget:
+        raise ValueError("the chosen candidate does not fit the budget")
+    checkpoint, measured = p["checkpoint"], p["measured"]
+    if not isinstance(checkpoint, bool) or not isinstance(measured, bool):
+        raise ValueError("bad flags")
+    for text in (p["summary"], p["how"], p["created"]):
+        if not isinstance(text, str):
+            raise ValueError("bad descriptions")
+    return Plan(
+        fun_name=call.fun_name,
+        auto=True,
+        sizes=tuple({**call.sizes, **sizes}.items()),
+        dims=_dims_of(chosen, sizes),
+        chosen=chosen,
+        candidates=candidates,
+        budget_bytes=budget,
+        budget_source=source,
+        n_compiled=0,
+        seconds=0.0,
+        shard=shard,
+        backward=backward,
+        checkpoint=checkpoint,
+        time_model=model,
+        summary=p["summary"],
+        measured=measured,
+        given=_given_dims(call),
+        collective=_collective_dims(call),
+        cache=f"{p['how']} on {p['created']}",
+    )
+
+
+#
+# A fixed nest, described.
+#
 
 
 def describe_fixed(call: Call) -> Plan:
@@ -1030,6 +1807,7 @@ def describe_fixed(call: Call) -> Plan:
     cand = _candidate(given.scan, given.vmap, sizes, "given")
     if all(sizes[n] > 0 for n in call.mapped):
         cand = compiler.evaluate(cand, None)
+    cand = dataclasses.replace(cand, reason="the nest the strategies give")
     return Plan(
         fun_name=call.fun_name,
         auto=False,
@@ -1042,4 +1820,8 @@ def describe_fixed(call: Call) -> Plan:
         n_compiled=compiler.n_compiled,
         seconds=time.perf_counter() - start,
         shard=shard,
+        summary=(
+            f"Fixed nest {cand.nest(sizes)}: the strategies given (`scan=`, `vmap=`, "
+            "`shard=`), not planned."
+        ),
     )

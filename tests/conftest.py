@@ -1,5 +1,15 @@
+import atexit
 import os
+import shutil
+import tempfile
 
+
+# The planner's disk cache (plans and calibrations): one fresh directory per test
+# session, so that no run reads another's plans. Subprocesses (the docs' examples)
+# inherit it.
+_CACHE_DIR = tempfile.mkdtemp(prefix="eqx_multimap_test_cache_")
+os.environ["EQX_MULTIMAP_CACHE_DIR"] = _CACHE_DIR
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 
 # Must be set before JAX initialises its backends: 8 simulated CPU devices.
 os.environ["XLA_FLAGS"] = (

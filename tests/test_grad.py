@@ -224,7 +224,8 @@ def _temps(fn, *args) -> int:
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("scan", [None, {"N": 64}])
+# With `scan=`, the given chunk is kept: the derivative of 16 rows fits the budget.
+@pytest.mark.parametrize("scan", [None, {"N": 16}])
 def test_budget_covers_the_derivative(scan):
     # The gradient of a planned map stays within the budget, although a plain
     # gradient of the forward plan would store every block's intermediate.

@@ -1,5 +1,8 @@
 import dataclasses
+import json
+import logging
 import os
+import threading
 
 import equinox as eqx
 import hypothesis
@@ -8,10 +11,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqx_multimap import _planner, explain, filter_multi_vmap, Plan, Planner, SpecError
+from eqx_multimap import (
+    _planner,
+    explain,
+    filter_multi_vmap,
+    Plan,
+    Planner,
+    SpecError,
+    TimeModel,
+)
 from eqx_multimap._blocks import NestSpec
 from eqx_multimap._nest import Build, run
-from eqx_multimap._resolve import resolve
+from eqx_multimap._plan_cache import DiskCache
+from eqx_multimap._resolve import Call, resolve
+from eqx_multimap._time_model import calibrate
+
+
+def _planner_of(tmp_path=None, **kwargs) -> Planner:
+    """A planner of its own: the default (uncalibrated) time model, and a disk cache
+    in `tmp_path` (none without it), so that nothing depends on other tests."""
+    kwargs.setdefault("time_model", TimeModel())
+    return Planner(cache_dir=False if tmp_path is None else tmp_path, **kwargs)
 
 
 def _temp_bytes(fn, *args) -> int:
@@ -42,8 +62,9 @@ def _sumexp_args(getkey, t=16, bsize=12, k=32):
 
 
 def _sumexp_wrapper(**kwargs):
+    # No strategy given: with `plan=`, the planner plans T and B.
     return filter_multi_vmap(
-        _sumexp, in_dims=("T B K", "T K"), out_dims="T B", vmap="T B", **kwargs
+        _sumexp, in_dims=("T B K", "T K"), out_dims="T B", **kwargs
     )
 
 
@@ -100,7 +121,7 @@ def test_tight_budget_scans_and_fits(getkey, elements):
 def test_no_nest_fits():
     a = jnp.ones((8, 4, 32))
     b = jnp.ones((8, 32))
-    planner = Planner()
+    planner = _planner_of()
     f = _sumexp_wrapper(plan=planner, memory_budget=16)
     for match in [
         r"filter_multi_vmap\(_sumexp\)",
@@ -149,9 +170,7 @@ def _wl_elementwise(getkey):
 def _wl_matmul(getkey):
     x = jax.random.normal(getkey(), (6, 40, 16))
     w = jax.random.normal(getkey(), (16, 256)) * 0.1
-    kw = dict(
-        in_dims=("B N K", None), out_dims="B N M", core="M", scan="N", vmap="B"
-    )
+    kw = dict(in_dims=("B N K", None), out_dims="B N M", core="M", scan="N", vmap="B")
     xs, ws = np.asarray(x, np.float64), np.asarray(w, np.float64)
     ref = np.stack(
         [np.stack([np.tanh(xs[i, j] @ ws) @ ws.T for j in range(40)]) for i in range(6)]
@@ -206,7 +225,9 @@ def test_auto_matches_reference(getkey, workload, budget_kind):
     full = filter_multi_vmap(fun, **{**kw, "scan": None, "vmap": None})
     full_temp = _temp_bytes(lambda *a: full(*a, **kwargs), *args)
     budget = 2**30 if budget_kind == "generous" else max(1, full_temp // 3)
-    f = filter_multi_vmap(fun, plan="auto", memory_budget=budget, **kw)
+    # No strategy given: the planner plans every mapped dim.
+    planned = {**kw, "scan": None, "vmap": None}
+    f = filter_multi_vmap(fun, plan="auto", memory_budget=budget, **planned)
     plan = explain(f, *args, **kwargs)
     assert plan.chosen.fits
     print(full_temp, plan)
@@ -269,7 +290,7 @@ def test_cost_correction_matches_full_vmap(getkey):
 
 def test_plan_cache(getkey):
     a, b = _sumexp_args(getkey, t=8, bsize=6, k=16)
-    planner = Planner()
+    planner = _planner_of()
     f = _sumexp_wrapper(plan=planner, memory_budget=8 * 16 * 16 * 4)
     out1 = f(a, b)
     assert planner.n_plans == 1 and planner.n_compiles > 0
@@ -304,7 +325,7 @@ def test_plan_cache(getkey):
 def test_explain_table(getkey):
     a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
     budget = 20 * _ONE
-    f = _sumexp_wrapper(plan="auto", memory_budget=budget)
+    f = _sumexp_wrapper(plan=_planner_of(), memory_budget=budget)
     plan = explain(
         f,
         jax.ShapeDtypeStruct(a.shape, a.dtype),
@@ -319,6 +340,12 @@ def test_explain_table(getkey):
     assert str(plan).endswith(str(plan.gradient))
     lines = text.splitlines()
     assert lines[0] == "filter_multi_vmap(_sumexp): plan='auto'"
+    # A one-line summary a newcomer understands: what, and why.
+    nest = plan.chosen.nest(dict(plan.sizes))
+    assert lines[1].startswith(f"Chose {nest}: full vmap needs ")
+    assert "> 80.0 KiB budget; " in lines[1]
+    assert lines[1] == plan.summary
+    assert "plan cache: off: planned in " in text
     assert f"memory budget: 80.0 KiB of temporary memory (memory_budget={budget})" in (
         text
     )
@@ -339,16 +366,21 @@ def test_explain_table(getkey):
     assert (
         len(chosen_rows) == 1 and plan.chosen.nest(dict(plan.sizes)) in chosen_rows[0]
     )
-    assert chosen_rows[0].rstrip().endswith("yes")
-    assert "| no" in text  # full vmap did not fit
+    assert "| yes  | chosen: " in chosen_rows[0]
+    assert "| no   | over budget: " in text  # full vmap did not fit
     header = (
         "nest | temp memory | flops | bytes accessed | working set | fresh | est. "
-        "time | fits"
+        "time | fits | why"
     )
     assert header in (" ".join(text.split()))
-    # The time model is spelled out, with the threshold of fresh temporaries.
+    # The time model is spelled out, with the threshold of fresh temporaries and
+    # where the constants come from.
     assert lines[-1].startswith("est. time = max(flops / 5e+10 + ")
     assert _planner.TimeModel().fresh_source in lines[-1]
+    assert lines[-1].endswith(
+        "Constants not calibrated: default constants, set by hand for one 2-core "
+        "x86-64."
+    )
 
 
 def test_explain_fixed_nest(getkey):
@@ -473,7 +505,7 @@ def test_bad_plan_options(kwargs, matches):
 
 def test_verbose_prints_plan_once(getkey, capsys):
     a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
-    f = _sumexp_wrapper(plan=Planner(), memory_budget=2**29, verbose=True)
+    f = _sumexp_wrapper(plan=_planner_of(), memory_budget=2**29, verbose=True)
     f(a, b)
     first = capsys.readouterr().out
     assert "filter_multi_vmap(_sumexp): plan='auto'" in first
@@ -490,7 +522,7 @@ def test_verbose_prints_plan_once(getkey, capsys):
 
 
 def test_zero_size_dim_plans_nothing():
-    planner = Planner()
+    planner = _planner_of()
     f = _sumexp_wrapper(plan=planner, memory_budget=64)
     out = f(jnp.ones((0, 3, 8)), jnp.ones((0, 8)))
     assert planner.n_compiles == 0
@@ -603,7 +635,7 @@ def test_auto_with_shard(getkey, scan, bsize, pad):
     mesh = _shard_mesh()
     a, b = _sumexp_args(getkey, t=16, bsize=bsize, k=32)
     local_b = -(-bsize // 8)
-    vmap = "T" if scan is not None else "T B"
+    vmap = None  # T has no strategy given: the planner plans it
     # Three (T, B) elements' worth of intermediates per device: T must be scanned.
     budget = 3 * local_b * _ONE
     kw = dict(in_dims=("T B K", "T K"), out_dims="T B", vmap=vmap, scan=scan)
@@ -655,7 +687,7 @@ def test_auto_with_shard(getkey, scan, bsize, pad):
 def test_auto_with_shard_cache_and_ambient_mesh(getkey):
     mesh = _shard_mesh()
     a, b = _sumexp_args(getkey, t=8, bsize=16, k=32)
-    planner = Planner()
+    planner = _planner_of()
     f = _sumexp_wrapper(shard={"B": "x"}, plan=planner, memory_budget=2**30)
     with jax.set_mesh(mesh):
         plan = explain(f, a, b)  # plans the forward nest and the derivative's
@@ -713,7 +745,7 @@ _SMALL = 64 * 1024
 def small_threshold():
     """A planner for which temporaries above 64 KiB count as fresh."""
     model = _planner.TimeModel(fresh_threshold=_SMALL, fresh_source="test threshold")
-    return Planner(time_model=model)
+    return _planner_of(time_model=model)
 
 
 def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
@@ -763,3 +795,467 @@ def test_full_vmap_below_threshold_is_not_compared(getkey, small_threshold):
     assert plan.scan == {} and plan.chosen.fresh_bytes == 0
     assert plan.chosen.temp_bytes <= _SMALL
     assert sum(c.temp_bytes is not None for c in plan.candidates) == 1
+
+
+#
+# Strategies given alongside `plan=`: kept; the planner plans the other dims.
+#
+
+
+def _three(x, w):
+    return jnp.tanh(x[:, None] * w) @ x  # x: (K,), w: (K, K)
+
+
+def _three_args(getkey, a=4, b=6, c=8, k=16):
+    x = jax.random.normal(getkey(), (a, b, c, k)) * 0.3
+    w = jax.random.normal(getkey(), (k, k)) * 0.3
+    return x, w
+
+
+def _three_reference(x, w):
+    xs, ws = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.empty(xs.shape)
+    for idx in np.ndindex(*xs.shape[:3]):
+        e = xs[idx]
+        out[idx] = np.tanh(e[:, None] * ws) @ e
+    return out
+
+
+@pytest.mark.parametrize(
+    "given, kept, fixed_scan",
+    [
+        (dict(scan={"A": 2}, vmap="B"), ("A", "B"), (("A", 2),)),
+        (dict(scan="B A"), ("B", "A"), (("B", None), ("A", None))),
+        (dict(vmap="C"), ("C",), ()),
+    ],
+)
+def test_given_strategies_are_kept(getkey, given, kept, fixed_scan):
+    x, w = _three_args(getkey)
+    # Tight: the planned dims must be scanned where they can be.
+    budget = 40 * 1024
+    f = filter_multi_vmap(
+        _three,
+        in_dims=("A B C K", None),
+        out_dims="A B C K",
+        core="K",
+        plan=_planner_of(),
+        memory_budget=budget,
+        **given,
+    )
+    planner = f._options.plan.planner
+    plan = planner.plan(resolve(f._fun, f._options, (x, w), {}))
+    given_vmap = tuple(given.get("vmap", "").split())
+    assert plan.given == kept
+    assert f"strategies given, kept: {', '.join(kept)}" in str(plan)
+    for c in plan.candidates:
+        # The given scans outermost, in their order, with their chunks...
+        assert c.scan[: len(fixed_scan)] == fixed_scan, c
+        # ...the given vmaps never scanned, and vmapped in the order given.
+        planned_scans = [n for n, _ in c.scan[len(fixed_scan) :]]
+        assert not set(planned_scans) & set(kept), c
+        assert tuple(n for n in c.vmap if n in given_vmap) == given_vmap
+    assert plan.chosen.fits
+    out = f(x, w)
+    assert planner.n_plans == 1  # the call used the plan above
+    assert out.shape == x.shape and out.dtype == x.dtype
+    np.testing.assert_allclose(out, _three_reference(x, w), rtol=1e-4, atol=1e-5)
+
+
+def test_every_dim_given_leaves_nothing_to_plan(getkey):
+    x, w = _three_args(getkey, a=2, b=3, c=4)
+    kw = dict(in_dims=("A B C K", None), out_dims="A B C K", core="K")
+    planner = _planner_of()
+    f = filter_multi_vmap(
+        _three, scan={"A": 1}, vmap="C B", plan=planner, memory_budget=2**30, **kw
+    )
+    plan = explain(f, x, w)
+    (cand,) = plan.candidates
+    assert cand.scan == (("A", 1),) and cand.vmap == ("C", "B")
+    assert plan.chosen == cand and cand.fits
+    assert "there was nothing to plan" in plan.summary
+    # With a budget the given nest does not fit: the usual error.
+    g = filter_multi_vmap(
+        _three, scan={"A": 1}, vmap="C B", plan=planner, memory_budget=64, **kw
+    )
+    for match in [
+        "no nest fits `memory_budget=64`",
+        r"scan\(A: 2 chunks of 1\) -> vmap\(C=4\) -> vmap\(B=3\) -> body",
+        "give fewer dims a strategy",
+    ]:
+        with pytest.raises(SpecError, match=match):
+            g(x, w)
+
+
+#
+# Dims used in collectives are never scanned.
+#
+
+
+class _UsesCollectives(Call):
+    """A resolved call whose body (as if) uses `T` in a collective."""
+
+    @property
+    def collective_dims(self) -> frozenset[str]:
+        return frozenset({"T"})
+
+
+def test_collective_dims_are_never_scanned(getkey):
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    planner = _planner_of()
+    budget = 6 * 16 * _ONE  # T must stay vmapped: B is scanned to fit
+    f = _sumexp_wrapper(plan=planner, memory_budget=budget)
+    call = resolve(f._fun, f._options, (a, b), {})
+    plain = planner.plan(call)
+    assert any(n == "T" for c in plain.candidates for n, _ in c.scan)
+    collective = _UsesCollectives(
+        **{fld.name: getattr(call, fld.name) for fld in dataclasses.fields(call)}
+    )
+    for backward in (False, True):
+        plan = planner.plan(collective, backward=backward)
+        assert plan.collective == ("T",)
+        assert plan.candidates, plan
+        for c in plan.candidates:
+            assert "T" not in [n for n, _ in c.scan], c
+            assert "T" in c.vmap
+        assert plan.chosen.fits and plan.chosen.scan[0][0] == "B"
+        assert "used in collectives, never scanned: T" in str(plan)
+    # The measured mode keeps to it too.
+    measured = _planner_of(measure=True).plan(collective)
+    assert all("T" not in [n for n, _ in c.scan] for c in measured.candidates)
+
+
+#
+# `explain` explains: a summary, and a reason on every row.
+#
+
+
+def test_every_row_carries_a_reason(getkey):
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    budget = 20 * _ONE
+    plan = explain(_sumexp_wrapper(plan=_planner_of(), memory_budget=budget), a, b)
+    for p in (plan, plan.gradient):
+        assert isinstance(p, Plan)
+        assert p.summary.startswith(f"Chose {p.chosen.nest(dict(p.sizes))}: ")
+        for c in p.candidates:
+            assert c.reason, c
+            if c == p.chosen:
+                assert c.reason.startswith("chosen: ")
+            elif c.temp_bytes is None:
+                assert c.reason.startswith("not compiled: ")
+            elif not c.fits:
+                assert c.reason == (
+                    f"over budget: {_planner._fmt_bytes(c.temp_bytes)} > "
+                    f"{_planner._fmt_bytes(budget)}"
+                )
+            else:
+                assert c.reason.startswith(("slower (est. ", "fits, not costed"))
+        # Every row of the table ends with its reason.
+        text = str(p).split("\n\n" + str(p.gradient))[0] if p.gradient else str(p)
+        for c in p.candidates:
+            assert any(
+                line.endswith("| " + c.reason) and c.nest(dict(p.sizes)) in line
+                for line in text.splitlines()
+            ), c
+
+
+#
+# The measured mode.
+#
+
+
+def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    budget = 40 * _ONE
+    planner = _planner_of(tmp_path, measure=True)
+    assert repr(planner) == "Planner(measure=True)"
+    f = _sumexp_wrapper(plan=planner, memory_budget=budget)
+    # Planned while traced: it times programs on inputs of its own.
+    out = jax.jit(f)(a, b)
+    np.testing.assert_allclose(out, _sumexp_reference(a, b), rtol=1e-5)
+    plan = explain(f, a, b)
+    assert plan.measured and str(plan).startswith(
+        "filter_multi_vmap(_sumexp): plan='auto', measured"
+    )
+    timed = [c for c in plan.candidates if c.measured is not None]
+    assert 2 <= len(timed) <= _planner._MAX_MEASURED
+    assert all(c.fits and c.temp_bytes <= budget for c in timed)
+    assert plan.chosen.fits and plan.chosen.temp_bytes <= budget
+    assert plan.chosen.measured == min(c.measured for c in timed)
+    assert plan.chosen.reason.startswith("chosen: fastest measured")
+    assert "were timed, this one was the fastest (measured " in plan.summary
+    for c in timed:
+        if c != plan.chosen:
+            assert c.reason.startswith("slower: measured ")
+    assert all(c.reason for c in plan.candidates)
+    assert "| measured |" in str(plan)
+    # The derivative's plan is measured too, and fits its budget.
+    grad = plan.gradient
+    assert isinstance(grad, Plan) and grad.measured and grad.chosen.fits
+    assert grad.chosen.temp_bytes <= budget
+
+
+def test_measured_mode_when_full_vmap_fits(getkey):
+    # Full vmap fits and allocates nothing afresh, which the time model keeps;
+    # measured, the scans are timed against it.
+    a, b = _sumexp_args(getkey, t=8, bsize=6, k=16)
+    planner = _planner_of(measure=True)
+    plan = explain(_sumexp_wrapper(plan=planner, memory_budget=2**30), a, b)
+    full = plan.candidates[0]
+    assert full.source == "full vmap" and full.fits and full.measured is not None
+    assert sum(c.measured is not None for c in plan.candidates) >= 2
+    assert plan.chosen.measured == min(
+        c.measured for c in plan.candidates if c.measured is not None
+    )
+
+
+#
+# The plan cache on disk.
+#
+
+
+def _plan_files(root) -> list:
+    return sorted(root.glob("v*/plans/*.json"))
+
+
+def test_disk_cache_round_trip(getkey, tmp_path):
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    budget = 20 * _ONE
+    first = _planner_of(tmp_path)
+    plan = explain(_sumexp_wrapper(plan=first, memory_budget=budget), a, b)
+    assert first.n_plans == 2 and first.n_compiles > 0 and first.n_disk_hits == 0
+    files = _plan_files(tmp_path)
+    assert len(files) == 2  # the forward plan and the derivative's
+    assert all(p.parent == tmp_path / "v1" / "plans" for p in files)
+    assert plan.cache.startswith("miss: planned in ") and str(files[0].parent) in (
+        plan.cache
+    )
+    record = json.loads(files[0].read_text())
+    assert record["format"] == "eqx_multimap.plan_cache" and record["version"] == 1
+    assert record["kind"] == "plans"
+    for part in ("body", "sizes", "budget", "backward", "machine", "versions"):
+        assert part in record["key"]
+    assert record["key"]["versions"]["jax"] == jax.__version__
+    assert record["key"]["budget"] == budget
+    stored = record["value"]["plan"]
+    assert {"chosen", "candidates", "checkpoint", "summary"} <= set(stored)
+    # A second planner (as in a new process) reads both plans: nothing compiled.
+    second = _planner_of(tmp_path)
+    g = _sumexp_wrapper(plan=second, memory_budget=budget)
+    again = explain(g, a, b)
+    assert second.n_compiles == 0 and second.n_plans == 0
+    assert second.n_disk_hits == 2
+    assert again.cache.startswith("hit: read from ") and "nothing compiled now" in (
+        again.cache
+    )
+    assert again.n_compiled == 0
+    for p, q in ((plan, again), (plan.gradient, again.gradient)):
+        assert isinstance(p, Plan) and isinstance(q, Plan)
+        assert q.chosen == p.chosen and q.candidates == p.candidates
+        assert q.summary == p.summary and q.checkpoint == p.checkpoint
+    np.testing.assert_allclose(g(a, b), _sumexp_reference(a, b), rtol=1e-5)
+    # Another budget is another key.
+    explain(_sumexp_wrapper(plan=second, memory_budget=budget // 2), a, b)
+    assert second.n_plans == 2 and len(_plan_files(tmp_path)) == 4
+
+
+def test_disk_cache_keeps_no_fit_results(tmp_path):
+    a, b = jnp.ones((8, 4, 32)), jnp.ones((8, 32))
+    first = _planner_of(tmp_path)
+    with pytest.raises(SpecError, match="no nest fits") as e1:
+        _sumexp_wrapper(plan=first, memory_budget=16)(a, b)
+    second = _planner_of(tmp_path)
+    with pytest.raises(SpecError, match="no nest fits") as e2:
+        _sumexp_wrapper(plan=second, memory_budget=16)(a, b)
+    assert str(e1.value) == str(e2.value)
+    assert second.n_compiles == 0 and second.n_disk_hits == 1
+
+
+def _corrupt(path, how: str) -> None:
+    text = path.read_text()
+    record = json.loads(text)
+    if how == "truncated":
+        path.write_text(text[: len(text) // 2])
+    elif how == "binary":
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    elif how == "not a record":
+        path.write_text(json.dumps([1, 2, 3]))
+    elif how == "version":
+        record["version"] = 999
+        path.write_text(json.dumps(record))
+    elif how == "other key":
+        record["key"]["budget"] += 1
+        path.write_text(json.dumps(record))
+    elif how == "wrong nest":  # a chosen nest that maps a dim the call does not
+        cand = record["value"]["plan"]["candidates"][record["value"]["plan"]["chosen"]]
+        cand["vmap"] = cand["vmap"] + ["Z"]
+        path.write_text(json.dumps(record))
+    elif how == "bad chunk":
+        plan = record["value"]["plan"]
+        for cand in plan["candidates"]:
+            cand["scan"] = [[n, 10**6] for n, _ in cand["scan"]]
+        path.write_text(json.dumps(record))
+    elif how == "over budget":
+        plan = record["value"]["plan"]
+        plan["candidates"][plan["chosen"]]["temp_bytes"] = 10**12
+        path.write_text(json.dumps(record))
+    else:
+        raise ValueError(how)
+
+
+_CORRUPT_BUDGET = 8 * 16 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def stored_plan(tmp_path_factory):
+    """A forward plan, planned once, and its file on disk as it was written."""
+    root = tmp_path_factory.mktemp("stored")
+    keys = iter(jax.random.split(jax.random.key(0), 2))
+    a, b = _sumexp_args(lambda: next(keys), t=8, bsize=6, k=16)
+    planner = _planner_of(root)
+    plan = planner.plan(resolve(*_resolve_args(planner, _CORRUPT_BUDGET, a, b)))
+    (path,) = _plan_files(root)
+    return (a, b), plan, path.relative_to(root), path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "truncated",
+        "binary",
+        "not a record",
+        "version",
+        "other key",
+        "wrong nest",
+        "bad chunk",
+        "over budget",
+    ],
+)
+def test_corrupt_cache_file_warns_and_replans(tmp_path, stored_plan, how):
+    (a, b), plan, relative, content = stored_plan
+    path = tmp_path / relative
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    _corrupt(path, how)
+    planner = _planner_of(tmp_path)
+    call = resolve(*_resolve_args(planner, _CORRUPT_BUDGET, a, b))
+    with pytest.warns(RuntimeWarning, match="eqx_multimap plan cache: ignoring "):
+        again = planner.plan(call)
+    # Planned again, the same plan, and the file rewritten whole.
+    assert planner.n_plans == 1 and planner.n_disk_hits == 0
+    assert again.chosen == plan.chosen and again.candidates == plan.candidates
+    assert json.loads(path.read_text())["value"]["plan"]["summary"] == plan.summary
+    # Now it reads back without a warning.
+    third = _planner_of(tmp_path)
+    call = resolve(*_resolve_args(third, _CORRUPT_BUDGET, a, b))
+    assert third.plan(call).chosen == plan.chosen
+    assert third.n_disk_hits == 1 and third.n_compiles == 0
+
+
+def _resolve_args(planner, budget, a, b):
+    f = _sumexp_wrapper(plan=planner, memory_budget=budget)
+    return f._fun, f._options, (a, b), {}
+
+
+def test_concurrent_writers_never_corrupt_an_entry(tmp_path):
+    cache = DiskCache(str(tmp_path))
+    key = {"body": "same key for everyone", "n": [1, 2]}
+    values = [{"writer": i, "payload": list(range(2000))} for i in range(6)]
+    seen = []
+
+    def write(v):
+        for _ in range(25):
+            cache.write("plans", key, v)
+
+    def read():
+        for _ in range(100):
+            seen.append(cache.read("plans", key))
+
+    threads = [threading.Thread(target=write, args=(v,)) for v in values]
+    threads += [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Every read saw nothing yet, or one writer's whole entry; never a mix.
+    assert all(s is None or s in values for s in seen)
+    assert cache.read("plans", key) in values
+    # No temporary files are left behind.
+    assert [p.name for p in (tmp_path / "v1" / "plans").iterdir()] == [
+        os.path.basename(cache.path("plans", key))
+    ]
+
+
+def test_cache_locations(tmp_path, monkeypatch):
+    assert _planner_of().cache_dir is None
+    assert Planner(cache_dir=tmp_path / "x").cache_dir == str(tmp_path / "x")
+    monkeypatch.setenv("EQX_MULTIMAP_CACHE_DIR", "off")
+    assert Planner().cache_dir is None
+    monkeypatch.setenv("EQX_MULTIMAP_CACHE_DIR", str(tmp_path / "env"))
+    assert Planner().cache_dir == str(tmp_path / "env")
+    monkeypatch.delenv("EQX_MULTIMAP_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert Planner().cache_dir == str(tmp_path / "xdg" / "eqx_multimap")
+    for match in [
+        r"`eqx_multimap.Planner\(cache_dir=...\)` must be a path, `None` \(the "
+        r"default location\) or `False` \(no disk cache\)",
+        "but got 3",
+    ]:
+        with pytest.raises(SpecError, match=match):
+            Planner(cache_dir=3)
+
+
+#
+# Calibration.
+#
+
+
+def test_calibration_is_positive_and_stored(tmp_path):
+    model = calibrate()
+    for name in ("flops", "transcendentals", "bandwidth", "loop_overhead"):
+        value = getattr(model, name)
+        assert value > 0 and np.isfinite(value), name
+    assert model.page_bandwidth > 0 and model.calibrated
+    assert model.calibration is not None and "cores" in model.calibration
+    assert TimeModel.from_json(json.loads(json.dumps(model.to_json()))) == model
+    # A planner without a time model calibrates once per machine and keeps it.
+    first = Planner(cache_dir=tmp_path)
+    assert first.time_model.calibrated and first.n_calibrations == 1
+    (stored,) = tmp_path.glob("v*/calibration/*.json")
+    assert json.loads(stored.read_text())["value"] == first.time_model.to_json()
+    second = Planner(cache_dir=tmp_path)
+    assert second.time_model == first.time_model and second.n_calibrations == 0
+    assert "Constants calibrated: " in second.time_model.describe()
+    # Without a disk cache, each planner calibrates for itself.
+    assert Planner(cache_dir=False).time_model.calibrated
+    for bad in ({}, {**model.to_json(), "flops": -1.0}, "x"):
+        with pytest.raises(ValueError):
+            TimeModel.from_json(bad)
+
+
+#
+# Progress of long planning runs.
+#
+
+
+def test_progress_logs_and_shows_a_bar(caplog, capsys):
+    with caplog.at_level(logging.INFO, logger="eqx_multimap"):
+        quiet = _planner._Progress("f: planning", verbose=False, after=3600.0)
+        quiet.step("compiling a")
+        quiet.close()
+        assert not caplog.records  # quick planning says nothing
+        slow = _planner._Progress("f: planning", verbose=True, after=0.0)
+        slow.step("compiling a")
+        slow.step("timing 2 candidates, round 1")
+        slow.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("f: planning: compiling a (step 1, ")
+    assert messages[1].startswith("f: planning: timing 2 candidates, round 1 (step 2")
+    assert messages[-1].startswith("f: planning: planned in ")
+    assert all(r.name == "eqx_multimap" for r in caplog.records)
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:  # optional: the library runs without it
+        assert slow.bar is None
+    else:
+        assert slow.bar is not None and slow.bar.n == 2
+    assert capsys.readouterr().out == ""  # the bar goes to stderr
