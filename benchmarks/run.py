@@ -186,8 +186,8 @@ def grid_methods(b1: int, auto: dict | None) -> dict[str, Callable]:
         ),
     }
     if auto is not None:
-        # `vmap=` names the mapped dims; the planner chooses how to map them.
-        methods["ours auto"] = filter_multi_vmap(f, **_GRID_DIMS, vmap="b1 b2", **auto)
+        # No strategy given: the planner chooses how to map the dims.
+        methods["ours auto"] = filter_multi_vmap(f, **_GRID_DIMS, **auto)
     return methods
 
 
@@ -456,7 +456,7 @@ def memory_program(workload: str, strategy: str, chunk: int, budget: int):
     elif strategy == "chunk":
         kw["scan"] = {"n": chunk}
     elif strategy == "auto":
-        kw.update(vmap="n", plan="auto", memory_budget=budget)
+        kw.update(plan="auto", memory_budget=budget)  # the planner maps `n`
     else:
         raise ValueError(
             f"Unrecognised memory strategy {strategy!r}; choose from 'vmap', "

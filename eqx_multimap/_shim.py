@@ -429,7 +429,8 @@ def multi_vmap(
             in_dims=tuple(in_dims) if params is None else dict(zip(params, in_dims)),
             out_dims=out_strings[0] if len(outs) == 1 else out_strings,
             scan=scan,
-            vmap=[m for m in mapped if m not in scan],
+            # With `auto`, no strategy is given: the planner plans every dim.
+            vmap=None if auto else [m for m in mapped if m not in scan],
             verbose=verbose,
             plan="auto" if auto else None,
             memory_budget=memory_budget,
