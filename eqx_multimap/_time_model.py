@@ -264,19 +264,20 @@ def time_interleaved(
     timed sample (so that the quickest thunk's sample takes at least `min_sample`)
     and how many rounds fit in about `seconds` (within `[min_rounds, max_rounds]`).
     Each round runs every thunk once, the order rotating from round to round, so
-    that machine noise hits all of them alike. When calls are short (under 20 ms),
-    each timed sample follows an untimed call of the same thunk: the first call
-    after another program pays for that program's leftovers (the heap it trimmed,
-    the caches it filled), which a caller calling one program repeatedly does not.
-    From the third round on, a thunk whose best time is above `drop_above` times the
-    best of all is no longer timed (it keeps the times it has)."""
+    that machine noise hits all of them alike. Each timed sample follows an untimed
+    call of the same thunk: the first call after another program pays for that
+    program's leftovers (the heap it trimmed, the caches it filled), which a caller
+    calling one program repeatedly does not; with big buffers this holds for calls
+    of tens of milliseconds too. From the third round on, a thunk whose best time is
+    above `drop_above` times the best of all is no longer timed (it keeps the times
+    it has)."""
     firsts = []
     for fn in fns:
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         firsts.append(time.perf_counter() - t0)
     number = max(1, math.ceil(min_sample / max(min(firsts), 1e-9)))
-    settle = 1 if max(firsts) < 0.02 else 0
+    settle = 1
     per_round = (number + settle) * sum(firsts)
     rounds = max(min_rounds, min(max_rounds, int(seconds / max(per_round, 1e-9))))
     times: list[list[float]] = [[] for _ in fns]
