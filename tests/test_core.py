@@ -327,7 +327,9 @@ def test_scanned_slices_isolated_where_it_pays():
     _assert_same(w(x), hand(x), rtol=1e-5, atol=1e-6)
     cheap = lambda a: jnp.sin(a * a + 1.0)
     w = filter_multi_vmap(cheap, in_dims="T B K", out_dims="T B K", scan="T")
-    hand = lambda xs: lax.scan(lambda c, x: (c, jax.vmap(jax.vmap(cheap))(x)), None, xs)[1]
+    hand = lambda xs: lax.scan(
+        lambda c, x: (c, jax.vmap(jax.vmap(cheap))(x)), None, xs
+    )[1]
     assert _optimised_hlo(w, x) == _optimised_hlo(hand, x)
     _assert_same(w(x), hand(x))
 
@@ -921,4 +923,47 @@ def test_repr_names_the_function_dims_and_strategies():
     ) == (
         "filter_multi_vmap(sin, in_dims='T', out_dims='T', shard={'T': 'x'}, "
         "mesh=Mesh('x': 1), pad=True)"
+    )
+
+
+class _Member(eqx.Module):
+    w: jax.Array
+    n: int
+    name: str = "member"
+    act: object = jnp.tanh
+
+
+def test_prefix_dims_map_array_leaves_only():
+    # As `eqx.filter_vmap(in_axes=eqx.if_array(0))`: a dims string given as a prefix
+    # of a Module applies to its array leaves; its int, str and callable fields pass
+    # through unchanged, in and out.
+    ensemble = _Member(w=_rand((4, 3, 2), seed=40), n=3)
+    x = _rand((2,), seed=41)
+
+    def f(m, v):
+        assert m.n == 3 and m.name == "member" and m.act is jnp.tanh
+        assert m.w.shape == (3, 2)
+        return m.act(m.w @ v + m.n), m.name
+
+    w = filter_multi_vmap(f, in_dims=("E ...", None), out_dims=("E ...", None))
+    out, name = w(ensemble, x)
+    assert name == "member"
+    ref = np.stack(
+        [np.tanh(np.asarray(ensemble.w[e]) @ np.asarray(x) + 3) for e in range(4)]
+    )
+    assert out.shape == (4, 3) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+    # An unbound method, `self` mapped.
+    class Model(eqx.Module):
+        w: jax.Array
+        n: int
+
+        @filter_multi_vmap(in_dims={"self": "E ..."}, out_dims="E")
+        def score(self, v):
+            return jnp.sum(self.w * v) + self.n
+
+    m = Model(_rand((5, 2), seed=42), 2)
+    np.testing.assert_allclose(
+        m.score(x), np.asarray(m.w) @ np.asarray(x) + 2, rtol=1e-5, atol=1e-6
     )
