@@ -234,6 +234,7 @@ def _mixing_body(*xs):
     return tuple(jnp.sin(x) + 0.5 * total for x in xs)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(sig=signatures(), use_jit=st.booleans())
 def test_equivalence_random_signatures(sig, use_jit):
@@ -250,6 +251,7 @@ def test_equivalence_random_signatures(sig, use_jit):
     _assert_same(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(sig=signatures(), checkpoint=st.booleans())
 def test_grad_random_signatures(sig, checkpoint):
@@ -351,6 +353,7 @@ def test_scan_is_outermost_in_declared_order():
     _assert_same(w(x), x * 2.0)
 
 
+@pytest.mark.slow
 def test_chunked_remainder_finite_under_debug_nans():
     x = jnp.asarray(np.linspace(1.0, 2.0, 5 * 3, dtype=np.float32).reshape(5, 3))
     # log(x - 0.5) would be NaN on zero padding.
@@ -390,6 +393,7 @@ def test_chunked_remainder_never_sees_padding():
 #
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype, fn",
     [
@@ -430,6 +434,7 @@ def test_dtypes_preserved(dtype, fn, scan):
     _assert_same(out, ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [None, "T", {"T": 2}, {"T": 4}])
 def test_prng_keys(scan):
     keys = jax.random.split(jax.random.key(0), (5, 3))
@@ -479,6 +484,7 @@ def _grad_inputs():
     return _rand((5, 3), seed=15), _rand((3,), seed=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "scan, checkpoint, order", [("T", False, 2), ({"T": 2}, False, 1), ("T", True, 1)]
 )
@@ -495,6 +501,7 @@ def test_check_grads(scan, checkpoint, order):
     jtu_test.check_grads(f, (x, w), order=order, modes=("fwd", "rev"), eps=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", ["T", {"T": 2}, {"T": 3}])
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_grad_matches_hand_written_nest(scan, checkpoint):

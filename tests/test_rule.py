@@ -77,6 +77,7 @@ def _assignments(mapped, sizes):
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(spec=_specs())
 def test_every_assignment_gives_the_same_values_and_shapes(spec):
@@ -101,6 +102,7 @@ def test_every_assignment_gives_the_same_values_and_shapes(spec):
         assert seen[-1] == shapes, (name, seen[-1], shapes)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 @settings(max_examples=6, deadline=None)
 @given(spec=_specs(), pad=st.booleans())

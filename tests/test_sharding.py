@@ -334,6 +334,7 @@ def test_pad_with_prng_keys():
     np.testing.assert_allclose(out, ref, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", ["jax.jit", "eqx.filter_jit"])
 def test_grad_through_sharded_map(jit):
     mesh = make_mesh((2, 4), ("x", "y"), "auto")
@@ -448,6 +449,7 @@ MESHES = [
 ]
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(
     mesh_index=st.integers(0, len(MESHES) - 1),
