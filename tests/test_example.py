@@ -76,6 +76,7 @@ def hand_nest(sky, gains, layout, hour_angle, freq, t_chunk=None):
     return lax.map(lambda x: per_time(*x), xs, batch_size=t_chunk)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sizes, t_chunk",
     [
@@ -102,6 +103,7 @@ def test_against_numpy_loop_and_hand_nest(sizes, t_chunk):
     np.testing.assert_allclose(vis, ref, rtol=0, atol=2e-4 * scale)
 
 
+@pytest.mark.slow
 def test_time_is_a_real_loop():
     problem = ri.make_problem(jax.random.key(1), 3, 2, 3, 2)
     jaxpr = jax.make_jaxpr(ri.predict())(*problem)
@@ -127,6 +129,7 @@ def test_mismatched_antennas_name_both_fields():
             ri.predict()(sky, bad, layout, hour_angle, freq)
 
 
+@pytest.mark.slow
 def test_main_runs(capsys):
     assert ri.main(["--times", "3", "--freqs", "2", "--antennas", "3"]) == 0
     out = capsys.readouterr().out
