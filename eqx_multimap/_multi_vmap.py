@@ -264,11 +264,14 @@ def filter_multi_vmap(
         `{"F": "freq"}` (dim to mesh axis). `mesh` is the `jax.sharding.Mesh`
         (default: the ambient one of `jax.set_mesh`); `pad=True` pads a dim that
         the mesh does not divide. See [Sharding](../sharding.md).
-    - `plan`: `"auto"` lets the planner choose the scans, their order and chunk
-        sizes per call signature, within `memory_budget` (bytes, or a fraction of
-        device memory), for the forward and the backward pass; an
-        [`eqx_multimap.Planner`][] instead of `"auto"` gives the wrapper a planner
-        (and plan cache) of its own. See [The planner](../planner.md).
+    - `plan`: `"auto"` lets the planner choose, per call signature, how to map the
+        mapped dims that no strategy names (the scans, their order and chunk
+        sizes), within `memory_budget` (bytes, or a fraction of device memory),
+        for the forward and the backward pass; dims named by `scan=`, `vmap=` or
+        `shard=` keep the strategy given. An [`eqx_multimap.Planner`][] instead
+        of `"auto"` gives the wrapper a planner of its own (e.g.
+        `Planner(measure=True)`, which times the best candidates). See
+        [The planner](../planner.md).
     - `checkpoint`: wrap each scan body in `jax.checkpoint`, so that reverse-mode
         autodiff stores only each iteration's inputs.
     - `verbose`: print the nest whenever the function is traced.

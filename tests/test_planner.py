@@ -963,6 +963,7 @@ def test_every_row_carries_a_reason(getkey):
 #
 
 
+@pytest.mark.slow
 def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
     a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
     budget = 40 * _ONE
@@ -994,6 +995,7 @@ def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
     assert grad.chosen.temp_bytes <= budget
 
 
+@pytest.mark.slow
 def test_measured_mode_when_full_vmap_fits(getkey):
     # Full vmap fits and allocates nothing afresh, which the time model keeps;
     # measured, the scans are timed against it.
