@@ -192,21 +192,20 @@ class _Sharded:
         prim = eqn.primitive
         names = _axis_names(eqn)
         if not names:  # a call with such collectives inside
-            inner = self._named(
-                tuple(
-                    n
-                    for sub in _sub_jaxprs(eqn)
-                    for _, ns in collectives(sub)
-                    for n in ns
-                )
-            )
             if prim.name in _INLINE:
                 closed = eqn.params["jaxpr"]
                 return _rebind(closed.jaxpr, closed.consts, invals, self)
+            inner, name = next(
+                (p, n)
+                for sub in _sub_jaxprs(eqn)
+                for p, ns in collectives(sub)
+                for n in self._named(ns)
+            )
             raise self._error(
-                prim.name,
-                inner[0],
-                f"inside `{prim.name}`, which cannot be rewritten to span the mesh.",
+                inner,
+                name,
+                f"it is inside `{prim.name}`, which cannot be rewritten to span the "
+                "mesh.",
             )
         sharded = self._named(names)
         for name in sharded:

@@ -272,10 +272,8 @@ class Reduction:
         kind = self.kind
         if kind == "sum":
             return lax.psum(x, mesh_axes)
-        if kind == "max":
-            return lax.pmax(x, mesh_axes)
-        if kind == "min":
-            return lax.pmin(x, mesh_axes)
+        if kind in ("max", "min"):
+            return _pextremum(x, mesh_axes, kind)
         # A monoid: gather the partial results, in mesh order, and combine in order.
         parts = lax.all_gather(x, mesh_axes, axis=0, tiled=False)
         return _tree(_batched(kind.op, tuple(batch_axes)), parts)
@@ -286,6 +284,24 @@ class Reduction:
             x = x / jnp.asarray(self.count, x.dtype)
         dtype = self.dtypes[i]
         return x if x.dtype == dtype else x.astype(dtype)
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _pextremum(x: Any, axes: tuple[str, ...], kind: str) -> Any:
+    """`lax.pmax` or `lax.pmin`, differentiable (JAX has no rule for them): the
+    tangent is that of the device holding the extremum, shared equally between ties
+    (as `jnp.max` shares it between equal elements)."""
+    return lax.pmax(x, axes) if kind == "max" else lax.pmin(x, axes)
+
+
+@_pextremum.defjvp
+def _pextremum_jvp(axes: tuple[str, ...], kind: str, primals: tuple, tangents: tuple):
+    (x,), (dx,) = primals, tangents
+    y = _pextremum(x, axes, kind)
+    at = x == y
+    count = lax.psum(at.astype(x.dtype), axes)
+    dy = lax.psum(jnp.where(at, dx, jnp.zeros_like(dx)), axes) / count
+    return y, dy
 
 
 def _batched(op: Callable, batch_axes: tuple[int, ...]) -> Callable:
