@@ -756,6 +756,7 @@ def test_method_on_module():
 #
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
     sizes=st.tuples(*(st.integers(1, 3) for _ in range(3))),

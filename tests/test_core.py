@@ -234,6 +234,7 @@ def _mixing_body(*xs):
     return tuple(jnp.sin(x) + 0.5 * total for x in xs)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(sig=signatures(), use_jit=st.booleans())
 def test_equivalence_random_signatures(sig, use_jit):
@@ -250,6 +251,7 @@ def test_equivalence_random_signatures(sig, use_jit):
     _assert_same(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(sig=signatures(), checkpoint=st.booleans())
 def test_grad_random_signatures(sig, checkpoint):
@@ -327,7 +329,9 @@ def test_scanned_slices_isolated_where_it_pays():
     _assert_same(w(x), hand(x), rtol=1e-5, atol=1e-6)
     cheap = lambda a: jnp.sin(a * a + 1.0)
     w = filter_multi_vmap(cheap, in_dims="T B K", out_dims="T B K", scan="T")
-    hand = lambda xs: lax.scan(lambda c, x: (c, jax.vmap(jax.vmap(cheap))(x)), None, xs)[1]
+    hand = lambda xs: lax.scan(
+        lambda c, x: (c, jax.vmap(jax.vmap(cheap))(x)), None, xs
+    )[1]
     assert _optimised_hlo(w, x) == _optimised_hlo(hand, x)
     _assert_same(w(x), hand(x))
 
@@ -349,6 +353,7 @@ def test_scan_is_outermost_in_declared_order():
     _assert_same(w(x), x * 2.0)
 
 
+@pytest.mark.slow
 def test_chunked_remainder_finite_under_debug_nans():
     x = jnp.asarray(np.linspace(1.0, 2.0, 5 * 3, dtype=np.float32).reshape(5, 3))
     # log(x - 0.5) would be NaN on zero padding.
@@ -388,6 +393,7 @@ def test_chunked_remainder_never_sees_padding():
 #
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype, fn",
     [
@@ -428,6 +434,7 @@ def test_dtypes_preserved(dtype, fn, scan):
     _assert_same(out, ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [None, "T", {"T": 2}, {"T": 4}])
 def test_prng_keys(scan):
     keys = jax.random.split(jax.random.key(0), (5, 3))
@@ -477,6 +484,7 @@ def _grad_inputs():
     return _rand((5, 3), seed=15), _rand((3,), seed=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "scan, checkpoint, order", [("T", False, 2), ({"T": 2}, False, 1), ("T", True, 1)]
 )
@@ -493,6 +501,7 @@ def test_check_grads(scan, checkpoint, order):
     jtu_test.check_grads(f, (x, w), order=order, modes=("fwd", "rev"), eps=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", ["T", {"T": 2}, {"T": 3}])
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_grad_matches_hand_written_nest(scan, checkpoint):
@@ -921,4 +930,47 @@ def test_repr_names_the_function_dims_and_strategies():
     ) == (
         "filter_multi_vmap(sin, in_dims='T', out_dims='T', shard={'T': 'x'}, "
         "mesh=Mesh('x': 1), pad=True)"
+    )
+
+
+class _Member(eqx.Module):
+    w: jax.Array
+    n: int
+    name: str = "member"
+    act: object = jnp.tanh
+
+
+def test_prefix_dims_map_array_leaves_only():
+    # As `eqx.filter_vmap(in_axes=eqx.if_array(0))`: a dims string given as a prefix
+    # of a Module applies to its array leaves; its int, str and callable fields pass
+    # through unchanged, in and out.
+    ensemble = _Member(w=_rand((4, 3, 2), seed=40), n=3)
+    x = _rand((2,), seed=41)
+
+    def f(m, v):
+        assert m.n == 3 and m.name == "member" and m.act is jnp.tanh
+        assert m.w.shape == (3, 2)
+        return m.act(m.w @ v + m.n), m.name
+
+    w = filter_multi_vmap(f, in_dims=("E ...", None), out_dims=("E ...", None))
+    out, name = w(ensemble, x)
+    assert name == "member"
+    ref = np.stack(
+        [np.tanh(np.asarray(ensemble.w[e]) @ np.asarray(x) + 3) for e in range(4)]
+    )
+    assert out.shape == (4, 3) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+    # An unbound method, `self` mapped.
+    class Model(eqx.Module):
+        w: jax.Array
+        n: int
+
+        @filter_multi_vmap(in_dims={"self": "E ..."}, out_dims="E")
+        def score(self, v):
+            return jnp.sum(self.w * v) + self.n
+
+    m = Model(_rand((5, 2), seed=42), 2)
+    np.testing.assert_allclose(
+        m.score(x), np.asarray(m.w) @ np.asarray(x) + 2, rtol=1e-5, atol=1e-6
     )

@@ -140,6 +140,7 @@ def test_pages_found():
     assert len(_python_blocks((DOCS / "getting-started.md").read_text())) >= 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", RUN_PAGES)
 def test_page_code_runs(page):
     proc = _processes()[page].result()
@@ -152,6 +153,7 @@ def test_page_code_runs(page):
         )
 
 
+@pytest.mark.slow
 def test_snippets_up_to_date():
     proc = _processes()["snippets"].result()
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -191,6 +193,7 @@ def _mkdocs_missing() -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     _mkdocs_missing() is not None,
     reason=f"the docs need `pip install -e '.[docs]'` ({_mkdocs_missing()} is missing)",

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eqx_multimap import filter_multi_vmap, parse_dims, ShapeError, SpecError
-from jaxtyping import Array, Float
 from hypothesis import given, settings
+from jaxtyping import Array, Float
 
 from .test_core import signatures
 
@@ -206,6 +206,7 @@ def test_errors_raised_before_body_is_traced():
     assert calls
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(sig=signatures(), data=st.data())
 def test_inconsistent_sizes_random_signatures(sig, data):

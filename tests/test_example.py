@@ -76,6 +76,7 @@ def hand_nest(sky, gains, layout, hour_angle, freq, t_chunk=None):
     return lax.map(lambda x: per_time(*x), xs, batch_size=t_chunk)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sizes, t_chunk",
     [
@@ -102,6 +103,7 @@ def test_against_numpy_loop_and_hand_nest(sizes, t_chunk):
     np.testing.assert_allclose(vis, ref, rtol=0, atol=2e-4 * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sizes, t_chunk",
     [((6, 3, 4, 3), None), ((5, 2, 3, 2), 2)],  # the second: a remainder of 1
@@ -120,8 +122,11 @@ def test_time_average_against_numpy_loop(sizes, t_chunk):
 
 def test_time_average_has_no_time_axis_in_memory():
     # The scan carries one (F, B, 2, 2) sum: no (T, F, B, 2, 2) output or temporary.
-    small = ri.make_problem(jax.random.key(4), 8, 2, 3, 2)
-    large = ri.make_problem(jax.random.key(4), 256, 2, 3, 2)
+    def problem(n_times):
+        make = lambda key: ri.make_problem(key, n_times, 2, 3, 2)  # noqa: E731
+        return jax.eval_shape(make, jax.random.key(4))
+
+    small, large = problem(8), problem(256)
 
     def temp(*problem):
         compiled = ri.average().lower(*problem).compile()
@@ -130,6 +135,7 @@ def test_time_average_has_no_time_axis_in_memory():
     assert temp(*large) == temp(*small)
 
 
+@pytest.mark.slow
 def test_time_is_a_real_loop():
     problem = ri.make_problem(jax.random.key(1), 3, 2, 3, 2)
     jaxpr = jax.make_jaxpr(ri.predict())(*problem)
@@ -155,6 +161,7 @@ def test_mismatched_antennas_name_both_fields():
             ri.predict()(sky, bad, layout, hour_angle, freq)
 
 
+@pytest.mark.slow
 def test_main_runs(capsys):
     assert ri.main(["--times", "3", "--freqs", "2", "--antennas", "3"]) == 0
     out = capsys.readouterr().out

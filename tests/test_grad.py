@@ -71,6 +71,7 @@ def _loss(fn):
 STRATEGIES = ["scan", "chunk", "vmap"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("body", [_cheap, _heavy], ids=["cheap", "heavy"])
 def test_derivatives_match_the_hand_nest(strategy, body):
@@ -129,6 +130,7 @@ def _full_size_adds(hlo: str, shape: tuple[int, ...]) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU isolation")
 @pytest.mark.parametrize("strategy", ["scan", "chunk"])
 def test_isolated_gradient_has_no_full_size_accumulation(strategy):
@@ -140,6 +142,7 @@ def test_isolated_gradient_has_no_full_size_accumulation(strategy):
     text = jax.jit(jax.grad(_loss(ours))).lower(xs).compile().as_text()
     assert "conditional" in jax.jit(ours).lower(xs).compile().as_text()
     assert _full_size_adds(text, xs.shape) == []
+
     # The detector finds the accumulation of the old isolation: a slice of a
     # closed-over input taken inside a conditional.
     def closed_over(xs):
@@ -224,6 +227,7 @@ def _temps(fn, *args) -> int:
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [None, {"N": 64}])
 def test_budget_covers_the_derivative(scan):
     # The gradient of a planned map stays within the budget, although a plain
@@ -262,6 +266,7 @@ def test_budget_covers_the_derivative(scan):
     assert "scan bodies checkpointed" in text
 
 
+@pytest.mark.slow
 def test_loop_reference_grad_through_plan():
     # The planned derivative against an independent loop reference.
     x, y = _rand((40, 16), seed=11, scale=0.1), _rand((8,), seed=12, scale=0.1)
@@ -274,9 +279,7 @@ def test_loop_reference_grad_through_plan():
     )
 
     def ref(x, y):
-        return loop_reference(
-            _sumexp, (x, y), ("N M", None), ("N",), "N", xp=jnp
-        ).sum()
+        return loop_reference(_sumexp, (x, y), ("N M", None), ("N",), "N", xp=jnp).sum()
 
     got = jax.grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))(x, y)
     want = jax.grad(ref, argnums=(0, 1))(x, y)

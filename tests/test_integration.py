@@ -208,6 +208,7 @@ def _model_ref(w, a):
     )
 
 
+@pytest.mark.slow
 def test_methods_with_annotations_shard_and_plan():
     mesh = _mesh()
     model, a = _Model(_rand((8,))), _rand((5, 8, 3), 1)
@@ -303,6 +304,7 @@ def test_explicit_in_dims_for_var_keyword_with_shard():
 #
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(
     t=st.sampled_from([0, 1, 2, 5]),
@@ -369,6 +371,7 @@ def test_sharded_output_of_size_zero_is_readable(kind, scan):
 #
 
 
+@pytest.mark.slow
 def test_outer_vmap_around_sharded_and_planned_wrappers():
     mesh = _mesh()
     sharded = filter_multi_vmap(
@@ -442,6 +445,7 @@ def test_jit_of_wrappers_with_every_option():
 #
 
 
+@pytest.mark.slow
 def test_verbose_on_each_feature_path(capsys):
     mesh = _mesh()
     x = _rand((7, 6))

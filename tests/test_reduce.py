@@ -111,6 +111,7 @@ def test_every_mapped_dim_reduced(kw):
     np.testing.assert_allclose(out, np.exp(np.asarray(x, np.float64)).sum(), rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype, op",
     [
@@ -313,6 +314,7 @@ def _tanh_body(a):
     return jnp.tanh(a) * a
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["vmap", "scan", "chunk", "planned"])
 @pytest.mark.parametrize("op", OPS)
 def test_gradients_match_the_hand_nest(op, strategy):
@@ -630,6 +632,7 @@ def _assignments(mapped, sizes):
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(spec=_reduce_specs())
 def test_random_reductions_and_strategies(spec):

@@ -334,6 +334,7 @@ def test_pad_with_prng_keys():
     np.testing.assert_allclose(out, ref, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", ["jax.jit", "eqx.filter_jit"])
 def test_grad_through_sharded_map(jit):
     mesh = make_mesh((2, 4), ("x", "y"), "auto")
@@ -448,6 +449,7 @@ MESHES = [
 ]
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(
     mesh_index=st.integers(0, len(MESHES) - 1),
@@ -598,3 +600,33 @@ def test_bad_options(kwargs, match):
     unchecked = getattr(filter_multi_vmap, "__wrapped__", filter_multi_vmap)
     with pytest.raises(SpecError, match=match):
         unchecked(body, in_dims=IN_DIMS, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_closures_over_mesh_placed_and_traced_arrays(kind):
+    # `jax.shard_map` cannot close over arrays on an explicit mesh; the body's
+    # closed-over arrays (here one placed on the mesh, and under `jax.grad` a
+    # tracer) are passed into the shard_map as replicated inputs.
+    mesh = make_mesh((4, 2), ("x", "y"), kind)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32))
+
+    def loss(w):
+        f = filter_multi_vmap(
+            lambda a: jnp.tanh(a * jnp.sum(w)),
+            in_dims="T F",
+            out_dims="F T",
+            shard={"F": "x"},
+        )
+        return jnp.sum(f(x))
+
+    def ref(w):
+        return jnp.sum(jnp.tanh(x * jnp.sum(w)))
+
+    with jax.set_mesh(mesh):
+        w = jnp.linspace(0.0, 0.1, 8)
+        for got, want in [
+            (loss(w), ref(w)),
+            (jax.grad(loss)(w), jax.grad(ref)(w)),
+            (jax.jit(jax.grad(loss))(w), jax.grad(ref)(w)),
+        ]:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
