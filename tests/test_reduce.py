@@ -658,3 +658,23 @@ def test_random_reductions_and_strategies(spec):
         out = f(*args)
         assert out.shape == ref.shape, name
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def _heavy(a):
+    # Reads the scanned row through two index maps: its slices are isolated on CPU.
+    return jnp.tanh(jnp.outer(a, a)) @ a
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU isolation")
+@pytest.mark.parametrize("kw", [{"scan": "T"}, {"scan": {"T": 4}, "checkpoint": True}])
+def test_reduced_scan_with_isolated_slices(kw):
+    xs = _rand((9, 3, 8), seed=30) * 0.5
+    f = filter_multi_vmap(
+        _heavy, in_dims="T B K", out_dims="B K", core="K", reduce={"T": "sum"}, **kw
+    )
+    hand = lambda x: jax.vmap(jax.vmap(_heavy))(x).sum(0)  # noqa: E731
+    assert "conditional" in jax.jit(f).lower(xs).compile().as_text()
+    np.testing.assert_allclose(f(xs), hand(xs), rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x)))  # noqa: E731
+    got, want = jax.grad(loss(f))(xs), jax.grad(loss(hand))(xs)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
