@@ -130,25 +130,35 @@ def time_calibrated(
     min_rounds: int = 5,
     min_sample_s: float = 2e-3,
     settle: int = 0,
+    groups: Sequence[int] | None = None,
 ) -> list[list[float]]:
     """Time `fns` side by side (`time_side_by_side`); the seconds *per call* of every
     round, per thunk.
 
     One call of each (which also warms up) sets how many calls make one timed
-    sample (so that the quickest thunk's sample takes at least `min_sample_s`; the
-    same number for every thunk) and how many rounds fit in about `budget_s` (at
-    least `min_rounds`, at most `max_rounds`)."""
+    sample, so that the quickest thunk's sample takes at least `min_sample_s`, and
+    how many rounds fit in about `budget_s` (at least `min_rounds`, at most
+    `max_rounds`). Every thunk makes the same number of calls per sample, or with
+    `groups` (a group id per thunk, for thunks of very different lengths), every
+    thunk of a group. Thunks that are compared should share a number: the first
+    call of a sample, after another program ran, is the slowest, and weighs more in
+    a shorter sample."""
     firsts = []
     for fn in fns:
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         firsts.append(time.perf_counter() - t0)
-    number = max(1, math.ceil(min_sample_s / max(min(firsts), 1e-9)))
-    per_round = number * (1 + settle) * sum(firsts)
+    if groups is None:
+        groups = [0] * len(fns)
+    quickest: dict[int, float] = {}
+    for g, t in zip(groups, firsts):
+        quickest[g] = min(t, quickest.get(g, t))
+    numbers = [max(1, math.ceil(min_sample_s / max(quickest[g], 1e-9))) for g in groups]
+    per_round = (1 + settle) * sum(n * t for n, t in zip(numbers, firsts))
     rounds = max(min_rounds, min(max_rounds, int(budget_s / max(per_round, 1e-9))))
-    thunks = [batched(fn, number) for fn in fns]
+    thunks = [batched(fn, n) for fn, n in zip(fns, numbers)]
     times = time_side_by_side(thunks, repeats=rounds, warmup=1, settle=settle)
-    return [[t / number for t in ts] for ts in times]
+    return [[t / n for t in ts] for ts, n in zip(times, numbers)]
 
 
 def compile_seconds(
@@ -187,6 +197,18 @@ def has_conditional(c) -> bool:
     return re.search(r"\bconditional\(", c.as_text()) is not None
 
 
+def hlo_note(ours, hand) -> str:
+    """`yes` when two compiled programs have the same optimised HLO
+    (`normalised_hlo`), else `no`, or `no (conditional)` when the first has a
+    conditional. Raises if they are one executable: the check must compare two
+    programs, each compiled from its own function (see `distinct`)."""
+    if not distinct(ours, hand):
+        raise AssertionError("the HLO check must compare two compiled programs")
+    if normalised_hlo(ours) == normalised_hlo(hand):
+        return "yes"
+    return "no (conditional)" if has_conditional(ours) else "no"
+
+
 def ratio_spread(ratios: Sequence[float]) -> str:
     """`median (q25 to q75)` of per-round ratios, as printed in the tables."""
     q1, q2, q3 = quartiles(list(ratios))
@@ -198,3 +220,21 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+FRESH_THRESHOLD = 32 * 2**20
+"""glibc malloc's largest mmap threshold: temporaries above it are allocated (and
+page-faulted in) afresh on every call, and what the previous program left behind
+makes the first call after it slower (see `time_side_by_side`'s `settle`)."""
+
+
+SETTLED_NOTE = (
+    "Rounds marked * (temporaries above 32 MiB): each timed call follows an untimed "
+    "call of the same program."
+)
+
+
+def settle_for(*executables, threshold: int = FRESH_THRESHOLD) -> int:
+    """`settle=1` for programs whose temporaries exceed `threshold`, else 0."""
+    temps = [c.memory_analysis().temp_size_in_bytes for c in executables]
+    return 1 if max(temps, default=0) > threshold else 0

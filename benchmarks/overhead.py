@@ -12,7 +12,19 @@ Three nests each, ours against the hand-written program:
 - scan(vmap): `scan="b1", vmap="b2"` against
   `lax.scan(lambda c, x: (c, jax.vmap(body)(x)), None, xs)`;
 - chunked scan: `scan={"b1": k}, vmap="b2"` against
-  `lax.map(jax.vmap(body), xs, batch_size=k)`, `k = b1 // 8` (a remainder of 4).
+  `lax.map(jax.vmap(body), xs, batch_size=k)`, `k = b1 // 8` (a remainder of 4
+  at `b1` = 100 and 300).
+
+The grid (cells whose biggest array has more than `max_elements` elements are
+skipped, and listed as such):
+
+- default: cheap `b1, b2` in {100, 300}, `L` in {1, 10, 100}; heavy `b1` in
+  {100, 300}, `b2 = 100`, `L` in {8, 32, 64} (full vmap of `g` materialises
+  `(b1, b2, L, L)`);
+- `--quick`: cheap `b1 = b2` in {100, 300}, `L` in {1, 10}; heavy `(100, 100, L)`,
+  `L` in {8, 32}; compile times of the scans only;
+- `--full`: cheap `b1, b2` in {100, 1000, 3000}, `L` in {1, 10, 100}; heavy `b1` in
+  {100, 300, 1000}, `b2` in {100, 300}, `L` in {8, 32, 64}.
 
 Every program is built afresh (a new function object) and compiled on its own, so
 that the HLO check compares the programs it names: `jax.jit` hands back its cached
@@ -34,16 +46,16 @@ be faster.
 The compile section times lower + compile of fresh programs, ours and hand-written
 taking turns, several repetitions, for one cell per body.
 
-    python benchmarks/overhead.py --quick    # a smaller grid (about a minute)
-    python benchmarks/overhead.py            # the default grid (a few minutes)
-    python benchmarks/overhead.py --full     # b1, b2 up to 3000 (long)
+    python benchmarks/overhead.py --quick    # about a minute
+    python benchmarks/overhead.py            # about 3 minutes
+    python benchmarks/overhead.py --full     # long
+    python benchmarks/overhead.py --sections compile
 """
 
 import argparse
 import dataclasses
 import itertools as it
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -57,14 +69,14 @@ import jax.numpy as jnp
 from _timing import (
     compile_seconds,
     compiled,
-    distinct,
     fresh,
-    has_conditional,
+    hlo_note,
     median,
-    normalised_hlo,
     paired_ratios,
     quartiles,
     ratio_spread,
+    settle_for,
+    SETTLED_NOTE,
     time_calibrated,
 )
 from eqx_multimap import filter_multi_vmap
@@ -136,12 +148,13 @@ class Config:
     cell_budget_s: float
     compile_repeats: int
     min_rounds: int = 5
+    compile_nests: tuple[str, ...] = NESTS
 
 
 def make_config(args) -> Config:
     if args.quick:
-        cheap_cells = list(it.product((100, 300), (100, 300), (1, 10)))
-        heavy_cells = list(it.product((100,), (100,), (8, 32)))
+        cheap_cells = [(b, b, L) for b in (100, 300) for L in (1, 10)]
+        heavy_cells = [(100, 100, L) for L in (8, 32)]
         return Config(
             cells={"cheap": cheap_cells, "heavy": heavy_cells},
             compile_cells={"cheap": (100, 100, 10), "heavy": (100, 100, 32)},
@@ -149,15 +162,18 @@ def make_config(args) -> Config:
             max_rounds=args.repeats or 15,
             cell_budget_s=0.4,
             compile_repeats=3,
+            compile_nests=("scan(vmap)", "chunk"),
         )
     if args.full:
-        cheap_cells = list(it.product((100, 1000, 3000), (100, 1000, 3000), (1, 10, 100)))
+        cheap_cells = list(
+            it.product((100, 1000, 3000), (100, 1000, 3000), (1, 10, 100))
+        )
         heavy_cells = list(it.product((100, 300, 1000), (100, 300), (8, 32, 64)))
-        max_elements, budget, rounds = 3 * 10**8 // 4, 6.0, 21
+        max_elements, budget, rounds = 3 * 10**8, 6.0, 21
     else:
         cheap_cells = list(it.product((100, 300), (100, 300), (1, 10, 100)))
         heavy_cells = list(it.product((100, 300), (100,), (8, 32, 64)))
-        max_elements, budget, rounds = 3 * 10**7, 2.0, 21
+        max_elements, budget, rounds = 15 * 10**7, 2.0, 21
     return Config(
         cells={"cheap": cheap_cells, "heavy": heavy_cells},
         compile_cells={"cheap": (100, 100, 10), "heavy": (100, 100, 32)},
@@ -166,16 +182,6 @@ def make_config(args) -> Config:
         cell_budget_s=budget,
         compile_repeats=5,
     )
-
-
-def hlo_note(ours_c, hand_c) -> str:
-    """`yes` when the optimised HLO of the two programs is identical, else `no`
-    (and whether ours has a conditional)."""
-    if not distinct(ours_c, hand_c):
-        raise AssertionError("the HLO check must compare two compiled programs")
-    if normalised_hlo(ours_c) == normalised_hlo(hand_c):
-        return "yes"
-    return "no (conditional)" if has_conditional(ours_c) else "no"
 
 
 def run_cell(body: str, nest: str, cell: tuple[int, int, int], cfg: Config) -> dict:
@@ -190,11 +196,13 @@ def run_cell(body: str, nest: str, cell: tuple[int, int, int], cfg: Config) -> d
     twin_c = compiled(fresh(hand_fn), xs)
     same = hlo_note(ours_c, hand_c)
     twin_same = hlo_note(twin_c, hand_c) == "yes"
+    settle = settle_for(ours_c, hand_c, twin_c)
     t_ours, t_hand, t_twin = time_calibrated(
         [lambda: ours_c(xs), lambda: hand_c(xs), lambda: twin_c(xs)],
         budget_s=cfg.cell_budget_s,
         max_rounds=cfg.max_rounds,
         min_rounds=cfg.min_rounds,
+        settle=settle,
     )
     return dict(
         body=body,
@@ -206,7 +214,7 @@ def run_cell(body: str, nest: str, cell: tuple[int, int, int], cfg: Config) -> d
         twin=paired_ratios(t_twin, t_hand),
         same_hlo=same,
         twin_same_hlo=twin_same,
-        rounds=len(t_ours),
+        rounds=f"{len(t_ours)}{'*' if settle else ''}",
     )
 
 
@@ -214,8 +222,10 @@ def run_grid(cfg: Config, log: Callable[[str], None]) -> list[dict]:
     rows = []
     for body, (name, _) in BODIES.items():
         log(f"\n## {body} body: `{name}`\n")
-        log("| b1 | b2 | L | nest | ours (ms) | hand (ms) | ours / hand, paired (IQR) "
-            "| twin / hand (noise) | rounds | same HLO |")
+        log(
+            "| b1 | b2 | L | nest | ours (ms) | hand (ms) | ours / hand, paired (IQR) "
+            "| twin / hand (noise) | rounds | same HLO |"
+        )
         log("|---:|---:|---:|---|---:|---:|---|---|---:|---|")
         for cell in cfg.cells[body]:
             b1, b2, L = cell
@@ -224,21 +234,28 @@ def run_grid(cfg: Config, log: Callable[[str], None]) -> list[dict]:
                 size = largest_array(body, nest, b1, b2, L)
                 if size > cfg.max_elements:
                     rows.append(dict(body=body, nest=nest, cell=cell, skipped=size))
-                    log(f"| {b1} | {b2} | {L} | {label} | skipped: {size:,} elements "
-                        f"> max {cfg.max_elements:,} | | | | | |")
+                    log(
+                        f"| {b1} | {b2} | {L} | {label} | skipped: {size:,} elements "
+                        f"> max {cfg.max_elements:,} | | | | | |"
+                    )
                     continue
                 r = run_cell(body, nest, cell, cfg)
                 rows.append(r)
-                log(f"| {b1} | {b2} | {L} | {label} | {r['ours_ms']:.3f} | "
+                log(
+                    f"| {b1} | {b2} | {L} | {label} | {r['ours_ms']:.3f} | "
                     f"{r['hand_ms']:.3f} | {ratio_spread(r['ratios'])} | "
-                    f"{ratio_spread(r['twin'])} | {r['rounds']} | {r['same_hlo']} |")
+                    f"{ratio_spread(r['twin'])} | {r['rounds']} | {r['same_hlo']} |"
+                )
+        log(f"\n{SETTLED_NOTE}")
     return rows
 
 
 def run_compile(cfg: Config, log: Callable[[str], None]) -> list[dict]:
     log("\n## Compile time (lower + compile of fresh programs, seconds)\n")
-    log("| body | b1 | b2 | L | nest | ours (s) | hand (s) | ours / hand, paired "
-        "(IQR) | repetitions |")
+    log(
+        "| body | b1 | b2 | L | nest | ours (s) | hand (s) | ours / hand, paired "
+        "(IQR) | repetitions |"
+    )
     log("|---|---:|---:|---:|---|---:|---:|---|---:|")
     rows = []
     for body, cell in cfg.compile_cells.items():
@@ -246,7 +263,7 @@ def run_compile(cfg: Config, log: Callable[[str], None]) -> list[dict]:
         fn = BODIES[body][1]
         k = chunk_of(b1)
         xs = jax.ShapeDtypeStruct((b1, b2, L), jnp.float32)
-        for nest in NESTS:
+        for nest in cfg.compile_nests:
             s_ours, s_hand = compile_seconds(
                 [lambda: ours(fn, nest, k), lambda: hand(fn, nest, k)],
                 (xs,),
@@ -254,9 +271,11 @@ def run_compile(cfg: Config, log: Callable[[str], None]) -> list[dict]:
             )
             ratios = paired_ratios(s_ours, s_hand)
             rows.append(dict(body=body, nest=nest, cell=cell, ratios=ratios))
-            log(f"| {body} | {b1} | {b2} | {L} | {nest_label(nest, b1)} | "
+            log(
+                f"| {body} | {b1} | {b2} | {L} | {nest_label(nest, b1)} | "
                 f"{median(s_ours):.3f} | {median(s_hand):.3f} | "
-                f"{ratio_spread(ratios)} | {len(ratios)} |")
+                f"{ratio_spread(ratios)} | {len(ratios)} |"
+            )
     return rows
 
 
@@ -264,6 +283,21 @@ def _median_worst(values: list[float]) -> str:
     if not values:
         return "no cells"
     return f"median {median(values):.2f}, worst {max(values):.2f}"
+
+
+def noise_line(section: str, rows: list[dict]) -> str:
+    """The noise floor: each cell's paired ratio of two separately compiled copies
+    of the same hand-written program."""
+    twins = [median(r["twin"]) for r in rows]
+    if not twins:
+        return f"{section}: noise floor: no cells"
+    lo, _, hi = quartiles(twins)
+    same = sum(r["twin_same_hlo"] for r in rows)
+    return (
+        f"{section}: noise floor (twin / hand): median {median(twins):.2f}, cells "
+        f"{min(twins):.2f} to {max(twins):.2f} (IQR {lo:.2f} to {hi:.2f}) over "
+        f"{len(twins)} cells; twins' HLO identical in {same} of {len(rows)}"
+    )
 
 
 def summary_lines(grid: list[dict] | None, comp: list[dict] | None) -> list[str]:
@@ -299,21 +333,14 @@ def summary_lines(grid: list[dict] | None, comp: list[dict] | None) -> list[str]
             for r in done:
                 if r["body"] == "heavy" and r["nest"] == nest:
                     by_l.setdefault(r["cell"][2], []).append(median(r["ratios"]))
-            per_l = ", ".join(f"L={L}: {median(v):.2f}" for L, v in sorted(by_l.items()))
+            per_l = ", ".join(
+                f"L={L}: {median(v):.2f}" for L, v in sorted(by_l.items())
+            )
             lines.append(
                 f"grid: heavy {nest}: ours / hand {_median_worst(vals)} over "
                 f"{len(vals)} cells (target {target}; by L: {per_l or '-'})"
             )
-        twins = [median(r["twin"]) for r in done]
-        lo, _, hi = quartiles(twins) if twins else (0.0, 0.0, 0.0)
-        lines.append(
-            f"grid: noise floor (twin / hand): median {median(twins):.2f}, cells "
-            f"{min(twins):.2f} to {max(twins):.2f} (IQR {lo:.2f} to {hi:.2f}) over "
-            f"{len(twins)} cells; twins' HLO identical in "
-            f"{sum(r['twin_same_hlo'] for r in done)} of {len(done)}"
-            if twins
-            else "grid: noise floor: no cells"
-        )
+        lines.append(noise_line("grid", done))
         parts = []
         for body in BODIES:
             for nest in NESTS:

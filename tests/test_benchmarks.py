@@ -2,11 +2,14 @@
 sections, report, figures, progress and summary have the structure they promise (on
 tiny sizes; the timings themselves are never tested)."""
 
+import contextlib
 import csv
+import io
 import itertools as it
 import os
 import re
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -326,3 +329,396 @@ def test_reduce_benchmark_structure(capsys):
     rows = [line for line in out.splitlines() if re.match(r"\| (8|16) \|", line)]
     assert len(rows) == 4
     assert [len(r.split("|")) - 2 for r in rows] == [12, 12, 6, 6]
+
+
+# `benchmarks/overhead.py` and `benchmarks/grad.py`, on tiny sizes: the structure of
+# what they print, never the timings.
+#
+
+overhead = load_benchmark("overhead")
+grad = load_benchmark("grad")
+
+
+def _run_main(module, cfg, argv) -> str:
+    """`module.main(argv)` with `make_config` returning `cfg`; what it printed."""
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(module, "make_config", lambda args: cfg)
+        assert module.main(argv) == 0
+    return out.getvalue()
+
+
+def _table_rows(text: str, heading: str) -> list[list[str]]:
+    """The body rows of the first Markdown table after `heading`, as cells."""
+    section = text[text.index(heading) :]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def overhead_out():
+    # One cell per body; the heavy body's full vmap materialises 4 * 3 * 4 * 4 = 192
+    # elements, over `max_elements`: skipped.
+    cfg = overhead.Config(
+        cells={"cheap": [(4, 3, 2)], "heavy": [(4, 3, 4)]},
+        compile_cells={"cheap": (4, 3, 2), "heavy": (4, 3, 4)},
+        max_elements=100,
+        max_rounds=3,
+        cell_budget_s=0.0,
+        compile_repeats=1,
+        min_rounds=3,
+        compile_nests=("scan(vmap)",),
+    )
+    return _run_main(overhead, cfg, [])
+
+
+def test_overhead_main_prints_every_table_and_the_summary(overhead_out):
+    text = overhead_out
+    for heading in (
+        "## cheap body: `sin(x**2 + 1)`",
+        "## heavy body: `tanh(outer(x, x)) @ x`",
+        "## Compile time (lower + compile of fresh programs, seconds)",
+    ):
+        assert heading in text
+    assert text.index("## cheap body") < text.index("## heavy body")
+    assert text.index("## heavy body") < text.index("\nSummary (Total: ")
+    cheap = _table_rows(text, "## cheap body")
+    assert [r[3] for r in cheap] == ["vmap", "scan(vmap)", "chunk 1"]
+    for r in cheap:
+        assert r[:3] == ["4", "3", "2"]
+        assert float(r[4]) > 0 and float(r[5]) > 0
+        for spread in (r[6], r[7]):  # ours / hand and twin / hand, with their IQR
+            assert re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d to \d+\.\d\d\)", spread)
+        assert int(r[8].rstrip("*")) >= 3
+    heavy = _table_rows(text, "## heavy body")
+    assert heavy[0][3] == "vmap" and heavy[0][4] == "skipped: 192 elements > max 100"
+    compile_rows = _table_rows(text, "## Compile time")
+    assert [(r[0], r[4]) for r in compile_rows] == [
+        ("cheap", "scan(vmap)"),
+        ("heavy", "scan(vmap)"),
+    ]
+    summary = text[text.index("\nSummary (Total: ") :]
+    for pattern in (
+        r"grid: cheap scan\(vmap\): ours / hand median \d+\.\d\d, worst \d+\.\d\d "
+        r"over 1 cells \(target median <= 1\.05, worst <= 1\.10\)",
+        r"grid: cheap chunk: ours / hand median \d+\.\d\d, worst \d+\.\d\d over 1",
+        r"grid: heavy scan\(vmap\): ours / hand median \d+\.\d\d, worst \d+\.\d\d "
+        r"over 1 cells \(target <= 0\.25; by L: L=4: \d+\.\d\d\)",
+        r"grid: heavy vmap: ours / hand no cells over 0 cells",
+        r"grid: noise floor \(twin / hand\): median \d+\.\d\d, cells \d+\.\d\d to "
+        r"\d+\.\d\d \(IQR \d+\.\d\d to \d+\.\d\d\) over 5 cells; twins' HLO "
+        r"identical in 5 of 5",
+        r"compile: ours / hand \(lower \+ compile, median of paired repetitions\): "
+        r"cheap scan\(vmap\) \d+\.\d\d, heavy scan\(vmap\) \d+\.\d\d \(target <= 1\.3",
+    ):
+        assert re.search(pattern, summary), pattern
+
+
+def test_overhead_hlo_check_tells_the_programs_apart(overhead_out):
+    # The cheap body is sliced as `lax.scan` slices it: the same optimised HLO. The
+    # heavy body's scanned input is sliced inside a conditional: not the same.
+    cheap = _table_rows(overhead_out, "## cheap body")
+    heavy = _table_rows(overhead_out, "## heavy body")
+    assert [r[-1] for r in cheap] == ["yes", "yes", "yes"]
+    assert [r[-1] for r in heavy[1:]] == ["no (conditional)", "no (conditional)"]
+    assert (
+        "grid: HLO identical to hand-written: cheap vmap 1 of 1; cheap scan(vmap) "
+        "1 of 1; cheap chunk 1 of 1; heavy vmap 0 of 0; heavy scan(vmap) 0 of 1, "
+        "1 with a conditional; heavy chunk 0 of 1, 1 with a conditional"
+    ) in overhead_out
+
+
+def test_overhead_hlo_check_compiles_the_programs_it_names():
+    xs = jnp.ones((4, 3, 2), jnp.float32)
+    hand = overhead.hand(overhead.cheap, "scan(vmap)", 1)
+    # `jax.jit` hands back its cached executable for the same function: refused.
+    with pytest.raises(AssertionError, match="must compare two compiled programs"):
+        overhead.hlo_note(timing.compiled(hand, xs), timing.compiled(hand, xs))
+    # Every wrapper built is new (not equal to the last), so compiled afresh.
+    a = overhead.ours(overhead.cheap, "scan(vmap)", 1)
+    b = overhead.ours(overhead.cheap, "scan(vmap)", 1)
+    assert a != b
+    assert timing.distinct(timing.compiled(a, xs), timing.compiled(b, xs))
+
+
+@pytest.mark.parametrize("nest", ["vmap", "scan(vmap)", "chunk"])
+@pytest.mark.parametrize("body", ["cheap", "heavy"])
+def test_overhead_programs_compute_the_same(body, nest):
+    fn = overhead.BODIES[body][1]
+    xs = jax.random.normal(jax.random.key(0), (5, 3, 4), jnp.float32)
+    ref = np.stack([np.stack([fn(xs[i, j]) for j in range(3)]) for i in range(5)])
+    for make in (overhead.ours, overhead.hand):
+        out = jax.jit(make(fn, nest, 2))(xs)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_overhead_rejects_unknown_nests_and_sections(capsys):
+    for make in (overhead.ours, overhead.hand):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "Unrecognised nest 'bogus'; choose from vmap, scan(vmap), chunk."
+            ),
+        ):
+            make(overhead.cheap, "bogus", 2)
+    with pytest.raises(SystemExit):
+        overhead.main(["--sections", "grid,bogus"])
+    assert "unknown sections ['bogus']; choose from grid, compile" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        overhead.main(["--quick", "--full"])
+    assert "argument --full: not allowed with argument --quick" in (
+        capsys.readouterr().err
+    )
+
+
+def _tiny_grad_config():
+    return grad.Config(
+        t_sizes=(8, 32),
+        t_one=8,
+        chunk=3,  # a remainder at both sizes
+        transform_nests=("scan",),
+        compile_nests=("scan",),
+        max_rounds=3,
+        budget_s=0.0,
+        compile_repeats=1,
+        eager_calls=3,
+        budget_n=8,
+        budget_m=16,
+        budget_k=16,
+        budget_bytes=4 * 1024,
+        min_rounds=3,
+        nests=("scan",),  # every compile costs: the chunked nests are tested apart
+    )
+
+
+@pytest.fixture(scope="module")
+def grad_main():
+    """`grad.main` on one section at a time (a few seconds each), run once each."""
+    outs: dict[str, str] = {}
+
+    def run(section: str) -> str:
+        if section not in outs:
+            argv = ["--sections", section]
+            outs[section] = _run_main(grad, _tiny_grad_config(), argv)
+        return outs[section]
+
+    return run
+
+
+GRAD_HEADINGS = [
+    "## `jit(grad(lambda x: f(x).sum()))`, ours against hand-written",
+    "### Growth of the gradient's time with T (time at the larger T / at the smaller, "
+    "paired",
+    "## Other transforms at T = 8, ours against hand-written",
+    "## Compile time of `jit(grad(...))` at T = 8",
+    "## Un-jitted calls: ours (one wrapper, called again and again)",
+    "## Memory of the derivative under a budget",
+]
+SUMMARY = "\nSummary (Total: "
+
+
+def _in_order(text: str, headings: list[str]) -> bool:
+    positions = [text.index(h) for h in headings]
+    return positions == sorted(positions)
+
+
+def test_grad_main_prints_the_grad_tables_and_summary(grad_main):
+    text = grad_main("grad")
+    assert _in_order(text, [*GRAD_HEADINGS[:2], SUMMARY])
+    assert "(grad: " in text and "## Other transforms" not in text
+    rows = _table_rows(text, GRAD_HEADINGS[0])
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (body, T, "scan") for body in ("elementwise", "heavy") for T in ("8", "32")
+    ]
+    for r in rows:
+        assert float(r[3]) > 0 and float(r[4]) > 0
+        for spread in (r[5], r[6]):  # ours / hand and twin / hand, with their IQR
+            assert re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d to \d+\.\d\d\)", spread)
+        assert (
+            int(r[7].rstrip("*")) >= 3 and r[-1] == "yes"
+        )  # ours and hand-written agree
+    growth = _table_rows(text, GRAD_HEADINGS[1])
+    assert [r[:2] for r in growth] == [["elementwise", "scan"], ["heavy", "scan"]]
+    spread = r"\d+\.\d\d \(\d+\.\d\d to \d+\.\d\d\)"  # paired, with the IQR
+    assert all(re.fullmatch(spread, c) for r in growth for c in r[2:])
+    summary = text[text.index(SUMMARY) :]
+    for pattern in (
+        r"grad: ours / hand, median over T \(range\): elementwise scan \d+\.\d\d "
+        r".*; noise floor \d+\.\d\d \(IQR .*\); same HLO: elementwise 2 of 2, heavy "
+        r"0 of 2; values agree in 4 of 4",
+        r"grad growth T -> 4T \(paired time ratio; linear ~4\): elementwise scan "
+        r"\d+\.\d \(hand \d+\.\d\)",
+    ):
+        assert re.search(pattern, summary), pattern
+
+
+def test_grad_main_prints_the_transforms_section(grad_main):
+    text = grad_main("transforms")
+    assert _in_order(text, [GRAD_HEADINGS[2], SUMMARY])
+    transforms = _table_rows(text, GRAD_HEADINGS[2])
+    assert [(r[0], r[1], r[2]) for r in transforms] == [
+        (body, "scan", t)
+        for body in ("elementwise", "heavy")
+        for t in ("forward", "value_and_grad", "vjp", "jvp")
+    ]
+    assert all(r[-1] == "yes" for r in transforms)  # ours and hand-written agree
+    assert re.search(
+        r"transforms at T=8: ours / hand, median over bodies and nests \(range\): "
+        r"forward \d+\.\d\d \(\d+\.\d\d to \d+\.\d\d\); value_and_grad .*; vjp .*; "
+        r"jvp \d+\.\d\d",
+        text[text.index(SUMMARY) :],
+    )
+
+
+def test_grad_main_prints_the_compile_section(grad_main):
+    text = grad_main("compile")
+    assert _in_order(text, [GRAD_HEADINGS[3], SUMMARY])
+    rows = _table_rows(text, GRAD_HEADINGS[3])
+    assert [(r[0], r[1], r[-1]) for r in rows] == [
+        ("elementwise", "scan", "1"),
+        ("heavy", "scan", "1"),
+    ]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    assert re.search(
+        r"compile grad: ours / hand \(lower \+ compile, median of paired "
+        r"repetitions\): elementwise scan \d+\.\d\d, heavy scan \d+\.\d\d "
+        r"\(target <= 1\.3\)",
+        text[text.index(SUMMARY) :],
+    )
+
+
+def test_grad_hlo_check_tells_the_programs_apart(grad_main):
+    # The elementwise body is sliced as `lax.scan` slices it: the same optimised HLO,
+    # for the gradient too. The heavy body's scans slice inside a conditional.
+    rows = _table_rows(grad_main("grad"), GRAD_HEADINGS[0])
+    for r in rows:
+        expected = "yes" if r[0] == "elementwise" else "no (conditional)"
+        assert r[-2] == expected, r
+    transforms = _table_rows(grad_main("transforms"), GRAD_HEADINGS[2])
+    for r in transforms:
+        expected = "yes" if r[0] == "elementwise" else "no (conditional)"
+        assert r[-2] == expected, r
+
+
+@pytest.mark.parametrize("key", ["elementwise", "heavy"])
+def test_grad_chunked_nests_with_a_remainder_agree(key):
+    body = grad.BODIES[key]
+    x = grad.inputs(body, 8)  # chunks of 3: a remainder of 2
+    for transform in ("grad", "vjp"):
+        args = grad.program_args(transform, x)
+        ours = jax.jit(grad.program(transform, grad.ours(body, "chunk", 3)))(*args)
+        hand = jax.jit(grad.program(transform, grad.hand(body, "chunk", 3)))(*args)
+        assert grad.agree(ours, hand), transform
+
+
+def test_grad_budget_section_keeps_the_derivative_within_the_budget(grad_main):
+    text = grad_main("budget")
+    assert _in_order(text, [GRAD_HEADINGS[5], SUMMARY])
+    by = {r[0]: r for r in _table_rows(text, GRAD_HEADINGS[5])}
+    budget = 4 * 1024
+    temps = {what: int(r[2]) for what, r in by.items()}
+    for what in (
+        "forward, planned",
+        "jit(grad(sum of f)), planned",
+        "jit(value_and_grad(sum of f)), planned",
+    ):
+        assert 0 < temps[what] <= budget, what
+    # Without planning for the backward pass, the derivative does not fit.
+    assert temps["jit(grad), the forward plan's nest, no backward planning"] > budget
+    assert temps["jit(grad), full vmap"] > budget
+    assert by["jit(grad(sum of f)), planned"][1].endswith("scan bodies checkpointed")
+    assert "The three gradients agree: yes." in text
+    size = r"[\d.]+ (?:B|KiB|MiB|GiB)"
+    assert re.search(
+        rf"budget: B = 4\.0 KiB: planned grad {size} \(0\.\d\d B\), "
+        rf"value_and_grad {size} \(0\.\d\d B\), forward {size} \(0\.\d\d B\); "
+        r"grad without backward planning .*; gradients agree: yes",
+        text[text.index(SUMMARY) :],
+    )
+
+
+def test_grad_eager_section_neither_retraces_nor_recompiles(grad_main):
+    text = grad_main("eager")
+    rows = _table_rows(text, GRAD_HEADINGS[4])
+    assert [(r[0], r[1]) for r in rows] == [
+        ("elementwise", "8"),
+        ("elementwise", "32"),
+        ("heavy", "8"),
+        ("heavy", "32"),
+    ]
+    assert all(r[-1] == "0, 0 in 3 calls" for r in rows)
+    assert re.search(
+        r"eager: un-jitted ours / un-jitted lax\.scan: elementwise T=8 \d+\.\d\d, "
+        r".*heavy T=32 \d+\.\d\d \(target <= 2\); ours re-traced 0 and recompiled 0 "
+        r"times in 12 repeated calls",
+        text[text.index(SUMMARY) :],
+    )
+
+
+def test_grad_rejects_unknown_nests_transforms_and_sections(capsys):
+    body = grad.BODIES["elementwise"]
+    for make in (grad.ours, grad.hand):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "Unrecognised nest 'bogus'; choose from scan, chunk, vmap."
+            ),
+        ):
+            make(body, "bogus", 3)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Unrecognised transform 'bogus'; choose from grad, forward, "
+            "value_and_grad, vjp, jvp."
+        ),
+    ):
+        grad.program("bogus", grad.hand(body, "scan", 3))
+    with pytest.raises(SystemExit):
+        grad.main(["--sections", "bogus,grad"])
+    assert (
+        "unknown sections ['bogus']; choose from grad, transforms, compile, eager, "
+        "budget"
+    ) in capsys.readouterr().err
+
+
+def test_timing_additions():
+    calls = []
+    thunk = timing.batched(lambda: calls.append(1) or jnp.zeros(()), 4)
+    thunk()
+    assert len(calls) == 4
+    times = timing.time_calibrated(
+        [lambda: jnp.zeros(()), lambda: jnp.ones(())], budget_s=0.0, max_rounds=9
+    )
+    assert [len(t) for t in times] == [5, 5]  # `min_rounds` when over budget
+    assert all(t > 0 for ts in times for t in ts)
+    calls = [0, 0]
+
+    def counted(i):
+        calls[i] += 1
+        if i:  # the second thunk is much longer than the first
+            time.sleep(0.002)
+        return jnp.zeros(())
+
+    times = timing.time_calibrated(
+        [lambda: counted(0), lambda: counted(1)],
+        budget_s=0.0,
+        max_rounds=9,
+        min_rounds=3,
+        min_sample_s=2e-3,
+        groups=[0, 1],
+    )
+    assert [len(t) for t in times] == [3, 3]
+    assert calls[0] > calls[1] == 1 + 1 + 3  # the first call, the warmup, 3 rounds
+    makers = [lambda: timing.fresh(run.hand_vmap), lambda: timing.fresh(run.hand_vmap)]
+    seconds = timing.compile_seconds(makers, (jnp.ones((3, 4, 2)),), repeats=2)
+    assert [len(s) for s in seconds] == [2, 2] and min(map(min, seconds)) > 0
+    assert timing.ratio_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == "3.00 (2.00 to 4.00)"
+    assert timing.fmt_bytes(3 * 2**20) == "3.0 MiB" and timing.fmt_bytes(12) == "12 B"
