@@ -13,6 +13,11 @@ from ._multi_vmap import (
 )
 from ._options import ScanSpec as ScanSpec
 from ._planner import Plan as Plan, Planner as Planner, TimeModel as TimeModel
+from ._reduce import (
+    Monoid as Monoid,
+    ReduceOp as ReduceOp,
+    ReduceSpec as ReduceSpec,
+)
 from ._shard import ShardSpec as ShardSpec
 from ._shim import multi_vmap as multi_vmap
 

@@ -9,7 +9,13 @@ nest is then a pure function of its inputs, which `jax.custom_jvp` and
 nest is built.
 
 [`inputs_to_isolate`][] reads the body's jaxpr to tell which scanned inputs XLA:CPU
-runs best sliced apart from the body's kernels (see `_nest.isolate_slices`).
+runs best sliced apart from the body's kernels (see `_nest.isolate_slices`), and
+[`collectives`][] which collectives it uses over which dims.
+
+Every mapped dim is an axis name of the body (`lax.psum(x, "F")`): a vmapped dim's
+level binds it. Inside `jax.shard_map` a sharded dim `F` is vmapped over each
+device's block, so the body traced for inside rewrites its collectives over `F` to
+span the mesh axes too (see `_Sharded`).
 """
 
 import dataclasses
@@ -20,11 +26,13 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.extend.core
+import jax.lax as lax
 import numpy as np
 from jax._src import traceback_util
 from jax.sharding import AxisType, Mesh
 
 from ._args import BoundCall, is_array
+from ._errors import SpecError
 from ._shard import ShardPlan
 
 
@@ -65,10 +73,17 @@ class Body:
         return Body(self.standalone_jaxpr, self.hoisted, self.n_args)
 
 
-def _rebind(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
+def _rebind(
+    jaxpr: Any,
+    consts: list[Any],
+    args: list[Any],
+    sharded: "_Sharded | None" = None,
+) -> list[Any]:
     """`jaxpr` evaluated on `args`, its equations bound afresh in the current
     context. (`jax.core.eval_jaxpr` restores each equation's own context, such as
-    the mesh it was traced under, which inside `shard_map` is the wrong one.)"""
+    the mesh it was traced under, which inside `shard_map` is the wrong one.)
+
+    With `sharded`, collectives over sharded dims are rewritten to span the mesh."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -76,12 +91,158 @@ def _rebind(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
         return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
 
     for eqn in jaxpr.eqns:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        outs = eqn.primitive.bind(*map(read, eqn.invars), **params)
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
+        invals = list(map(read, eqn.invars))
+        if sharded is not None and sharded.touches(eqn):
+            outs = sharded.bind(eqn, invals)
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            outs = eqn.primitive.bind(*invals, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+#
+# Collectives.
+#
+
+# Primitives whose axis-name parameters are not collectives.
+_NOT_COLLECTIVES = frozenset({"pvary", "pcast"})
+# Calls that a sharded dim's collectives can be rewritten through (inlined).
+_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def _axis_names(eqn: Any) -> tuple[str, ...]:
+    """The axis names a collective equation uses (`axes`, `axis_name`)."""
+    if eqn.primitive.name in _NOT_COLLECTIVES:
+        return ()
+    names: list[str] = []
+    for key in ("axes", "axis_name"):
+        value = eqn.params.get(key)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        names.extend(v for v in values if isinstance(v, str))
+    return tuple(names)
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    """Every jaxpr in an equation's parameters (calls, branches, loop bodies)."""
+    out = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                out.append(v.jaxpr)
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                out.append(v)
+    return out
+
+
+def collectives(jaxpr: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """The collectives in `jaxpr` and its sub-jaxprs: `(primitive, axis names)`,
+    e.g. `("psum", ("F",))`, `("axis_index", ("F",))`."""
+    out = []
+    for eqn in jaxpr.eqns:
+        names = _axis_names(eqn)
+        if names:
+            out.append((eqn.primitive.name, names))
+        for sub in _sub_jaxprs(eqn):
+            out.extend(collectives(sub))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sharded:
+    """Rewrites a body's collectives over sharded dims for inside `shard_map`, where
+    each sharded dim `F` over mesh axes `axes` is vmapped over a device's block of
+    `local` elements (device `d` holding elements `[d * local, (d + 1) * local)`):
+
+    - `psum`, `pmax`, `pmin` over `F`: over the local vmap axis, then the mesh axes;
+    - `all_gather` over `F`: the local block, then the blocks of the mesh axes
+        (tiled), so the elements come in their global order;
+    - `axis_index("F")`: the global index, `mesh index * local + local index`.
+    """
+
+    plan: ShardPlan
+
+    @property
+    def dims(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.plan.dims)
+
+    def _named(self, names: tuple[str, ...]) -> list[str]:
+        return [n for n in names if n in self.dims]
+
+    def touches(self, eqn: Any) -> bool:
+        if self._named(_axis_names(eqn)):
+            return True
+        return any(
+            self._named(names)
+            for sub in _sub_jaxprs(eqn)
+            for _, names in collectives(sub)
+        )
+
+    def _error(self, prim: str, name: str, why: str) -> SpecError:
+        return SpecError(
+            f"`{self.plan.fun_name}`: the body uses the collective `{prim}` over dim "
+            f"'{name}', which `shard` splits over mesh axes {self.dims[name]!r}: "
+            f"{why} Supported over a sharded dim: `psum`, `pmean`, `pmax`, `pmin`, "
+            "`all_gather` and `axis_index`; or use `reduce=` to combine over it."
+        )
+
+    def bind(self, eqn: Any, invals: list[Any]) -> list[Any]:
+        prim = eqn.primitive
+        names = _axis_names(eqn)
+        if not names:  # a call with such collectives inside
+            if prim.name in _INLINE:
+                closed = eqn.params["jaxpr"]
+                return _rebind(closed.jaxpr, closed.consts, invals, self)
+            inner, name = next(
+                (p, n)
+                for sub in _sub_jaxprs(eqn)
+                for p, ns in collectives(sub)
+                for n in self._named(ns)
+            )
+            raise self._error(
+                inner,
+                name,
+                f"it is inside `{prim.name}`, which cannot be rewritten to span the "
+                "mesh.",
+            )
+        sharded = self._named(names)
+        for name in sharded:
+            if name in self.plan.padded:
+                raise self._error(
+                    prim.name,
+                    name,
+                    f"with `pad=True` it is padded (to {self.plan.padded[name]}), and "
+                    "the padding would take part.",
+                )
+        params = prim.get_bind_params(eqn.params)
+        mesh_axes = tuple(a for name in sharded for a in self.dims[name])
+        if prim.name in ("psum", "pmax", "pmin"):
+            outs = prim.bind(*invals, **params)
+            outs = outs if prim.multiple_results else [outs]
+            outs = prim.bind(*outs, **dict(params, axes=mesh_axes))
+            return outs if prim.multiple_results else [outs]
+        if prim.name == "all_gather" and names == tuple(sharded) and len(names) == 1:
+            name = names[0]
+            local = self.plan.local_sizes[name]
+            out = prim.bind(*invals, **dict(params, axis_size=local))
+            shards = int(np.prod([self.plan.mesh.shape[a] for a in mesh_axes]))
+            out = prim.bind(
+                out, **dict(params, axis_name=mesh_axes, axis_size=shards, tiled=True)
+            )
+            return [out]
+        if prim.name == "axis_index" and len(names) == 1:
+            name = names[0]
+            index = 0
+            for a in mesh_axes:
+                index = index * self.plan.mesh.shape[a] + lax.axis_index(a)
+            return [index * self.plan.local_sizes[name] + prim.bind(**params)]
+        if prim.name == "all_gather":
+            why = "over several dims at once, that is not supported."
+        else:
+            why = "it cannot be rewritten to span the mesh."
+        raise self._error(prim.name, sharded[0], why)
 
 
 def trace_body(
@@ -129,9 +290,14 @@ def trace_body(
     # As `jax.shard_map` traces its function: with the mesh's axes manual.
     mesh = shard.mesh.abstract_mesh if isinstance(shard.mesh, Mesh) else shard.mesh
     manual = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
+    sharded = _Sharded(shard)
+
+    def inside_shard_map(dyn: list[Any], consts: list[Any]) -> Any:
+        return _rebind(closed.jaxpr, consts, dyn, sharded)
+
     with jax.sharding.use_abstract_mesh(manual):
         inside = jax.make_jaxpr(
-            with_hoisted, axis_env=[*axis_env, *mesh.shape.items()]
+            inside_shard_map, axis_env=[*axis_env, *mesh.shape.items()]
         )(element_specs, hoisted_specs)
     return Body(inside, hoisted, len(element_specs), jaxpr), out
 

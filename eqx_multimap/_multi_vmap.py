@@ -3,7 +3,9 @@
 One call flows one way: the wrapper's options were parsed at decoration
 (`_options`); `_resolve` binds and checks the arguments and traces the body once;
 `_planner` chooses the nest (with `plan=`); `_nest` builds and runs it, inside
-`jax.shard_map` with `shard=` (`_shard`); the wrapper rebuilds the output.
+`jax.shard_map` with `shard=` (`_shard`); with `reduce=`, the partial results of
+the devices are combined, and a mean divided (`_reduce`); the wrapper rebuilds the
+output.
 """
 
 import dataclasses
@@ -13,13 +15,14 @@ from typing import Any, overload, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax._src import traceback_util
 from jaxtyping import PyTree
 
 from ._blocks import describe_nest, NestSpec
 from ._errors import SpecError
-from ._nest import Build, mapped_function
+from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
 from ._planner import (
     describe_fixed,
@@ -28,8 +31,9 @@ from ._planner import (
     PlanMode,
     Planner,
 )
+from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
-from ._shard import parse_shard, shard_repr, ShardSpec
+from ._shard import parse_shard, shard_repr, ShardPlan, ShardSpec
 
 
 traceback_util.register_exclusion(__file__)
@@ -62,26 +66,92 @@ def run_call(call: Call) -> Any:
             plan = planner.plan(call, backward=True)
             return plan.spec, Build(isolate=call.isolate, checkpoint=plan.checkpoint)
 
+    reduction = call.reduction
+    reduced = ""
+    if reduction is not None:
+        ops = ", ".join(f"{name!r}: {op_name(op)!r}" for name, op in reduction.ops)
+        reduced = f"; reduce={{{ops}}}"
     if options.shard is None:
         if options.verbose:
-            print(f"{call.fun_name}: {describe_nest(spec, call.mapped_sizes)}")
+            print(f"{call.fun_name}: {describe_nest(spec, call.mapped_sizes)}{reduced}")
         fn = mapped_function(call.problem(), spec, build, diff)
-        return call.out.combine(fn(list(call.values)))
-    shard = call.shard
-    assert shard is not None
-    local_sizes = {name: shard.local_sizes[name] for name in call.mapped}
-    if options.verbose:
-        print(shard.describe(f"{call.fun_name}: {describe_nest(spec, local_sizes)}"))
-    local = mapped_function(call.problem(local_sizes), spec, build, diff)
-    n_mapped = len(call.mapped)
-    outs = shard.run(
-        list(call.values),
-        call.leaf_axes,
-        call.out.dims,
-        [len(s.shape) + n_mapped for s in call.out.shapes],
-        local,
-    )
+        outs = fn(list(call.values))
+    else:
+        shard = call.shard
+        assert shard is not None
+        local_sizes = {name: shard.local_sizes[name] for name in call.mapped}
+        if options.verbose:
+            nest = describe_nest(spec, local_sizes)
+            print(shard.describe(f"{call.fun_name}: {nest}") + reduced)
+        problem = call.problem(local_sizes)
+        values, leaf_axes = list(call.values), list(call.leaf_axes)
+        padded = [n for n in shard.padded if reduction and n in reduction.dims]
+        if padded:
+            problem, values, leaf_axes = _mask_padding(problem, values, shard, padded)
+        local = mapped_function(problem, spec, build, diff)
+        ndims = [len(s.shape) + len(call.out_mapped) for s in call.out.shapes]
+        outs = shard.run(
+            values,
+            leaf_axes,
+            call.out.dims,
+            ndims,
+            _across_devices(call, local, ndims),
+            prepadded=range(len(call.values), len(values)),
+        )
+    if reduction is not None:
+        outs = [reduction.finalize(i, out) for i, out in enumerate(outs)]
     return call.out.combine(outs)
+
+
+def _across_devices(call: Call, local: Callable, ndims: list[int]) -> Callable:
+    """`local`, then, for the reduced sharded dims, its partial results combined
+    across their mesh axes (one collective: `psum`, `pmax`, `pmin`)."""
+    reduction, shard = call.reduction, call.shard
+    assert shard is not None
+    if reduction is None:
+        return local
+    mesh_axes = tuple(a for n, axes in shard.dims if n in reduction.dims for a in axes)
+    if not mesh_axes:
+        return local
+    batch = [
+        mapped_axes(dims, call.out_mapped, n) for dims, n in zip(call.out.dims, ndims)
+    ]
+
+    def combined(values: list) -> list:
+        outs = local(values)
+        return [
+            reduction.across_devices(out, mesh_axes, axes)
+            for out, axes in zip(outs, batch)
+        ]
+
+    return combined
+
+
+def _mask_padding(
+    problem: Problem, values: list, shard: ShardPlan, padded: list[str]
+) -> tuple[Problem, list, list]:
+    """With `pad=True`, a reduced sharded dim's padding must not take part: one more
+    input leaf per such dim says which elements are real, and the body's outputs of
+    the others are the op's identity."""
+    reduction = problem.reduce
+    assert reduction is not None
+    n = len(values)
+    masks = [jnp.arange(shard.padded[name]) < shard.sizes[name] for name in padded]
+    body = problem.body
+
+    def masked(leaves: list) -> list:
+        outs = body(leaves[:n])
+        valid = leaves[n]
+        for v in leaves[n + 1 :]:
+            valid = valid & v
+        return [
+            jnp.where(valid, y, reduction.identity(i, y.shape, y.dtype))
+            for i, y in enumerate(outs)
+        ]
+
+    leaf_axes = list(problem.leaf_axes) + [{name: 0} for name in padded]
+    problem = dataclasses.replace(problem, body=masked, leaf_axes=tuple(leaf_axes))
+    return problem, values + masks, leaf_axes
 
 
 def _has_tracer(tree: Any) -> bool:
@@ -161,6 +231,9 @@ def _describe_wrapper(fun: Callable, options: Options) -> str:
             parts.append(f"scan={dict(options.scan)!r}")
     if options.vmap:
         parts.append(f"vmap={' '.join(options.vmap)!r}")
+    if options.reduce:
+        ops = ", ".join(f"{n!r}: {op_name(op)!r}" for n, op in options.reduce)
+        parts.append(f"reduce={{{ops}}}")
     if options.shard is not None:
         parts.append(f"shard={shard_repr(options.shard.dims)}")
         if options.shard.mesh is not None:
@@ -184,6 +257,7 @@ def filter_multi_vmap(
     core: str | Sequence[str] | None = None,
     vmap: str | Sequence[str] | None = None,
     scan: ScanSpec = None,
+    reduce: ReduceSpec = None,
     shard: ShardSpec = None,
     mesh: jax.sharding.Mesh | None = None,
     pad: bool = False,
@@ -203,6 +277,7 @@ def filter_multi_vmap(
     core: str | Sequence[str] | None = None,
     vmap: str | Sequence[str] | None = None,
     scan: ScanSpec = None,
+    reduce: ReduceSpec = None,
     shard: ShardSpec = None,
     mesh: jax.sharding.Mesh | None = None,
     pad: bool = False,
@@ -221,6 +296,7 @@ def filter_multi_vmap(
     core: str | Sequence[str] | None = None,
     vmap: str | Sequence[str] | None = None,
     scan: ScanSpec = None,
+    reduce: ReduceSpec = None,
     shard: ShardSpec = None,
     mesh: jax.sharding.Mesh | None = None,
     pad: bool = False,
@@ -260,6 +336,9 @@ def filter_multi_vmap(
         `{"T": k}` to scan over chunks of `k` elements with a vmap inside each
         (as `jax.lax.map(..., batch_size=k)`; a remainder is vmapped apart, never
         padded).
+    - `reduce`: mapped dims to combine away, inside the nest, as `{"T": "sum"}`
+        (`"sum"`, `"mean"`, `"max"`, `"min"` or an [`eqx_multimap.Monoid`][]); the
+        output does not name them. See [Reductions](../reductions.md).
     - `shard`: mapped dims to split over a device mesh with `jax.shard_map`, as
         `{"F": "freq"}` (dim to mesh axis). `mesh` is the `jax.sharding.Mesh`
         (default: the ambient one of `jax.set_mesh`); `pad=True` pads a dim that
@@ -310,6 +389,7 @@ def filter_multi_vmap(
             core=core,
             vmap=vmap,
             scan=scan,
+            reduce=reduce,
             shard=shard,
             mesh=mesh,
             pad=pad,
@@ -329,6 +409,7 @@ def filter_multi_vmap(
         scan=scan,
         vmap=vmap,
         core=core,
+        reduce=reduce,
         shard=parse_shard(shard, mesh, pad),
         plan=plan_options(plan, memory_budget, verbose),
         checkpoint=checkpoint,

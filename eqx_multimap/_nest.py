@@ -11,6 +11,10 @@ Each level puts its dim at axis 0 of every output (`vmap(out_axes=0)`, and `scan
 stacks at 0), so a block's outputs are laid out as `[level keys..., core axes...]`,
 then transposed once (only if needed) into the order of their dims.
 
+A level of a reduced dim (`Problem.reduce`, see `_reduce`) leaves no axis: a vmap
+level reduces its output right after the level, a scan level accumulates in its
+carry, and the blocks of a chunked reduced dim are merged with the op.
+
 [`mapped_function`][] is the function a call runs: the nest, and under
 differentiation the nest that differentiates best (see there).
 """
@@ -28,6 +32,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ._blocks import Block, blocks, chunk_key, Level, NestSpec, Part
 from ._dims import axes_of, Dims, EllipsisDim, NamedDim
+from ._reduce import Reduction
 
 
 traceback_util.register_exclusion(__file__)
@@ -47,12 +52,16 @@ class Problem:
         a leaf that is broadcast: closed over by scans, `in_axes=None` for vmaps).
     - `out_dims`: the dims of each output leaf (the whole, mapped shape).
     - `sizes`: the size of every mapped dim (the local sizes, inside `shard_map`).
+    - `reduce`: the reductions over mapped dims that the outputs do not have
+        (`reduce=`), or `None`. The nest leaves the outputs in their accumulation
+        dtypes, and a mean undivided: `Reduction.finalize` finishes them.
     """
 
     body: Callable[[Leaves], Leaves]
     leaf_axes: tuple[Axes, ...]
     out_dims: tuple[Dims, ...]
     sizes: dict[str, int]
+    reduce: Reduction | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +124,10 @@ def _scan_level(
     in_axes: list,
     build: Build,
     innermost: bool,
+    accumulate: "_Accumulate | None" = None,
 ) -> Callable[[Leaves], Leaves]:
+    """A scan over `level`; with `accumulate`, the level's dim is reduced: the
+    outputs are combined in the carry instead of stacked."""
     mapped = [i for i, a in enumerate(in_axes) if a is not None]
     body = jax.checkpoint(inner) if build.checkpoint else inner
     isolated = [j for j, i in enumerate(mapped) if innermost and i in build.isolate]
@@ -129,21 +141,44 @@ def _scan_level(
                 current[i] = xi
             return body(current)
 
-        if not isolated:
-            _, ys = lax.scan(lambda c, x: (c, run(x)), None, xs, length=level.size)
-            return ys
+        def step(carry: tuple[Any, Any], x: Leaves) -> tuple[Any, Any]:
+            index, acc = carry
+            if isolated:
+                x = list(x)
+                kept = isolate_slices([x[j] for j in isolated], index, level.size)
+                for j, xj in zip(isolated, kept):
+                    x[j] = xj
+                index = index + 1
+            ys = run(x)
+            if accumulate is None:
+                return (index, acc), ys
+            return (index, accumulate.combine(acc, ys)), None
 
-        def step(index: Any, x: Leaves) -> tuple[Any, Leaves]:
-            x = list(x)
-            kept = isolate_slices([x[j] for j in isolated], index, level.size)
-            for j, xj in zip(isolated, kept):
-                x[j] = xj
-            return index + 1, run(x)
-
-        _, ys = lax.scan(step, jnp.int32(0), xs, length=level.size)
-        return ys
+        index = jnp.int32(0) if isolated else None
+        init = None if accumulate is None else accumulate.init()
+        (_, acc), ys = lax.scan(step, (index, init), xs, length=level.size)
+        return ys if accumulate is None else acc
 
     return scanned
+
+
+@dataclasses.dataclass(frozen=True)
+class _Accumulate:
+    """A reduced scan level's carry: every output leaf, one element of each of the
+    `batch` (non-reduced) levels inside."""
+
+    reduce: Reduction
+    batch: tuple[int, ...]
+
+    def init(self) -> Leaves:
+        return [
+            self.reduce.identity(i, self.batch + e.shape)
+            for i, e in enumerate(self.reduce.elements)
+        ]
+
+    def combine(self, acc: Leaves, ys: Leaves) -> Leaves:
+        axes = range(len(self.batch))
+        return [self.reduce.combine(a, y, axes) for a, y in zip(acc, ys)]
 
 
 def build_levels(
@@ -151,30 +186,47 @@ def build_levels(
     levels: Sequence[Level],
     leaf_axes: Sequence[Axes],
     build: Build = Build(),
+    reduce: Reduction | None = None,
 ) -> Callable[[Leaves], Leaves]:
     """`core` mapped over `levels` (outermost first).
 
     `leaf_axes[i]` gives the axis of each level key in input leaf `i`; leaves without
-    a key are broadcast.
+    a key are broadcast. With `reduce`, the levels of reduced dims leave no axis in
+    the outputs (see `Reduction`).
     """
     if not levels:
         return core
     level, rest = levels[0], levels[1:]
     inner = build_levels(
-        core, rest, [drop_axis(a, level.key) for a in leaf_axes], build
+        core, rest, [drop_axis(a, level.key) for a in leaf_axes], build, reduce
     )
     in_axes = [a.get(level.key) for a in leaf_axes]
+    reduced = reduce is not None and level.dim in reduce.dims
+    # The levels inside whose axes the outputs keep.
+    batch = tuple(lv.size for lv in rest if reduce is None or lv.dim not in reduce.dims)
     if level.kind == "vmap":
-        return jax.vmap(
+        mapped = jax.vmap(
             inner,
             in_axes=(in_axes,),
             out_axes=0,
             axis_size=level.size,
             axis_name=level.dim if level.named else None,
         )
+        if not reduced:
+            return mapped
+        assert reduce is not None
+
+        def vmapped_and_reduced(leaves: Leaves) -> Leaves:
+            return [
+                reduce.reduce_leading(i, y, len(batch))
+                for i, y in enumerate(mapped(leaves))
+            ]
+
+        return vmapped_and_reduced
     elif level.kind == "scan":
         innermost = all(lv.kind != "scan" for lv in rest)
-        return _scan_level(inner, level, in_axes, build, innermost)
+        accumulate = _Accumulate(reduce, batch) if reduced and reduce else None
+        return _scan_level(inner, level, in_axes, build, innermost, accumulate)
     else:
         raise ValueError(f"Unrecognised level kind '{level.kind}'.")
 
@@ -305,12 +357,21 @@ def final_axis(dims: Dims, name: str, ndim: int) -> int:
     raise AssertionError(name)
 
 
+def mapped_axes(dims: Dims, names: Sequence[str], ndim: int) -> list[int]:
+    """The axes of the named dims `names` (those `dims` has) in an array of rank
+    `ndim` with `dims`, in increasing order."""
+    return sorted(final_axis(dims, n, ndim) for n in names if n in dims.names)
+
+
 def _assemble(
     parts_outs: dict[tuple[Part, ...], Leaves],
     all_blocks: Sequence[Block],
     out_dims: Sequence[Dims],
+    reduce: Reduction | None = None,
+    mapped: Sequence[str] = (),
 ) -> Leaves:
-    """Concatenate the blocks' outputs along each chunked dim, last dim first."""
+    """Concatenate the blocks' outputs along each chunked dim, last dim first; or,
+    for a reduced dim, combine them with its op (main part first)."""
     outs = dict(parts_outs)
     n_chunked = len(all_blocks[0].parts)
     for j in reversed(range(n_chunked)):
@@ -323,6 +384,18 @@ def _assemble(
                 outs[prefix] = groups[0]
                 continue
             dim = all_blocks[0].parts[j].dim
+            if reduce is not None and dim in reduce.dims:
+                outs[prefix] = [
+                    ft.reduce(
+                        ft.partial(
+                            reduce.combine,
+                            batch_axes=mapped_axes(out_dims[i], mapped, leaves[0].ndim),
+                        ),
+                        leaves,
+                    )
+                    for i, leaves in enumerate(zip(*groups))
+                ]
+                continue
             outs[prefix] = [
                 jnp.concatenate(
                     leaves, axis=final_axis(out_dims[i], dim, leaves[0].ndim)
@@ -336,17 +409,28 @@ def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leave
     """The nest `spec` of `problem` on the input leaves `values`: every output leaf,
     in the order of its dims."""
     mapped = set(spec.dims)
+    reduce = problem.reduce
+    core = problem.body
+    if reduce is not None:
+
+        def core(leaves: Leaves) -> Leaves:
+            return reduce.prepare(problem.body(leaves))
+
     all_blocks = blocks(spec, problem.sizes)
     outs: dict[tuple[Part, ...], Leaves] = {}
     for block in all_blocks:
         block_values = block_inputs(values, problem.leaf_axes, block)
         axes = block_axes(problem.leaf_axes, block)
-        nest = build_levels(problem.body, block.levels, axes, build)
+        nest = build_levels(core, block.levels, axes, build, reduce)
+        if reduce is not None:  # the layout of the levels that leave an axis
+            kept = tuple(lv for lv in block.levels if lv.dim not in reduce.dims)
+            block = dataclasses.replace(block, levels=kept)
         outs[block.parts] = [
             _to_dims_order(out, dims, block, mapped)
             for out, dims in zip(nest(block_values), problem.out_dims)
         ]
-    return _assemble(outs, all_blocks, problem.out_dims)
+    out_mapped = [n for n in spec.dims if reduce is None or n not in reduce.dims]
+    return _assemble(outs, all_blocks, problem.out_dims, reduce, out_mapped)
 
 
 #

@@ -6,8 +6,9 @@ is checked here, so that a bad spec fails where it is written:
 
 - dims strings parse (`_dims.parse_dims`);
 - with explicit `out_dims`, the mapped dims are known (the one mapping rule,
-    [`mapped_dims`][]): every output names each of them once, and every strategy
-    names only mapped dims.
+    [`mapped_dims`][]): every output names each of them once (but the reduced
+    ones, which no output names), and every strategy names only mapped dims;
+- `reduce=` names each dim once, with a known op (`_reduce.parse_reduce`).
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ from jax._src import traceback_util
 
 from ._dims import Dims, parse_dims, parse_names
 from ._errors import SpecError
+from ._reduce import parse_reduce, ReduceOp
 from ._shard import ShardOptions
 
 
@@ -82,6 +84,7 @@ class Options:
     - `in_dims`, `out_dims`: the user's spec trees (`None` where not given).
     - `scan`: `(dim, chunk)` pairs in the order given; `vmap`: dims in the order
         given; `core`: dims of the output that are not mapped.
+    - `reduce`: `(dim, op)` pairs, in the order given.
     - `shard`: the parsed `shard=`/`mesh=`/`pad=`, or `None`.
     - `plan`: `None` for the nest given by the strategies, else the planner's
         options (see `_planner`).
@@ -93,6 +96,7 @@ class Options:
     scan: tuple[tuple[str, int | None], ...]
     vmap: tuple[str, ...]
     core: tuple[str, ...]
+    reduce: tuple[tuple[str, ReduceOp], ...]
     shard: ShardOptions | None
     plan: Any
     checkpoint: bool
@@ -101,6 +105,10 @@ class Options:
     @property
     def scan_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.scan)
+
+    @property
+    def reduce_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.reduce)
 
     @property
     def shard_names(self) -> tuple[str, ...]:
@@ -167,10 +175,15 @@ def out_leaf_dims(out_dims: Any) -> list[tuple[str, Dims]]:
 
 
 def mapped_dims(
-    names: Sequence[str], core: Sequence[str], where: str, fun_name: str
+    names: Sequence[str],
+    core: Sequence[str],
+    where: str,
+    fun_name: str,
+    reduce: Sequence[str] = (),
 ) -> tuple[str, ...]:
     """The one mapping rule: the mapped dims are the named dims of the output, in
-    their first order, except those declared `core`."""
+    their first order, except those declared `core`, then the reduced dims (which
+    the output does not name)."""
     for name in core:
         if name not in names:
             raise SpecError(
@@ -178,7 +191,15 @@ def mapped_dims(
                 "name. `core` declares output dims that the body sees whole; a dim "
                 "named only by the inputs is core already."
             )
-    return tuple(n for n in dict.fromkeys(names) if n not in core)
+    for name in reduce:
+        if name in names:
+            raise SpecError(
+                f"`{fun_name}`: `reduce` names dim '{name}', which {where} also "
+                f"names. A reduced dim is combined away: the output has no '{name}' "
+                f"axis. Drop '{name}' from {where}, or from `reduce`."
+            )
+    out = tuple(n for n in dict.fromkeys(names) if n not in core)
+    return out + tuple(reduce)
 
 
 def check_strategies(
@@ -197,12 +218,16 @@ def check_strategies(
                 why = "it is declared `core`"
             else:
                 why = f"{where} does not name it"
-            listed = ", ".join(repr(n) for n in mapped) or "none"
+            reduced = options.reduce_names
+            listed = ", ".join(repr(n) for n in mapped if n not in reduced) or "none"
+            if reduced:
+                listed += ", and the reduced " + ", ".join(repr(n) for n in reduced)
             raise SpecError(
                 f"`{fun_name}`: `{keyword}` names dim '{name}', which is not mapped: "
                 f"{why}. The mapped dims are the named dims of the output (here "
                 f"{listed}); a strategy only chooses how a mapped dim is mapped. A "
-                "dim named only by the inputs is a core dim: the body sees it whole."
+                "dim named only by the inputs is a core dim: the body sees it whole "
+                "(unless `reduce=` names it)."
             )
 
 
@@ -227,14 +252,17 @@ def check_out_leaf(
 
 
 def explicit_mapped(options: Options, fun_name: str) -> tuple[str, ...] | None:
-    """With explicit `out_dims`, the mapped dims, checked; else `None`."""
+    """With explicit `out_dims`, the mapped dims (the reduced ones last), checked;
+    else `None`."""
     if options.out_dims.value is None:
         return None
     leaves = out_leaf_dims(options.out_dims.value)
     names = [n for _, dims in leaves for n in dims.names]
-    mapped = mapped_dims(names, options.core, "`out_dims`", fun_name)
+    reduced = options.reduce_names
+    mapped = mapped_dims(names, options.core, "`out_dims`", fun_name, reduced)
+    out_mapped = mapped[: len(mapped) - len(reduced)]
     for where, dims in leaves:
-        check_out_leaf(fun_name, "`out_dims`", where, dims, mapped)
+        check_out_leaf(fun_name, "`out_dims`", where, dims, out_mapped)
     check_strategies(options, mapped, "`out_dims`", fun_name)
     return mapped
 
@@ -246,6 +274,7 @@ def parse_options(
     scan: ScanSpec,
     vmap: Any,
     core: Any,
+    reduce: Any,
     shard: ShardOptions | None,
     plan: Any,
     checkpoint: bool,
@@ -272,6 +301,7 @@ def parse_options(
         scan=scan_parsed,
         vmap=vmap_parsed,
         core=core_parsed,
+        reduce=parse_reduce(reduce),
         shard=shard,
         plan=plan,
         checkpoint=bool(checkpoint),

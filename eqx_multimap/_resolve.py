@@ -3,8 +3,9 @@
 [`resolve`][] runs at call (trace) time, before any nest is built:
 
 1. The mapped dims, by the one mapping rule: the named dims of the output's dims
-   (`out_dims`, or the return annotation), except `core` ones. Every strategy must
-   name mapped dims only.
+   (`out_dims`, or the return annotation), except `core` ones, plus the reduced
+   dims (`reduce=`), which the output does not name. Every strategy must name
+   mapped dims only.
 2. The arguments, bound to their dims leaf by leaf (`_args.bind_call`, annotations
    included), and their shapes checked (`_check.check_inputs`): the size of every
    named dim, and the axis of every mapped dim in every array leaf.
@@ -15,6 +16,9 @@
    enclosing transform) becomes an explicit, unmapped input of the nest: the nest
    is then a pure function of its inputs, which `jax.custom_jvp` and
    `jax.shard_map` need.
+4. From the body's jaxpr: the collectives it uses over mapped dims
+   ([`Call.collective_dims`][]), which a scan cannot run; and the reductions'
+   dtypes and identities (`_reduce.make_reduction`).
 
 The result is a frozen [`Call`][].
 """
@@ -33,7 +37,7 @@ from jax._src import traceback_util
 from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
 from ._args import bind_call, BoundCall, broadcast_spec
 from ._blocks import NestSpec
-from ._body import Body, inputs_to_isolate, struct, trace_body
+from ._body import Body, collectives, inputs_to_isolate, struct, trace_body
 from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims
 from ._errors import SpecError
@@ -45,6 +49,7 @@ from ._options import (
     mapped_dims,
     Options,
 )
+from ._reduce import check_reduce_sizes, make_reduction, Reduction
 from ._shard import ShardPlan
 
 
@@ -94,6 +99,7 @@ class Call:
     - `body`: the body on one element; `out`: its output layout.
     - `bound`: the arguments, leaf by leaf.
     - `shard`: with `shard=`, the mesh and each sharded dim's local size.
+    - `reduction`: with `reduce=`, the reductions (dtypes, identities).
     """
 
     fun_name: str
@@ -107,12 +113,24 @@ class Call:
     out: OutLayout
     bound: BoundCall
     shard: ShardPlan | None
+    reduction: Reduction | None = None
 
     @property
     def collective_dims(self) -> frozenset[str]:
         """The mapped dims that the body uses as axis names of collectives
-        (`lax.psum(x, "F")`): they must be vmapped or sharded, never scanned."""
-        return frozenset()
+        (`lax.psum(x, "F")`, `all_gather`, `axis_index`...): they must be vmapped or
+        sharded, never scanned."""
+        jaxpr = self.body.standalone.jaxpr.jaxpr
+        mapped = set(self.mapped)
+        return frozenset(
+            name for _, names in collectives(jaxpr) for name in names if name in mapped
+        )
+
+    @property
+    def out_mapped(self) -> tuple[str, ...]:
+        """The mapped dims that the output has: all but the reduced ones."""
+        reduced = set(self.options.reduce_names)
+        return tuple(n for n in self.mapped if n not in reduced)
 
     @property
     def isolate(self) -> frozenset[int]:
@@ -133,6 +151,7 @@ class Call:
             leaf_axes=self.leaf_axes,
             out_dims=self.out.dims,
             sizes=self.mapped_sizes if sizes is None else sizes,
+            reduce=self.reduction,
         )
 
     def given_nest(self) -> NestSpec:
@@ -185,7 +204,7 @@ def _out_spec(
         )
     leaves = annotations.out_leaf_dims(fun_name)
     names = [n for _, dims, _ in leaves for n in dims.names]
-    if not names:
+    if not names and not options.reduce:
         raise SpecError(
             f"`{fun_name}` has no `out_dims`, and its return annotation names no "
             "dims, so which dims are mapped is unknown: the mapped dims are the "
@@ -194,10 +213,12 @@ def _out_spec(
             "`-> Float[Array, 'T F']`."
         )
     source = "the return annotation"
-    mapped = mapped_dims(names, options.core, source, fun_name)
+    reduced = options.reduce_names
+    mapped = mapped_dims(names, options.core, source, fun_name, reduced)
+    out_mapped = mapped[: len(mapped) - len(reduced)]
     for where, dims, certain in leaves:
         if certain:
-            check_out_leaf(fun_name, source, where, dims, mapped)
+            check_out_leaf(fun_name, source, where, dims, out_mapped)
     check_strategies(options, mapped, source, fun_name)
     spec = annotations.out_dims(fun_name, mapped)
     return _OutSpec(spec, "the return annotation"), mapped
@@ -209,9 +230,11 @@ def _out_dims(
     out: Any,
     mapped: tuple[str, ...],
     check: InputCheck,
+    reduced: tuple[str, ...] = (),
 ) -> OutLayout:
     """Check the body's output (of one element, as `ShapeDtypeStruct`s) against its
-    dims; the layout of the output."""
+    dims; the layout of the output. `mapped` are the mapped dims of the output (all
+    but the `reduced` ones)."""
     default = parse_dims(" ".join(mapped) + " ...")
     spec = out_spec.spec
     if isinstance(spec, OutAnnotation):
@@ -238,6 +261,13 @@ def _out_dims(
         source = out_spec.source
         if leaf_spec.dims is default:
             source = "the default dims of unannotated outputs"
+        for name in reduced:
+            if name in leaf_spec.dims.names:
+                raise SpecError(
+                    f"`{fun_name}`: `reduce` names dim '{name}', which {source} "
+                    f"{leaf_spec.dims.source!r} for `{where_leaf}` also names. A "
+                    f"reduced dim is combined away: the output has no '{name}' axis."
+                )
         check_out_leaf(fun_name, source, where_leaf, leaf_spec.dims, mapped)
         check_output(
             fun_name,
@@ -279,6 +309,17 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         annotations.in_dims_hook(fun_name, mapped),
     )
     check = check_inputs(fun_name, bound.leaves, mapped)
+    reduced = options.reduce_names
+    for name in reduced:
+        if name not in check.sizes:
+            known = ", ".join(check.sizes) or "none"
+            raise SpecError(
+                f"`{fun_name}`: `reduce` names dim '{name}', which no array "
+                "argument's dims name. A reduced dim is mapped over the inputs that "
+                f"have it, then combined away. The named dims of the arguments are: "
+                f"{known}."
+            )
+    check_reduce_sizes(fun_name, options.reduce, check.sizes, check.seen)
     for name in mapped:
         if name not in check.sizes:
             known = ", ".join(check.sizes) or "none"
@@ -300,7 +341,10 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
     shard = None if options.shard is None else options.shard.plan(fun_name, check)
     axis_env = [(name, check.sizes[name]) for name in mapped]
     body, out = trace_body(fun, bound, dyn_index, element_specs, axis_env, shard)
-    layout = _out_dims(fun_name, out_spec, out, mapped, check)
+    _check_collectives(fun_name, body, options, mapped)
+    out_mapped = tuple(n for n in mapped if n not in reduced)
+    layout = _out_dims(fun_name, out_spec, out, out_mapped, check, reduced)
+    reduction = make_reduction(fun_name, options.reduce, layout.shapes, check.sizes)
     sizes = dict(check.sizes)
     return Call(
         fun_name=fun_name,
@@ -315,4 +359,26 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         out=layout,
         bound=bound,
         shard=shard,
+        reduction=reduction,
     )
+
+
+def _check_collectives(
+    fun_name: str, body: Body, options: Options, mapped: tuple[str, ...]
+) -> None:
+    """A scanned (or chunked) dim runs one element per iteration, so no collective
+    can see its other elements."""
+    scanned = dict(options.scan)
+    for prim, names in collectives(body.standalone.jaxpr.jaxpr):
+        for name in names:
+            if name not in mapped or name not in scanned:
+                continue
+            how = "scanned" if scanned[name] is None else "scanned in chunks"
+            raise SpecError(
+                f"`{fun_name}`: the body uses the collective `{prim}` over dim "
+                f"'{name}', which `scan` names: a {how} dim is a loop, and one "
+                "iteration cannot see the other elements. Vmap it (drop it from "
+                f"`scan`), shard it (`shard={{{name!r}: ...}}`), or, to sum or "
+                f"otherwise combine over '{name}', use `reduce={{{name!r}: 'sum'}}` "
+                "instead of the collective."
+            )

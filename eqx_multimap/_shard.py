@@ -322,21 +322,27 @@ class ShardPlan:
         out_dims: Sequence[Any],
         out_ndims: Sequence[int],
         local: Callable[[Leaves], Leaves],
+        prepadded: Sequence[int] = (),
     ) -> Leaves:
         """`local` (the nest of one device's block, at the local sizes) inside
-        `jax.shard_map`, on the input leaves `values`; the outputs, sharded."""
+        `jax.shard_map`, on the input leaves `values`; the outputs, sharded.
+
+        The leaves numbered in `prepadded` already have the padded sizes. An output
+        without a sharded dim (reduced by `local`) is replicated over its mesh
+        axes."""
         dims = dict(self.dims)
         values = list(values)
         for name, n_pad in self.padded.items():
             for i, axes in enumerate(leaf_axes):
-                if name in axes:
+                if name in axes and i not in prepadded:
                     values[i] = _pad_edge(
                         values[i], axes[name], n_pad - self.sizes[name]
                     )
         in_specs = [_spec(a, dims, np.ndim(v)) for v, a in zip(values, leaf_axes)]
         values = [_reshard(v, s, self.mesh) for v, s in zip(values, in_specs)]
         out_axes = [
-            {k: final_axis(d, k, n) for k in dims} for d, n in zip(out_dims, out_ndims)
+            {k: final_axis(d, k, n) for k in dims if k in d.names}
+            for d, n in zip(out_dims, out_ndims)
         ]
         out_specs = [_spec(a, dims, n) for a, n in zip(out_axes, out_ndims)]
         # Under `jax.jit` even when called eagerly: the body's jaxpr was traced with
@@ -358,10 +364,11 @@ class ShardPlan:
             for out, axes, spec in zip(outs, out_axes, out_specs):
                 # A JAX array cannot be sharded unevenly: gather the padded dims.
                 gathered = list(spec) + [None] * (out.ndim - len(spec))
-                for name in self.padded:
+                trim = [name for name in self.padded if name in axes]
+                for name in trim:
                     gathered[axes[name]] = None
                 out = _reshard(out, PartitionSpec(*gathered), self.mesh)
-                for name in self.padded:
+                for name in trim:
                     out = lax.slice_in_dim(out, 0, self.sizes[name], axis=axes[name])
                 trimmed.append(out)
             outs = trimmed

@@ -283,6 +283,54 @@ def test_main_rejects_an_unknown_section(capsys):
 
 
 #
+# `benchmarks/reduce.py`
+#
+
+reduce_bench = load_benchmark("reduce")
+
+
+def test_reduce_programs_compute_the_same_sum():
+    args = reduce_bench.inputs(5, 4, 4)
+    x, y, v = (np.asarray(a, np.float64) for a in args)
+    ref = sum(
+        (np.exp(np.outer(x[t], y[t])) / np.exp(np.outer(x[t], y[t])).sum(1)[:, None])
+        @ v
+        for t in range(5)
+    )
+    for name, fn in reduce_bench.make_programs(2).items():
+        out = jax.jit(fn)(*args)
+        assert out.shape == (4,) and out.dtype == jnp.float32, name
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_reduce_benchmark_structure(capsys):
+    cfg = reduce_bench.Config(
+        ts=(8, 16), k=4, chunk=4, max_rounds=3, min_rounds=3, cell_budget_s=0.0
+    )
+    assert reduce_bench.main([], cfg=cfg) == 0
+    out = capsys.readouterr().out
+    assert "## Compiled temporaries and median times" in out
+    assert "## Paired ratios, median (IQR)" in out
+    summary = out.split("Summary (Total: ")[1].splitlines()[2:]
+    names = ("reduced scan", "reduced chunk", "materialise", "hand scan")
+    for name in names:
+        assert any(line.startswith(f"temp bytes, {name}: ") for line in summary), name
+    for pair in (
+        "reduced scan / hand scan",
+        "reduced chunk / hand scan",
+        "reduced scan / materialise",
+        "hand twin / hand scan",
+    ):
+        line = next(s for s in summary if s.startswith(f"time, {pair} "))
+        assert re.search(r"T=8: \d+\.\d\d, T=16: \d+\.\d\d$", line), line
+    assert re.search(r"identical to hand scan's: \d of 2 T", summary[-1])
+    # One row per T in each table: five programs' temporaries and times, then the
+    # four ratios and the HLO check.
+    rows = [line for line in out.splitlines() if re.match(r"\| (8|16) \|", line)]
+    assert len(rows) == 4
+    assert [len(r.split("|")) - 2 for r in rows] == [12, 12, 6, 6]
+
+
 # `benchmarks/overhead.py` and `benchmarks/grad.py`, on tiny sizes: the structure of
 # what they print, never the timings.
 #

@@ -104,6 +104,38 @@ def test_against_numpy_loop_and_hand_nest(sizes, t_chunk):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "sizes, t_chunk",
+    [((6, 3, 4, 3), None), ((5, 2, 3, 2), 2)],  # the second: a remainder of 1
+)
+def test_time_average_against_numpy_loop(sizes, t_chunk):
+    n_t, n_f, n_a, n_s = sizes
+    problem = ri.make_problem(jax.random.key(3), n_t, n_f, n_a, n_s)
+    mean = ri.average(t_chunk)(*problem)
+    n_b = n_a * (n_a - 1) // 2
+    assert mean.shape == (n_f, n_b, 2, 2) and mean.dtype == jnp.complex64
+    # The numpy loop accumulates over t itself, in float64.
+    ref = numpy_reference(*problem).sum(axis=0) / n_t
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(mean, ref, rtol=0, atol=2e-4 * scale)
+
+
+def test_time_average_has_no_time_axis_in_memory():
+    # The scan carries one (F, B, 2, 2) sum: no (T, F, B, 2, 2) output or temporary.
+    def problem(n_times):
+        make = lambda key: ri.make_problem(key, n_times, 2, 3, 2)  # noqa: E731
+        return jax.eval_shape(make, jax.random.key(4))
+
+    small, large = problem(8), problem(256)
+
+    def temp(*problem):
+        compiled = ri.average().lower(*problem).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp(*large) == temp(*small)
+
+
+@pytest.mark.slow
 def test_time_is_a_real_loop():
     problem = ri.make_problem(jax.random.key(1), 3, 2, 3, 2)
     jaxpr = jax.make_jaxpr(ri.predict())(*problem)
@@ -135,3 +167,5 @@ def test_main_runs(capsys):
     out = capsys.readouterr().out
     assert "scan(T=3) -> vmap(F=2) -> vmap(B=3) -> body" in out
     assert "visibilities: complex64[3, 2, 3, 2, 2]" in out
+    assert "-> body; reduce={'T': 'mean'}" in out
+    assert "time-averaged visibilities: complex64[2, 3, 2, 2]" in out
