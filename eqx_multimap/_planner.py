@@ -1639,7 +1639,7 @@ def _with_reason(
     if not c.fits:
         return dataclasses.replace(
             c,
-            reason=f"over budget: {fmt_bytes(c.temp_bytes)} > {fmt_bytes(budget)}",
+            reason=f"over budget: {_over(c.temp_bytes, budget)}",
         )
     if measured is not None and chosen.key in timed:
         why = (
@@ -1834,3 +1834,11 @@ def describe_fixed(call: Call) -> Plan:
             "`shard=`), not planned."
         ),
     )
+
+
+def _over(temp: int, budget: int) -> str:
+    """`1.2 GiB > 512.0 MiB`, in bytes when the two would print alike."""
+    a, b = fmt_bytes(temp), fmt_bytes(budget)
+    if a == b:
+        a, b = f"{temp:,} B", f"{budget:,} B"
+    return f"{a} > {b}"
