@@ -433,8 +433,7 @@ MEMORY_WORKLOADS = {
     "sumexp": (sumexp, {"x": "n M", "y": "n K"}, "n"),
     "softmax_matvec": (softmax_matvec, {"x": "n M", "y": "n K", "v": "n K"}, "n M"),
 }
-MEMORY_CORE = {"sumexp": None, "softmax_matvec": "M"
-}
+MEMORY_CORE = {"sumexp": None, "softmax_matvec": "M"}
 
 
 def memory_inputs(workload: str, n: int, m: int):
