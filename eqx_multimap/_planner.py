@@ -30,10 +30,11 @@ The search is bounded:
    big out as fresh `mmap`s) are page-faulted in again on *every* call. So when the
    largest fitting block of a ladder is above the threshold, a second binary search
    finds its largest block below it, which is costed too.
-4. With `Planner(measure=True)`, the time model's best few candidates that fit
-   (`_MAX_MEASURED`, among every block that fits in the ladders searched) are run
-   on fresh inputs of the call's shapes, side by side, and the fastest wins: the
-   model cannot see what the chunk shape does to XLA:CPU's code.
+4. With `Planner(measure=True)`, up to `_MAX_MEASURED` candidates that fit (among
+   every block that fits in the ladders searched: the model's best estimates, and
+   an even spread over the rest, `_measured_pool`) are run on fresh inputs of the
+   call's shapes, side by side, and the fastest wins: the model cannot see what
+   the chunk shape does to XLA:CPU's code.
 
 With `shard=`, the plan is of the local nest of one device (`_localize`): the sharded
 dims keep their strategy, at their local sizes, and the budget is per device.
@@ -97,13 +98,13 @@ _MAX_CACHE = 256
 # searches no further ladders.
 _MAX_COMPILES = 12
 # Measured mode: how many candidates are timed, and for about how long.
-_MAX_MEASURED = 8
+_MAX_MEASURED = 12
 _MEASURE_SECONDS = 2.0
 # Planning that has taken longer than this reports its progress.
 _PROGRESS_AFTER = 1.0
 # Bumped whenever the search changes what it chooses: plans on disk from another
 # version are not used.
-_SEARCH_VERSION = 1
+_SEARCH_VERSION = 2
 
 
 ScanNest = tuple[tuple[str, int | None], ...]
@@ -1514,8 +1515,7 @@ class Planner:
         by_key = {c.key: c for lad in ladders for c in lad.steps}
         by_key[full.key] = full
         ranked = sorted(estimates, key=lambda k: estimates[k])
-        pool = [model_choice.key] + [k for k in ranked if k != model_choice.key]
-        pool = pool[:_MAX_MEASURED]
+        pool = _measured_pool(model_choice.key, ranked)
         for k in pool:
             if k not in search.known:
                 search.notes.pop(k, None)
@@ -1524,7 +1524,8 @@ class Planner:
             if k not in pool and k not in search.known:
                 search.notes[k] = (
                     f"not compiled: est. {fmt_seconds(estimates[k])}, not among the "
-                    f"{_MAX_MEASURED} best estimates that were measured"
+                    f"{_MAX_MEASURED} measured (the best estimates and a spread of "
+                    f"the rest)"
                 )
         try:
             timed = search.time(timed_cands)
@@ -1533,6 +1534,22 @@ class Planner:
             return model_choice, [c for c in timed_cands if c.seconds], {}, note
         chosen = min(timed_cands, key=lambda c: timed[c.key])
         return chosen, timed_cands, timed, ""
+
+
+def _measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
+    """The candidates measured mode times: `first` (the model's choice), then, of
+    the rest `ranked` by estimate, all if they are few, else the best half of
+    `_MAX_MEASURED` and an even spread over the others. The estimates cannot see
+    the chunk-shape effects that measuring is for, so a candidate far down the
+    ranking (many small blocks) can be the fastest; a spread samples it."""
+    rest = [k for k in ranked if k != first]
+    room = _MAX_MEASURED - 1
+    if len(rest) > room:
+        head, tail = rest[: room // 2], rest[room // 2 :]
+        m = room - len(head)
+        picks = [tail[round(i * (len(tail) - 1) / max(m - 1, 1))] for i in range(m)]
+        rest = head + list(dict.fromkeys(picks))
+    return [first, *rest]
 
 
 DEFAULT_PLANNER = Planner()
@@ -1649,7 +1666,7 @@ def _with_reason(
     elif c.seconds is not None and chosen.seconds is not None:
         est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
         why = (
-            f"not measured: {est}, not among the {_MAX_MEASURED} best estimates"
+            f"not measured: {est}, not among the {_MAX_MEASURED} measured"
             if measure and timed
             else f"slower ({est})"
         )

@@ -93,7 +93,14 @@ def test_generous_budget_is_full_vmap(getkey):
     np.testing.assert_allclose(out, ref, rtol=1e-5)
 
 
-@pytest.mark.parametrize("elements", [40, 12, 3])
+@pytest.mark.parametrize(
+    "elements",
+    [
+        pytest.param(40, marks=pytest.mark.slow),
+        12,
+        pytest.param(3, marks=pytest.mark.slow),
+    ],
+)
 def test_tight_budget_scans_and_fits(getkey, elements):
     a, b = _sumexp_args(getkey)
     budget = elements * _ONE
@@ -216,6 +223,7 @@ def _wl_mixed(getkey):
 _WORKLOADS = [_wl_elementwise, _wl_matmul, _wl_reduce, _wl_mixed]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", _WORKLOADS)
 @pytest.mark.parametrize("budget_kind", ["tight", "generous"])
 def test_auto_matches_reference(getkey, workload, budget_kind):
@@ -248,6 +256,7 @@ def test_auto_matches_reference(getkey, workload, budget_kind):
             np.testing.assert_allclose(x, r, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_cost_correction_matches_full_vmap(getkey):
     # XLA costs a while-loop body once; the planner adds the body `trips - 1` more
     # times. Every scanned candidate does the same arithmetic as full vmap.
@@ -427,6 +436,7 @@ def test_explain_method_and_errors(getkey):
             explain(bad, x)
 
 
+@pytest.mark.slow
 def test_default_budget_is_a_fraction_of_ram(getkey):
     a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -529,6 +539,7 @@ def test_zero_size_dim_plans_nothing():
     assert out.shape == (0, 3) and out.dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_checkpoint_reduces_grad_memory(getkey):
     # A scanned body with a (K, K) intermediate: without `checkpoint`, reverse mode
     # stores the intermediate of every iteration; with it, only the scan's inputs.
@@ -568,6 +579,7 @@ def test_checkpoint_reduces_grad_memory(getkey):
             np.testing.assert_allclose(x, r, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=5, deadline=None)
 @hypothesis.example(sizes=[1, 1], elements=1, seed=0)  # nothing to scan
 @hypothesis.given(
@@ -626,6 +638,7 @@ def _loop_sumexp(a, b):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.parametrize(
     "scan, bsize, pad",
@@ -748,6 +761,7 @@ def small_threshold():
     return _planner_of(time_model=model)
 
 
+@pytest.mark.slow
 def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
     getkey, small_threshold
 ):
@@ -961,6 +975,23 @@ def test_every_row_carries_a_reason(getkey):
 #
 # The measured mode.
 #
+
+
+def test_measured_pool_spreads_over_the_ranking():
+    pool_of = _planner._measured_pool
+    # Few candidates: all of them, the model's choice first (keys are tuples).
+    assert pool_of(("c",), [("a",), ("b",), ("c",)]) == [("c",), ("a",), ("b",)]
+    # Many: the best estimates, then an even spread down to the worst estimate,
+    # which is where a chunk shape the model cannot see may hide the fastest.
+    ranked = [(i,) for i in range(40)]
+    pool = pool_of((7,), ranked)
+    cap = _planner._MAX_MEASURED
+    assert pool[0] == (7,) and len(pool) == len(set(pool)) <= cap
+    half = (cap - 1) // 2
+    assert pool[1 : 1 + half] == [k for k in ranked if k != (7,)][:half]
+    assert pool[-1] == (39,)
+    gaps = np.diff([k[0] for k in pool[1 + half :]])
+    assert gaps.min() > 0 and gaps.max() - gaps.min() <= 2  # even, up to rounding
 
 
 @pytest.mark.slow
