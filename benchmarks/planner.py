@@ -14,9 +14,11 @@ side with the planned program, round-robin (the order rotating every round), so
 that machine noise hits all of them alike; each timed call follows an untimed call
 of the same program, so that none pays for the heap or caches its predecessor left
 behind. The best fitting candidate of that first pass is then timed again, against
-the planned program only, in a second, longer pass: picking the fastest of many
-noisy medians picks a lucky one (the winner's curse), and a fresh paired comparison
-does not. Reported:
+the planned program and the planned program's twin (its nest compiled as a fixed
+nest: the same HLO), in a second, longer pass whose samples each last at least
+20 ms: picking the fastest of many noisy medians picks a lucky one (the winner's
+curse), and a fresh paired comparison does not; the twin's ratio is the noise
+floor. Reported:
 
 - `auto / best`: the planned program over the best candidate that fits the budget,
   as the median of the per-round ratios of the second pass (goal: at most 1.10);
@@ -51,7 +53,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import normalised_hlo, paired_ratio, time_side_by_side
+from _timing import normalised_hlo, paired_ratio, time_calibrated, time_side_by_side
 from eqx_multimap import explain, filter_multi_vmap, Plan, Planner
 
 
@@ -284,14 +286,25 @@ def run(
         fitting = [i for i, (_, _, temp) in enumerate(timed) if temp <= budget]
         best = min(fitting, key=lambda i: medians[i])
         fastest = min(range(len(timed)), key=lambda i: medians[i])
-        # The second pass: the planned program against the best fitting candidate.
-        pair = time_side_by_side(
-            [lambda: auto_compiled(*args), lambda: timed[best][1](*args)],
-            repeats=confirm,
-            settle=1,
-        )
         chosen = plan.chosen.nest(sizes)
         same = [i for i, (nest, _, _) in enumerate(timed) if nest == chosen]
+        # The second pass: the planned program against the best fitting candidate
+        # and against its twin (its own nest compiled as a fixed nest, the same
+        # HLO), whose ratio is the noise floor. Samples of at least 20 ms (several
+        # calls of a quick program), every round interleaved.
+        twin = timed[same[0]][1] if same else auto_compiled
+        pair = time_calibrated(
+            [
+                lambda: auto_compiled(*args),
+                lambda: timed[best][1](*args),
+                lambda: twin(*args),
+            ],
+            budget_s=3.0 if quick else 8.0,
+            max_rounds=4 * confirm,
+            min_rounds=confirm,
+            min_sample_s=0.02,
+            settle=1,
+        )
         base_nest = base_plan.chosen.nest(sizes)
         base = [i for i, (nest, _, _) in enumerate(timed) if nest == base_nest]
         rows.append(
@@ -306,6 +319,7 @@ def run(
                 best_nest=timed[best][0],
                 best_time=medians[best],
                 ratio=paired_ratio(pair[0], pair[1]),
+                noise=paired_ratio(pair[2], pair[0]),
                 fastest_nest=timed[fastest][0],
                 fastest_time=medians[fastest],
                 n_fit=len(fitting),
@@ -326,7 +340,8 @@ def run(
         print(
             f"{name}: auto {auto_time * 1e3:.3f} ms ({r['auto_nest']}), best fitting "
             f"{r['best_time'] * 1e3:.3f} ms ({r['best_nest']}); second pass auto / "
-            f"best {r['ratio']:.3f}; explain {cold:.2f} s cold, {cached * 1e3:.1f} ms "
+            f"best {r['ratio']:.3f} (noise: twin / auto {r['noise']:.3f}); explain "
+            f"{cold:.2f} s cold, {cached * 1e3:.1f} ms "
             f"cached, {from_disk * 1e3:.0f} ms from disk",
             flush=True,
         )
@@ -338,6 +353,7 @@ def table(rows: list[dict]) -> str:
         "| workload | mapped sizes | budget (full vmap needs) | auto plan | "
         "temp / budget | auto ms | same nest as a candidate, ms (same HLO) | "
         "best fitting candidate | best ms | auto / best (first pass) | "
+        "twin / auto (noise) | "
         "auto / fastest (any budget) | fit / candidates | planning (compiles) | "
         "explain: cold / cached / from disk | "
         "without fresh-memory term: plan | its / best |"
@@ -353,7 +369,7 @@ def table(rows: list[dict]) -> str:
             f"{r['auto_temp'] / r['budget']:.2f} | {r['auto_time'] * 1e3:.3f} | "
             f"{r['same_time'] * 1e3:.3f} ({'yes' if r['same_hlo'] else 'no'}) | "
             f"`{r['best_nest']}` | {r['best_time'] * 1e3:.3f} | "
-            f"{r['ratio']:.2f} ({first:.2f}) | "
+            f"{r['ratio']:.2f} ({first:.2f}) | {r['noise']:.2f} | "
             f"{r['auto_time'] / r['fastest_time']:.2f} | {r['n_fit']} / "
             f"{r['n_cand']} | {r['plan_seconds']:.2f} s ({r['n_compiled']}) | "
             f"{r['explain_cold']:.2f} s / {r['explain_cached'] * 1e3:.1f} ms / "
@@ -365,6 +381,7 @@ def table(rows: list[dict]) -> str:
     # The auto plan's nest is also among the candidates: timing it twice shows the
     # noise of the machine.
     same = [r["same_time"] / r["best_time"] for r in rows]
+    noise = [r["noise"] for r in rows]
     over = sum(r["auto_temp"] > r["budget"] for r in rows)
     base = [r["base_time"] / r["best_time"] for r in rows]
     lines.append("")
@@ -373,7 +390,9 @@ def table(rows: list[dict]) -> str:
         f"{sum(x <= 1.10 for x in ratios)} of {len(ratios)} within 1.10x (second "
         f"pass; first pass: geometric mean {_gmean(firsts):.3f}, max "
         f"{max(firsts):.3f}; {sum(x <= 1.10 for x in firsts)} of {len(firsts)} "
-        f"within 1.10x). Its nest timed as a candidate / best: geometric mean "
+        f"within 1.10x). Noise, the auto program against its twin (same HLO) in the "
+        f"second pass: {min(noise):.3f} to {max(noise):.3f}. Its nest timed as a "
+        f"candidate / best: geometric mean "
         f"{_gmean(same):.3f}, max {max(same):.3f}; {sum(x <= 1.10 for x in same)} "
         f"of {len(same)} within 1.10x; same HLO as the auto program in "
         f"{sum(r['same_hlo'] for r in rows)} of {len(rows)}. Over "
@@ -427,7 +446,7 @@ def main() -> None:
         f"python benchmarks/planner.py {' '.join(sys.argv[1:])}\n"
         f"jax {jax.__version__}, {jax.devices()[0].platform}: {_cpu()}, "
         f"{os.cpu_count()} cores; {datetime.date.today()}; repeats={repeats}, "
-        f"second pass {confirm} rounds",
+        f"second pass at least {confirm} rounds",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="planner_bench_cache_") as tmp:
