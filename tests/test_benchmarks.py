@@ -560,6 +560,7 @@ def test_grad_main_prints_the_grad_tables_and_summary(grad_main):
         assert re.search(pattern, summary), pattern
 
 
+@pytest.mark.slow
 def test_grad_main_prints_the_transforms_section(grad_main):
     text = grad_main("transforms")
     assert _in_order(text, [GRAD_HEADINGS[2], SUMMARY])
@@ -619,6 +620,7 @@ def test_grad_chunked_nests_with_a_remainder_agree(key):
         assert grad.agree(ours, hand), transform
 
 
+@pytest.mark.slow
 def test_grad_budget_section_keeps_the_derivative_within_the_budget(grad_main):
     text = grad_main("budget")
     assert _in_order(text, [GRAD_HEADINGS[5], SUMMARY])

@@ -399,6 +399,7 @@ def test_outer_vmap_around_sharded_and_planned_wrappers():
     _check(jax.jit(jax.vmap(planned))(x), ref)
 
 
+@pytest.mark.slow
 def test_nested_filter_multi_vmap():
     inner = filter_multi_vmap(
         lambda u, v: u * v, in_dims=("F", "F"), out_dims="F", scan={"F": 3}

@@ -341,6 +341,7 @@ def test_gradients_match_the_hand_nest(op, strategy):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gradient_of_a_monoid_against_a_loop():
     lse = Monoid(jnp.logaddexp, -jnp.inf)
     xs = _rand((6, 4), seed=12)
@@ -358,6 +359,7 @@ def test_gradient_of_a_monoid_against_a_loop():
 #
 
 
+@pytest.mark.slow
 def test_planner_accounts_for_the_reduced_output():
     # A (K, M) intermediate per element, over T = 2048: fully vmapped it needs
     # (T, K, M) at once (2 MiB); with a budget of a quarter of that, the planner
@@ -665,6 +667,7 @@ def _heavy(a):
     return jnp.tanh(jnp.outer(a, a)) @ a
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU isolation")
 @pytest.mark.parametrize("kw", [{"scan": "T"}, {"scan": {"T": 4}, "checkpoint": True}])
 def test_reduced_scan_with_isolated_slices(kw):
