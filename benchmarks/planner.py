@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import datetime
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -407,17 +406,6 @@ def _gmean(xs: list[float]) -> float:
     return float(np.exp(np.mean(np.log(xs))))
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes")
@@ -444,7 +432,7 @@ def main() -> None:
     start = time.perf_counter()
     print(
         f"python benchmarks/planner.py {' '.join(sys.argv[1:])}\n"
-        f"jax {jax.__version__}, {jax.devices()[0].platform}: {_cpu()}, "
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, "
         f"{os.cpu_count()} cores; {datetime.date.today()}; repeats={repeats}, "
         f"second pass at least {confirm} rounds",
         flush=True,

@@ -1470,25 +1470,21 @@ class Planner:
             for k, c in considered.items()
         )
         chosen = next(c for c in candidates if c.key == chosen.key)
-        return Plan(
-            fun_name=call.fun_name,
-            auto=True,
-            sizes=tuple({**call.sizes, **sizes}.items()),
-            dims=_dims_of(chosen, sizes),
-            chosen=chosen,
-            candidates=candidates,
-            budget_bytes=budget,
-            budget_source=source,
+        return _auto_plan(
+            call,
+            sizes,
+            chosen,
+            candidates,
+            budget,
+            source,
+            shard,
+            backward,
             n_compiled=compiler.n_compiled,
             seconds=time.perf_counter() - start,
-            shard=shard,
-            backward=backward,
             checkpoint=compiler.build(chosen.spec).checkpoint,
             time_model=model,
             summary=summary,
             measured=self.measure,
-            given=given_dims,
-            collective=collective,
         )
 
     def _measure(
@@ -1795,6 +1791,37 @@ def _from_json(
     for text in (p["summary"], p["how"], p["created"]):
         if not isinstance(text, str):
             raise ValueError("bad descriptions")
+    return _auto_plan(
+        call,
+        sizes,
+        chosen,
+        candidates,
+        budget,
+        source,
+        shard,
+        backward,
+        n_compiled=0,
+        seconds=0.0,
+        checkpoint=checkpoint,
+        time_model=model,
+        summary=p["summary"],
+        measured=measured,
+        cache=f"{p['how']} on {p['created']}",
+    )
+
+
+def _auto_plan(
+    call: Call,
+    sizes: dict[str, int],
+    chosen: PlanCandidate,
+    candidates: tuple[PlanCandidate, ...],
+    budget: int,
+    source: str,
+    shard: tuple[ShardDim, ...],
+    backward: bool,
+    **fields: Any,
+) -> Plan:
+    """The `Plan` of `plan="auto"`: planned now, or read from the disk cache."""
     return Plan(
         fun_name=call.fun_name,
         auto=True,
@@ -1804,17 +1831,11 @@ def _from_json(
         candidates=candidates,
         budget_bytes=budget,
         budget_source=source,
-        n_compiled=0,
-        seconds=0.0,
         shard=shard,
         backward=backward,
-        checkpoint=checkpoint,
-        time_model=model,
-        summary=p["summary"],
-        measured=measured,
         given=_given_dims(call),
         collective=_collective_dims(call),
-        cache=f"{p['how']} on {p['created']}",
+        **fields,
     )
 
 

@@ -238,6 +238,7 @@ def _tiny_main(monkeypatch, tmp_path, *extra):
     return bars
 
 
+@pytest.mark.slow
 def test_main_writes_the_report_figures_and_summary(monkeypatch, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     bars = _tiny_main(monkeypatch, tmp_path)
@@ -530,6 +531,7 @@ def _in_order(text: str, headings: list[str]) -> bool:
     return positions == sorted(positions)
 
 
+@pytest.mark.slow
 def test_grad_main_prints_the_grad_tables_and_summary(grad_main):
     text = grad_main("grad")
     assert _in_order(text, [*GRAD_HEADINGS[:2], SUMMARY])
@@ -579,6 +581,7 @@ def test_grad_main_prints_the_transforms_section(grad_main):
     )
 
 
+@pytest.mark.slow
 def test_grad_main_prints_the_compile_section(grad_main):
     text = grad_main("compile")
     assert _in_order(text, [GRAD_HEADINGS[3], SUMMARY])
@@ -596,6 +599,7 @@ def test_grad_main_prints_the_compile_section(grad_main):
     )
 
 
+@pytest.mark.slow
 def test_grad_hlo_check_tells_the_programs_apart(grad_main):
     # The elementwise body is sliced as `lax.scan` slices it: the same optimised HLO,
     # for the gradient too. The heavy body's scans slice inside a conditional.
@@ -609,6 +613,7 @@ def test_grad_hlo_check_tells_the_programs_apart(grad_main):
         assert r[-2] == expected, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["elementwise", "heavy"])
 def test_grad_chunked_nests_with_a_remainder_agree(key):
     body = grad.BODIES[key]

@@ -147,6 +147,7 @@ def test_time_is_a_real_loop():
     assert scans[0].params["length"] == 3
 
 
+@pytest.mark.slow
 def test_mismatched_antennas_name_both_fields():
     problem = ri.make_problem(jax.random.key(2), 2, 3, 4, 2)
     sky, gains, layout, hour_angle, freq = problem

@@ -696,6 +696,7 @@ def test_auto_with_shard(getkey, scan, bsize, pad):
             assert out.sharding.spec == jax.sharding.PartitionSpec(None, "x")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 def test_auto_with_shard_cache_and_ambient_mesh(getkey):
     mesh = _shard_mesh()
@@ -835,6 +836,7 @@ def _three_reference(x, w):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "given, kept, fixed_scan",
     [
@@ -875,6 +877,7 @@ def test_given_strategies_are_kept(getkey, given, kept, fixed_scan):
     np.testing.assert_allclose(out, _three_reference(x, w), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_every_dim_given_leaves_nothing_to_plan(getkey):
     x, w = _three_args(getkey, a=2, b=3, c=4)
     kw = dict(in_dims=("A B C K", None), out_dims="A B C K", core="K")
@@ -1050,6 +1053,7 @@ def _plan_files(root) -> list:
     return sorted(root.glob("v*/plans/*.json"))
 
 
+@pytest.mark.slow
 def test_disk_cache_round_trip(getkey, tmp_path):
     a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
     budget = 20 * _ONE
