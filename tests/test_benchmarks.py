@@ -729,3 +729,22 @@ def test_timing_additions():
     assert [len(s) for s in seconds] == [2, 2] and min(map(min, seconds)) > 0
     assert timing.ratio_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == "3.00 (2.00 to 4.00)"
     assert timing.fmt_bytes(3 * 2**20) == "3.0 MiB" and timing.fmt_bytes(12) == "12 B"
+
+
+@pytest.mark.slow
+def test_contention_prints_every_nest_in_every_phase(capsys):
+    contention = load_benchmark("contention")
+    contention.main(["--seconds", "0.05"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("nest "))
+    assert header.split()[1:] == "idle one core busy one core busy idle".split()
+    for nest in contention.NESTS:
+        row = next(line for line in out.splitlines() if line.startswith(nest))
+        ratios = re.findall(r"\((\d+\.\d\d)x\)", row)
+        assert len(ratios) == 4 and all(float(r) >= 1.0 for r in ratios), row
+    # In every phase, one nest is the fastest.
+    rows = [
+        line for line in out.splitlines() if line.startswith(tuple(contention.NESTS))
+    ]
+    for phase in range(4):
+        assert any(re.findall(r"\((\d+\.\d\d)x\)", r)[phase] == "1.00" for r in rows)
