@@ -33,8 +33,9 @@ The search is bounded:
 4. With `Planner(measure=True)`, up to `_MAX_MEASURED` candidates that fit (among
    every block that fits in the ladders searched: the model's best estimates, and
    an even spread over the rest, `_measured_pool`) are run on fresh inputs of the
-   call's shapes, side by side, and the fastest wins: the model cannot see what
-   the chunk shape does to XLA:CPU's code.
+   call's shapes, side by side, and the fastest wins unless the model's own choice
+   measured within `_KEEP_WITHIN` of it: the model cannot see what the chunk shape
+   does to XLA:CPU's code, and timings of near-equal nests shift with the load.
 
 With `shard=`, the plan is of the local nest of one device (`_localize`): the sharded
 dims keep their strategy, at their local sizes, and the budget is per device.
@@ -100,11 +101,15 @@ _MAX_COMPILES = 12
 # Measured mode: how many candidates are timed, and for about how long.
 _MAX_MEASURED = 12
 _MEASURE_SECONDS = 2.0
+# Measured mode keeps the time model's choice unless another candidate measured
+# faster than it by more than this factor: timings of near-equal nests shift with
+# the machine's load (`benchmarks/contention.py`), the model's ranking does not.
+_KEEP_WITHIN = 1.10
 # Planning that has taken longer than this reports its progress.
 _PROGRESS_AFTER = 1.0
 # Bumped whenever the search changes what it chooses: plans on disk from another
 # version are not used.
-_SEARCH_VERSION = 2
+_SEARCH_VERSION = 3
 
 
 ScanNest = tuple[tuple[str, int | None], ...]
@@ -1101,8 +1106,9 @@ class Planner:
     - `measure`: `False` (the default) ranks the candidates that fit the budget by
         the time model's estimate; `True` also compiles the model's best few and
         runs them on fresh inputs of the call's shapes and dtypes, side by side,
-        and takes the fastest. Slower to plan (seconds), but right where the
-        model cannot see the difference.
+        and takes the fastest (keeping the model's choice when it measured
+        within 1.10x of the fastest). Slower to plan (seconds), but right where
+        the model cannot see the difference.
     - `cache_dir`: where plans and calibrations are kept on disk, so that a plan
         (a measured one in particular) is paid for once per machine. `None` (the
         default): the environment variable `EQX_MULTIMAP_CACHE_DIR` (`off`
@@ -1336,7 +1342,7 @@ class Planner:
             "budget": budget,
             "backward": backward,
             "measure": self.measure,
-            "search": [_SEARCH_VERSION, _MAX_COMPILES, _MAX_MEASURED],
+            "search": [_SEARCH_VERSION, _MAX_COMPILES, _MAX_MEASURED, _KEEP_WITHIN],
             "time_model": model.to_json(),
             "machine": machine(),
             "versions": _versions(),
@@ -1528,8 +1534,9 @@ class Planner:
         except Exception as e:  # e.g. inputs of a dtype we cannot make
             note = f"could not measure ({type(e).__name__}: {e}), so estimated"
             return model_choice, [c for c in timed_cands if c.seconds], {}, note
-        chosen = min(timed_cands, key=lambda c: timed[c.key])
-        return chosen, timed_cands, timed, ""
+        fastest = min(timed_cands, key=lambda c: timed[c.key])
+        kept = timed[model_choice.key] <= _KEEP_WITHIN * timed[fastest.key]
+        return (model_choice if kept else fastest), timed_cands, timed, ""
 
 
 def _measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
@@ -1602,7 +1609,14 @@ def _summary(
     else:
         why = f"{whole} fits ({temp} <= {b})"
     n = len(compared)
-    if timed:
+    if timed and timed[chosen.key] > min(timed.values()):
+        how = (
+            f"of the {n} candidates that fit and were timed, this one, the time "
+            f"model's choice, measured {fmt_seconds(timed[chosen.key])}, within "
+            f"{_KEEP_WITHIN}x of the fastest ({fmt_seconds(min(timed.values()))}), "
+            "so it was kept"
+        )
+    elif timed:
         others = sorted(t for k, t in timed.items() if k != chosen.key)
         nxt = f"; next {fmt_seconds(others[0])}" if others else ""
         how = (
@@ -1638,7 +1652,13 @@ def _with_reason(
     measured = timed.get(c.key)
     c = dataclasses.replace(c, measured=measured)
     if c.key == chosen.key:
-        if measured is not None:
+        if measured is not None and measured > min(timed.values()):
+            why = (
+                f"chosen: the time model's choice, measured within {_KEEP_WITHIN}x "
+                f"of the fastest ({fmt_seconds(measured)} vs "
+                f"{fmt_seconds(min(timed.values()))})"
+            )
+        elif measured is not None:
             why = f"chosen: fastest measured ({fmt_seconds(measured)})"
         elif c.temp_bytes is None:
             why = "chosen: nothing to compile"
@@ -1655,9 +1675,12 @@ def _with_reason(
             reason=f"over budget: {_over(c.temp_bytes, budget)}",
         )
     if measured is not None and chosen.key in timed:
+        vs = f"measured {fmt_seconds(measured)} vs {fmt_seconds(timed[chosen.key])}"
         why = (
-            f"slower: measured {fmt_seconds(measured)} vs "
-            f"{fmt_seconds(timed[chosen.key])}"
+            f"faster, {vs}, but within {_KEEP_WITHIN}x: the time model's choice "
+            "was kept"
+            if measured < timed[chosen.key]
+            else f"slower: {vs}"
         )
     elif c.seconds is not None and chosen.seconds is not None:
         est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
