@@ -1,5 +1,6 @@
 """Shared timing helpers: compile first, then time candidates side by side."""
 
+import argparse
 import math
 import re
 import statistics
@@ -238,3 +239,23 @@ def settle_for(*executables, threshold: int = FRESH_THRESHOLD) -> int:
     """`settle=1` for programs whose temporaries exceed `threshold`, else 0."""
     temps = [c.memory_analysis().temp_size_in_bytes for c in executables]
     return 1 if max(temps, default=0) > threshold else 0
+
+
+def add_sections(parser: argparse.ArgumentParser, sections: Sequence[str]) -> None:
+    """The `--sections` option of a benchmark: a comma-separated subset."""
+    parser.add_argument(
+        "--sections",
+        default=",".join(sections),
+        help=f"comma-separated subset of {','.join(sections)}",
+    )
+
+
+def chosen_sections(
+    parser: argparse.ArgumentParser, value: str, sections: Sequence[str]
+) -> list[str]:
+    """The sections named by `--sections`; an unknown one is a usage error."""
+    chosen = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = sorted(set(chosen).difference(sections))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {', '.join(sections)}")
+    return chosen

@@ -57,6 +57,8 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from _timing import (
+    add_sections,
+    chosen_sections,
     compile_seconds,
     compiled,
     fmt_bytes,
@@ -711,16 +713,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
     parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
-    parser.add_argument(
-        "--sections",
-        default=",".join(SECTIONS),
-        help=f"comma-separated subset of {','.join(SECTIONS)}",
-    )
+    add_sections(parser, SECTIONS)
     args = parser.parse_args(argv)
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = sorted(set(sections).difference(SECTIONS))
-    if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    sections = chosen_sections(parser, args.sections, SECTIONS)
     cfg = make_config(args)
 
     def log(line: str) -> None:

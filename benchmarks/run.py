@@ -53,6 +53,8 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from _timing import (
+    add_sections,
+    chosen_sections,
     compiled,
     fresh,
     median,
@@ -749,11 +751,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="reduced sizes (about a minute)"
     )
-    parser.add_argument(
-        "--sections",
-        default=",".join(SECTIONS),
-        help=f"comma-separated subset of {','.join(SECTIONS)}",
-    )
+    add_sections(parser, SECTIONS)
     parser.add_argument("--out", default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
     parser.add_argument(
@@ -770,10 +768,7 @@ def main(argv=None) -> int:
         print(json.dumps(memory_child(json.loads(args.memory_child))))
         return 0
 
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(sections).difference(SECTIONS)
-    if unknown:
-        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    sections = chosen_sections(parser, args.sections, SECTIONS)
     cfg = make_config(args)
     os.makedirs(args.out, exist_ok=True)
     progress = no_progress if args.no_progress else tqdm_progress
