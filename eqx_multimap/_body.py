@@ -370,7 +370,7 @@ def _reads(jaxpr: Any, maps: dict[Any, frozenset]) -> bool:
             if _reads(sub, inner):
                 return True
             for ov, sv in zip(eqn.outvars, sub.outvars):
-                if sv in inner:
+                if not isinstance(sv, jax.extend.core.Literal) and sv in inner:
                     maps[ov] = inner[sv]
             continue
         else:
