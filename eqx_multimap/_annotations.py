@@ -32,7 +32,14 @@ import jax.tree_util as jtu
 from jax._src import traceback_util
 from jaxtyping import AbstractArray, PyTree
 
-from ._args import broadcast_spec, is_array, LeafSpec
+from ._args import (
+    broadcast_spec,
+    describe_value,
+    holds_no_array,
+    is_array,
+    LeafSpec,
+    names_str,
+)
 from ._check import dtype_matches
 from ._dims import Dims, parse_dims
 from ._errors import ShapeError, SpecError
@@ -318,6 +325,16 @@ class _Context:
             f"{self.override}."
         )
 
+    def not_an_array(self, ann: Any, dims: Dims, value: Any, path: str) -> ShapeError:
+        return ShapeError(
+            f"`{self.fun_name}`: {self.label(path)} is annotated `{_type_name(ann)}`, "
+            f"but was given {describe_value(value)}, with no array in it: the "
+            f"annotation is not met, and its {names_str(dims)} would describe "
+            f"nothing (only array leaves are mapped). Pass an array, "
+            f"`jnp.asarray({path})`; or override the annotation with "
+            f"{self.override} (`None` passes it through unchanged)."
+        )
+
     def unresolved(self, ann: _Unresolved, path: str) -> SpecError:
         return SpecError(
             f"`{self.fun_name}`: cannot resolve the annotation {ann.text!r} of "
@@ -338,11 +355,11 @@ def _spec(ann: Any, value: Any, path: str, ctx: _Context) -> Any:
         arrays = [m for m in members if _is_array_type(m)]
         others = [m for m in members if not _is_array_type(m)]
         if arrays and (is_array(value) or not others):
-            return _dims_or_raise(arrays, ann, path, ctx)
+            return _value_dims(arrays, ann, value, path, ctx)
         fitting = [m for m in others if _fits(m, value)]
         ann = fitting[0] if fitting else None
     if _is_array_type(ann):
-        return _dims_or_raise([ann], ann, path, ctx)
+        return _value_dims([ann], ann, value, path, ctx)
     if _is_pytree_type(ann):
         leaf = _strip(getattr(ann, "leaftype", None))
         leaf_members = _union_members(leaf)
@@ -350,7 +367,7 @@ def _spec(ann: Any, value: Any, path: str, ctx: _Context) -> Any:
             leaf_members = [leaf]
         arrays = [m for m in leaf_members if _is_array_type(m)]
         if arrays and len(arrays) == len(leaf_members):
-            return _dims_or_raise(arrays, ann, path, ctx)
+            return _value_dims(arrays, ann, value, path, ctx)
         ann = None
     if isinstance(value, eqx.Module):
         hints = _class_hints(type(value))
@@ -403,6 +420,17 @@ def _dims_or_raise(array_types: list[Any], ann: Any, path: str, ctx: _Context) -
     dims = _array_dims(array_types)
     if isinstance(dims, str):
         raise ctx.unsupported(ann, path, dims)
+    return dims
+
+
+def _value_dims(
+    array_types: list[Any], ann: Any, value: Any, path: str, ctx: _Context
+) -> Dims:
+    """The dims of a parameter annotated as an array, given `value`: a pytree with
+    no array in it (a list of numbers) does not meet the annotation."""
+    dims = _dims_or_raise(array_types, ann, path, ctx)
+    if dims.names and holds_no_array(value):
+        raise ctx.not_an_array(ann, dims, value, path)
     return dims
 
 

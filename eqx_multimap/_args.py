@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jax._src import traceback_util
 
 from ._dims import Dims, parse_dims
-from ._errors import SpecError
+from ._errors import ShapeError, SpecError
 
 
 traceback_util.register_exclusion(__file__)
@@ -150,6 +150,24 @@ class _Params:
                 f"`{fun_name}` was called with bad arguments: {e}"
             ) from None
 
+    def check_keys(self, in_dims: Any, fun_name: str) -> None:
+        """Every key of a dict `in_dims` names a parameter (unless the function
+        takes `**kwargs`, or has no signature to tell)."""
+        if (
+            not isinstance(in_dims, dict)
+            or self.signature is None
+            or self.var_kw is not None
+        ):
+            return
+        unknown = [k for k in in_dims if k not in self.named and k != self.var_pos]
+        if unknown:
+            raise SpecError(
+                f"`{fun_name}`: the following `in_dims` keys did not correspond to "
+                f"any parameter: {tuple(unknown)}. The parameters are "
+                f"{tuple(self.signature.parameters)}."
+                + _did_you_mean(unknown, tuple(self.signature.parameters))
+            )
+
     def arg_param(self, i: int) -> str | None:
         """The parameter that positional argument `i` binds to."""
         return self.positional[i] if i < len(self.positional) else self.var_pos
@@ -169,6 +187,42 @@ class _Params:
         return k if k in self.named else f"{self.var_kw or 'kwargs'}[{k!r}]"
 
 
+def check_in_dims_keys(fun: Callable, fun_name: str, in_dims: Any) -> None:
+    """At decoration: the keys of a dict `in_dims` against `fun`'s signature."""
+    _Params.of(fun).check_keys(in_dims, fun_name)
+
+
+def _did_you_mean(unknown: list[Any], params: tuple[str, ...]) -> str:
+    hints = []
+    for key in unknown:
+        if not isinstance(key, str):
+            continue
+        close = [p for p in params if near_miss(key, p)]
+        if close:
+            hints.append(f"{close[0]!r} (not {key!r})")
+    return f" Did you mean {', '.join(hints)}?" if hints else ""
+
+
+def near_miss(a: str, b: str) -> bool:
+    """Whether two different names differ only in case, or (both of three or more
+    characters) by one edit: a character added, dropped or changed, or two
+    adjacent characters swapped."""
+    if a == b:
+        return False
+    if a.lower() == b.lower():
+        return True
+    if min(len(a), len(b)) < 3 or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        if len(diff) == 1:
+            return True
+        i, j = diff[0], diff[-1]
+        return len(diff) == 2 and j == i + 1 and a[i] == b[j] and a[j] == b[i]
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
+
+
 def _specs_from_dict(
     in_dims: dict, params: _Params, args: tuple, kwargs: dict, fun_name: str
 ) -> tuple[list[Any], dict[str, Any]]:
@@ -176,17 +230,15 @@ def _specs_from_dict(
     `**kwargs` by their names too)."""
     arg_specs = [_UNSET] * len(args)
     kw_specs = {k: _UNSET for k in kwargs}
-    used = set()
+    params.check_keys(in_dims, fun_name)
     for i in range(min(len(args), len(params.positional))):
         name = params.positional[i]
         if name in in_dims:
             arg_specs[i] = in_dims[name]
-            used.add(name)
     # `*args` by its name: one spec for every extra positional argument, or a
     # tuple/list with one entry per extra positional argument.
     var_pos = params.var_pos
     if var_pos is not None and var_pos in in_dims:
-        used.add(var_pos)
         n_extra = len(args) - len(params.positional)
         spec = in_dims[var_pos]
         if isinstance(spec, (tuple, list)):
@@ -203,25 +255,15 @@ def _specs_from_dict(
     var_kw = params.var_kw
     var_kw_spec = _UNSET
     if var_kw is not None and var_kw in in_dims:
-        used.add(var_kw)
         var_kw_spec = in_dims[var_kw]
     for k in kwargs:
         if k in in_dims:
             kw_specs[k] = in_dims[k]
-            used.add(k)
         elif k not in params.named and var_kw_spec is not _UNSET:
             if not isinstance(var_kw_spec, dict):
                 kw_specs[k] = var_kw_spec
             elif k in var_kw_spec:
                 kw_specs[k] = var_kw_spec[k]
-    known = set(params.named) | {n for n in (var_pos, var_kw) if n is not None}
-    unknown = [k for k in in_dims if k not in used and k not in known]
-    if params.signature is not None and var_kw is None and unknown:
-        raise SpecError(
-            f"`{fun_name}`: the following `in_dims` keys did not correspond to any "
-            f"parameter: {tuple(unknown)}. The parameters are "
-            f"{tuple(params.signature.parameters)}."
-        )
     return arg_specs, kw_specs
 
 
@@ -252,10 +294,72 @@ def _specs(
     )
 
 
+def _plural(n: int, noun: str) -> str:
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
+
+
+def describe_value(value: Any) -> str:
+    """A non-array pytree as errors describe it: `a list of 4 floats`."""
+    leaves = jtu.tree_leaves(value)
+    counts: dict[str, int] = {}
+    for leaf in leaves:
+        name = type(leaf).__name__
+        counts[name] = counts.get(name, 0) + 1
+    what = " and ".join(_plural(n, name) for name, n in counts.items())
+    flat = len(jtu.tree_structure(value).children()) == len(leaves)
+    kind = type(value).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:56] + " ..."
+    return f"{article} {kind} {'of' if flat else 'holding'} {what} ({text})"
+
+
+def names_str(dims: Dims) -> str:
+    """`dim 'F'`, `dims 'T', 'F'`: the named dims of `dims`, for errors."""
+    names = list(dict.fromkeys(dims.names))
+    quoted = ", ".join(repr(n) for n in names)
+    return f"dim {quoted}" if len(names) == 1 else f"dims {quoted}"
+
+
+def holds_no_array(value: Any) -> bool:
+    """Whether `value` is a pytree (not a single leaf) with leaves, none an array:
+    dims given to it would map nothing."""
+    if jtu.treedef_is_leaf(jtu.tree_structure(value)):
+        return False
+    leaves = jtu.tree_leaves(value)
+    return bool(leaves) and not any(is_array(x) for x in leaves)
+
+
+def _check_some_array(fun_name: str, path: str, value: Any, spec: Any) -> None:
+    """A subtree given a dims string with named dims must hold an array: a list of
+    numbers would otherwise pass through unmapped, and the body fail on it."""
+
+    def check(key_path: Any, s: Any, sub: Any) -> None:
+        dims = to_leaf_spec(s, "").dims
+        if dims is None or not dims.names or not holds_no_array(sub):
+            return
+        where = path + jtu.keystr(key_path)
+        raise ShapeError(
+            f"`{fun_name}`: argument `{where}` is {describe_value(sub)}, with no "
+            f"array in it, but its dims {dims.source!r} name {names_str(dims)}. "
+            "Only array "
+            "leaves are mapped and checked (other leaves pass through whole), so "
+            f"these dims would describe nothing. Pass an array, "
+            f"`jnp.asarray({where})`, or give it `None` dims to pass it through "
+            "unchanged."
+        )
+
+    jtu.tree_map_with_path(check, spec, value, is_leaf=is_spec_leaf)
+
+
 def _leaves(fun_name: str, path: str, value: Any, spec: Any) -> list[InLeaf]:
     """The leaves of one argument, each with its spec and its path."""
     where = f"`{fun_name}`: `in_dims` for argument `{path}`"
     specs = broadcast_spec(spec, value, where, path)
+    _check_some_array(fun_name, path, value, spec)
     paths_and_leaves = jtu.tree_flatten_with_path(value)[0]
     assert len(specs) == len(paths_and_leaves)
     return [

@@ -20,6 +20,7 @@ import jax.tree_util as jtu
 from jax._src import traceback_util
 from jaxtyping import PyTree
 
+from ._args import check_in_dims_keys
 from ._blocks import describe_nest, NestSpec
 from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
@@ -416,6 +417,7 @@ def filter_multi_vmap(
         verbose=verbose,
     )
     explicit_mapped(options, fun_name_of(fun))
+    check_in_dims_keys(fun, fun_name_of(fun), options.in_dims.value)
     return eqx.module_update_wrapper(_MultiVmapWrapper(fun, options))
 
 

@@ -4,6 +4,7 @@ Each failure has a list of regex fragments (the API, the argument path, the dim,
 sizes); each fragment is checked on its own with `pytest.raises(..., match=...)`.
 """
 
+import functools as ft
 import json
 import re
 import subprocess
@@ -425,18 +426,86 @@ def test_in_dims_tuple_length_mismatch():
 
 
 def test_unknown_in_dims_keys():
+    # The signature is known at decoration, so the keys are checked there.
     def g(x, y):
         raise AssertionError("traced")
 
-    w = filter_multi_vmap(
-        g, in_dims={"x": "T", "z": "T", "w": None}, out_dims="T", scan="T"
-    )
     matches = [
         r"`filter_multi_vmap\(test_unknown_in_dims_keys\.<locals>\.g\)`",
         r"`in_dims` keys did not correspond to any parameter: \('z', 'w'\)",
         r"The parameters are \('x', 'y'\)",
     ]
-    _raises_each(SpecError, matches, lambda: w(jnp.ones(3), jnp.ones(3)))
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(
+            g, in_dims={"x": "T", "z": "T", "w": None}, out_dims="T", scan="T"
+        ),
+    )
+
+
+def test_misspelled_in_dims_key_at_decoration():
+    def scale(vis, nu):
+        raise AssertionError("traced")
+
+    matches = [
+        r"`filter_multi_vmap\(.*scale\)`",
+        r"keys did not correspond to any parameter: \('viz',\)",
+        r"The parameters are \('vis', 'nu'\)",
+        r"Did you mean 'vis' \(not 'viz'\)\?",
+    ]
+    _raises_each(
+        SpecError,
+        matches,
+        lambda: filter_multi_vmap(
+            scale, in_dims={"viz": "T F", "nu": "F"}, out_dims="T F"
+        ),
+    )
+    # Also as a decorator with arguments, and for a key differing only in case.
+    with pytest.raises(SpecError, match=r"Did you mean 'nu' \(not 'Nu'\)\?"):
+
+        @filter_multi_vmap(in_dims={"vis": "T F", "Nu": "F"}, out_dims="T F")
+        def scale2(vis, nu):
+            return vis * nu
+
+
+def test_in_dims_keys_of_partials_and_methods():
+    def g(x, y, *, scale):
+        return x * y * scale
+
+    # A `functools.partial` has the signature of what is left to pass.
+    p = ft.partial(g, jnp.float32(2.0))
+    with pytest.raises(SpecError, match=r"\('x',\).*parameters are \('y', 'scale'\)"):
+        filter_multi_vmap(p, in_dims={"x": "T", "y": "T"}, out_dims="T")
+    w = filter_multi_vmap(p, in_dims={"y": "T", "scale": None}, out_dims="T")
+    out = w(jnp.arange(3.0), scale=3.0)
+    np.testing.assert_array_equal(out, 6 * np.arange(3.0, dtype=np.float32))
+
+    # A method: `self` is a parameter like any other.
+    class Scaler(eqx.Module):
+        k: float
+
+        @filter_multi_vmap(in_dims={"self": None, "x": "T"}, out_dims="T")
+        def __call__(self, x):
+            return self.k * x
+
+    np.testing.assert_array_equal(Scaler(3.0)(jnp.arange(3.0)), 3 * np.arange(3.0))
+    with pytest.raises(SpecError, match=r"\('xs',\).*parameters are \('self', 'x'\)"):
+
+        class Bad(eqx.Module):
+            @filter_multi_vmap(in_dims={"xs": "T"}, out_dims="T")
+            def __call__(self, x):
+                return x
+
+
+def test_in_dims_keys_of_var_keyword_functions_are_not_checked():
+    # A function taking `**kwargs` may be passed any keyword: no check is possible.
+    def g(x, **kwargs):
+        return x * kwargs["nu"]
+
+    w = filter_multi_vmap(g, in_dims={"x": "T", "nu": "T", "other": None}, out_dims="T")
+    out = w(jnp.arange(3.0), nu=jnp.arange(3.0))
+    np.testing.assert_array_equal(out, np.arange(3.0) ** 2)
 
 
 @pytest.mark.parametrize(
