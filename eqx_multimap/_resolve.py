@@ -35,10 +35,10 @@ import numpy as np
 from jax._src import traceback_util
 
 from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
-from ._args import bind_call, BoundCall, broadcast_spec
+from ._args import bind_call, BoundCall, broadcast_spec, near_miss
 from ._blocks import NestSpec
 from ._body import Body, collectives, inputs_to_isolate, struct, trace_body
-from ._check import check_inputs, check_output, InputCheck
+from ._check import check_inputs, check_output, describe, InputCheck
 from ._dims import Dims, parse_dims
 from ._errors import SpecError
 from ._nest import Axes, Problem
@@ -340,7 +340,23 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         element_specs.append(struct(v, shape))
     shard = None if options.shard is None else options.shard.plan(fun_name, check)
     axis_env = [(name, check.sizes[name]) for name in mapped]
-    body, out = trace_body(fun, bound, dyn_index, element_specs, axis_env, shard)
+    try:
+        body, out = trace_body(fun, bound, dyn_index, element_specs, axis_env, shard)
+    except Exception as e:
+        # The user's own exception, kept as it is, with what the body was given.
+        if not any(_NOTE_MARK in n for n in getattr(e, "__notes__", ())):
+            e.add_note(
+                _body_note(
+                    fun_name,
+                    options,
+                    out_spec.source,
+                    mapped,
+                    bound,
+                    check,
+                    dict(zip(dyn_index, element_specs)),
+                )
+            )
+        raise
     _check_collectives(fun_name, body, options, mapped)
     out_mapped = tuple(n for n in mapped if n not in reduced)
     layout = _out_dims(fun_name, out_spec, out, out_mapped, check, reduced)
@@ -361,6 +377,78 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         shard=shard,
         reduction=reduction,
     )
+
+
+_NOTE_MARK = "raised this while tracing its body on one element"
+_NOTE_MAX_ARGS = 12
+
+
+def _body_note(
+    fun_name: str,
+    options: Options,
+    out_source: str,
+    mapped: tuple[str, ...],
+    bound: BoundCall,
+    check: InputCheck,
+    element_specs: dict[int, jax.ShapeDtypeStruct],
+) -> str:
+    """The note added to an exception raised while the body is traced: what each
+    argument is on one element, which dims are mapped, which core and why, and a
+    did-you-mean for a core dim whose name is close to a mapped dim's."""
+    lines = [
+        f"`{fun_name}` {_NOTE_MARK}, which it calls with each argument without its "
+        "mapped dims:"
+    ]
+    for i, leaf in enumerate(bound.leaves):
+        if len(lines) > _NOTE_MAX_ARGS:
+            lines.append(f"  ... and {len(bound.leaves) - i} more leaves")
+            break
+        dims = leaf.spec.dims
+        if check.axes[i] is None:
+            lines.append(
+                f"  {leaf.path}: `{type(leaf.value).__name__}`, not an array: "
+                "passed as it is"
+            )
+        elif i not in element_specs or not check.axes[i]:
+            how = "`None` dims: not mapped" if dims is None else f"dims {dims.source!r}"
+            lines.append(f"  {leaf.path}: {describe(leaf.value)} whole ({how})")
+        else:
+            given = describe(leaf.value)
+            assert dims is not None
+            lines.append(
+                f"  {leaf.path}: {describe(element_specs[i])} per element (given "
+                f"{given}, dims {dims.source!r})"
+            )
+    reduced = options.reduce_names
+    out_mapped = [n for n in mapped if n not in reduced]
+    sized = ", ".join(f"{n}={check.sizes[n]}" for n in out_mapped)
+    mapped_line = f"Mapped dims (named by {out_source}): {sized}"
+    if reduced:
+        mapped_line += "; reduced by `reduce`: " + ", ".join(
+            f"{n}={check.sizes[n]}" for n in reduced
+        )
+    lines.append(mapped_line + ".")
+    core = [n for n in check.sizes if n not in mapped]
+    if core:
+        why = [
+            "declared `core`" if n in options.core else "named by no output"
+            for n in core
+        ]
+        lines.append(
+            "Core dims, which the body sees whole: "
+            + ", ".join(f"{n}={check.sizes[n]} ({w})" for n, w in zip(core, why))
+            + "."
+        )
+    for name in core:
+        if name in options.core:
+            continue
+        close = [m for m in mapped if near_miss(name, m)]
+        if close:
+            lines.append(
+                f"Did you mean {close[0]!r} for {name!r}? {name!r} is named by no "
+                f"output, so it is a core dim, while {close[0]!r} is mapped."
+            )
+    return "\n".join(lines)
 
 
 def _check_collectives(
