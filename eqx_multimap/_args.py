@@ -2,11 +2,12 @@
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax.tree_util as jtu
+import numpy as np
 from jax._src import traceback_util
 
 from ._dims import Dims, parse_dims
@@ -146,8 +147,17 @@ class _Params:
         try:
             self.signature.bind(*args, **kwargs)
         except TypeError as e:
+            why = str(e)
+            unknown = []
+            if self.var_kw is None:
+                unknown = [k for k in kwargs if k not in self.named]
+            if unknown:
+                # Python names a missing argument first; the typo is the cause.
+                why = f"unexpected keyword arguments {tuple(unknown)}"
             raise TypeError(
-                f"`{fun_name}` was called with bad arguments: {e}"
+                f"`{fun_name}` was called with bad arguments: {why}. The parameters "
+                f"are {tuple(self.signature.parameters)}."
+                + did_you_mean(unknown, self.named)
             ) from None
 
     def check_keys(self, in_dims: Any, fun_name: str) -> None:
@@ -165,7 +175,7 @@ class _Params:
                 f"`{fun_name}`: the following `in_dims` keys did not correspond to "
                 f"any parameter: {tuple(unknown)}. The parameters are "
                 f"{tuple(self.signature.parameters)}."
-                + _did_you_mean(unknown, tuple(self.signature.parameters))
+                + did_you_mean(unknown, tuple(self.signature.parameters))
             )
 
     def arg_param(self, i: int) -> str | None:
@@ -192,12 +202,14 @@ def check_in_dims_keys(fun: Callable, fun_name: str, in_dims: Any) -> None:
     _Params.of(fun).check_keys(in_dims, fun_name)
 
 
-def _did_you_mean(unknown: list[Any], params: tuple[str, ...]) -> str:
+def did_you_mean(unknown: Sequence[Any], names: Sequence[str]) -> str:
+    """` Did you mean 'vis' (not 'viz')?` for the unknown names close to known ones
+    (see `near_miss`), or the empty string."""
     hints = []
     for key in unknown:
         if not isinstance(key, str):
             continue
-        close = [p for p in params if near_miss(key, p)]
+        close = [p for p in names if near_miss(key, p)]
         if close:
             hints.append(f"{close[0]!r} (not {key!r})")
     return f" Did you mean {', '.join(hints)}?" if hints else ""
@@ -300,21 +312,30 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
 
 
+def _leaf_kind(leaf: Any) -> str:
+    if is_array(leaf):
+        shape = ",".join(str(s) for s in np.shape(leaf))
+        return f"{getattr(leaf.dtype, 'name', leaf.dtype)}[{shape}] array"
+    return type(leaf).__name__
+
+
 def describe_value(value: Any) -> str:
-    """A non-array pytree as errors describe it: `a list of 4 floats`."""
+    """A pytree as errors describe it: `a list of 4 floats ([0.0, ...])`."""
     leaves = jtu.tree_leaves(value)
     counts: dict[str, int] = {}
     for leaf in leaves:
-        name = type(leaf).__name__
-        counts[name] = counts.get(name, 0) + 1
-    what = " and ".join(_plural(n, name) for name, n in counts.items())
-    flat = len(jtu.tree_structure(value).children()) == len(leaves)
+        kind = _leaf_kind(leaf)
+        counts[kind] = counts.get(kind, 0) + 1
+    what = " and ".join(_plural(n, kind) for kind, n in counts.items())
+    treedef = jtu.tree_structure(value)
+    flat = all(jtu.treedef_is_leaf(c) for c in treedef.children())
     kind = type(value).__name__
     article = "an" if kind[:1].lower() in "aeiou" else "a"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:56] + " ..."
-    return f"{article} {kind} {'of' if flat else 'holding'} {what} ({text})"
+    out = f"{article} {kind} {'of' if flat else 'holding'} {what}"
+    if not any(is_array(x) for x in leaves):
+        text = repr(value)
+        out += f" ({text[:56] + ' ...' if len(text) > 60 else text})"
+    return out
 
 
 def names_str(dims: Dims) -> str:
@@ -325,12 +346,13 @@ def names_str(dims: Dims) -> str:
 
 
 def holds_no_array(value: Any) -> bool:
-    """Whether `value` is a pytree (not a single leaf) with leaves, none an array:
-    dims given to it would map nothing."""
+    """Whether `value` is a pytree (not a single leaf) with leaves but no array of
+    rank one or more: dims that name a dim would describe nothing in it. (Under
+    `jax.jit`, a list of numbers arrives as a list of rank-0 arrays.)"""
     if jtu.treedef_is_leaf(jtu.tree_structure(value)):
         return False
     leaves = jtu.tree_leaves(value)
-    return bool(leaves) and not any(is_array(x) for x in leaves)
+    return bool(leaves) and all(not is_array(x) or np.ndim(x) == 0 for x in leaves)
 
 
 def _check_some_array(fun_name: str, path: str, value: Any, spec: Any) -> None:
@@ -344,7 +366,7 @@ def _check_some_array(fun_name: str, path: str, value: Any, spec: Any) -> None:
         where = path + jtu.keystr(key_path)
         raise ShapeError(
             f"`{fun_name}`: argument `{where}` is {describe_value(sub)}, with no "
-            f"array in it, but its dims {dims.source!r} name {names_str(dims)}. "
+            f"array (of rank 1 or more) in it, but its dims {dims.source!r} name {names_str(dims)}. "
             "Only array "
             "leaves are mapped and checked (other leaves pass through whole), so "
             f"these dims would describe nothing. Pass an array, "

@@ -35,7 +35,7 @@ import numpy as np
 from jax._src import traceback_util
 
 from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
-from ._args import bind_call, BoundCall, broadcast_spec, near_miss
+from ._args import bind_call, BoundCall, broadcast_spec, did_you_mean, near_miss
 from ._blocks import NestSpec
 from ._body import Body, collectives, inputs_to_isolate, struct, trace_body
 from ._check import check_inputs, check_output, describe, InputCheck
@@ -328,6 +328,7 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
                 "mapped, but no array argument's dims name it, so its size is "
                 f"unknown. The named dims of the arguments are: {known}. If the "
                 f"body makes '{name}' itself, declare it `core='{name}'`."
+                + did_you_mean([name], list(check.sizes))
             )
     dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
     values = [bound.leaves[i].value for i in dyn_index]

@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqx_multimap import filter_multi_vmap, parse_dims, ShapeError, SpecError
+from eqx_multimap import (
+    filter_multi_vmap,
+    multi_vmap,
+    parse_dims,
+    ShapeError,
+    SpecError,
+)
 from hypothesis import given, settings
 from jaxtyping import Array, Float
 
@@ -748,3 +754,297 @@ def test_python_scalar_checked_as_rank_zero(jit):
     out = v(jnp.ones((3, 4)), 2.0)
     assert out.shape == (4, 3) and out.dtype == jnp.float32
     np.testing.assert_array_equal(out, np.full((4, 3), 2.0, np.float32))
+
+
+#
+# The mistakes of a first day: arguments without arrays, misspelled dims and
+# keywords, and errors from inside the body.
+#
+
+
+def _scale(vis, nu):
+    return vis * nu
+
+
+def _scale_never_called(vis, nu):
+    raise AssertionError("the body was traced although the inputs are invalid")
+
+
+@pytest.mark.parametrize(
+    "value, what",
+    [
+        ([0.0, 1.0, 2.0, 3.0], r"a list of 4 floats \(\[0\.0, 1\.0, 2\.0, 3\.0\]\)"),
+        ((0, 1, 2, 3), r"a tuple of 4 ints \(\(0, 1, 2, 3\)\)"),
+        ([1, 2.0, 3], r"a list of 2 ints and 1 float"),
+        ({"a": [1.0], "b": 2.0}, r"a dict holding 2 floats"),
+    ],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_dims_string_for_an_argument_with_no_array(value, what, jit):
+    if jit:
+        # Under `jax.jit` the numbers arrive as rank-0 arrays.
+        what = rf"a {type(value).__name__} (of|holding) \d .*\[\] array"
+    w = filter_multi_vmap(
+        _scale_never_called, in_dims={"vis": "T F", "nu": "F"}, out_dims="T F"
+    )
+    w = jax.jit(w) if jit else w
+    matches = [
+        r"`filter_multi_vmap\(_scale_never_called\)`",
+        r"argument `nu` is " + what,
+        r"with no array \(of rank 1 or more\) in it",
+        r"its dims 'F' name dim 'F'",
+        r"Pass an array, `jnp\.asarray\(nu\)`",
+        r"give it `None` dims to pass it through unchanged",
+    ]
+    _raises_each(ShapeError, matches, lambda: w(jnp.ones((3, 4)), value))
+
+
+def test_dims_string_for_a_subtree_with_no_array():
+    # The spec names the subtree `m['b']`; its leaves are numbers.
+    def g(m):
+        raise AssertionError("traced")
+
+    matches = [
+        r"argument `m\['b'\]` is a list of 2 floats",
+        r"its dims 'T c' name dims 'T', 'c'",
+        r"`jnp\.asarray\(m\['b'\]\)`",
+    ]
+    w = filter_multi_vmap(g, in_dims=({"a": "T", "b": "T c"},), out_dims="T")
+    _raises_each(
+        ShapeError, matches, lambda: w({"a": jnp.ones(3), "b": [1.0, 2.0]})
+    )
+
+
+@pytest.mark.parametrize("dims", ["...", "_ _", None])
+def test_no_array_with_unnamed_dims_passes_through(dims):
+    # Dims that name no dim describe nothing to check: the list passes through.
+    w = filter_multi_vmap(
+        lambda x, ks: x * sum(ks), in_dims=("T", dims), out_dims="T", scan="T"
+    )
+    out = w(jnp.arange(3.0), [1.0, 2.0])
+    np.testing.assert_array_equal(out, 3 * np.arange(3.0, dtype=np.float32))
+
+
+def test_non_array_leaves_beside_arrays_pass_through():
+    # Filter semantics: a pytree that holds an array maps it; its other leaves
+    # (numbers, strings) reach the body as they are.
+    seen = []
+
+    def body(m):
+        seen.append((m["x"].shape, m["k"], m["name"]))
+        return m["x"] * m["k"]
+
+    w = filter_multi_vmap(body, in_dims="T", out_dims="T", scan="T")
+    out = w({"x": jnp.arange(3.0), "k": 2.0, "name": "gain"})
+    np.testing.assert_array_equal(out, 2 * np.arange(3.0, dtype=np.float32))
+    assert seen == [((), 2.0, "gain")]
+
+
+def test_list_under_annotations_names_the_parameter():
+    from jaxtyping import Int
+
+    def gather(
+        x: Float[Array, "T N"], ant1: Int[Array, " B"]
+    ) -> Float[Array, "T B"]:
+        raise AssertionError("traced")
+
+    w = filter_multi_vmap(gather)
+    matches = [
+        r"`filter_multi_vmap\(.*gather\)`",
+        r"parameter `ant1` is annotated `Int\[Array, 'B'\]`",
+        r"but was given a list of 3 ints \(\[0, 1, 2\]\)",
+        r"the annotation is not met",
+        r"`jnp\.asarray\(ant1\)`",
+        r"`in_dims=\{'ant1': \.\.\.\}` \(`None` passes it through unchanged\)",
+    ]
+    _raises_each(ShapeError, matches, lambda: w(jnp.ones((3, 4)), [0, 1, 2]))
+    with pytest.raises(ShapeError) as info:
+        w(jnp.ones((3, 4)), [0, 1, 2])
+    # Not the output dim left unbound.
+    assert "so it is mapped" not in str(info.value)
+
+
+def test_misspelled_dim_in_in_dims_gets_a_note():
+    # `f` for `F`: `f` is named by no output, so it is a core dim, and the body
+    # fails on a (4,) `nu`. The user's own error is kept, with a note.
+    w = filter_multi_vmap(
+        _scale, in_dims={"vis": "T F B 2 2", "nu": "f"}, out_dims="T F B 2 2"
+    )
+    matches = [
+        r"broadcast",  # JAX's message
+        r"`filter_multi_vmap\(_scale\)` raised this while tracing its body on one "
+        r"element",
+        r"vis: float32\[2,2\] per element \(given float32\[3,4,5,2,2\], dims "
+        r"'T F B 2 2'\)",
+        r"nu: float32\[4\] whole \(dims 'f'\)",
+        r"Mapped dims \(named by `out_dims`\): T=3, F=4, B=5\.",
+        r"Core dims, which the body sees whole: f=4 \(named by no output\)\.",
+        r"Did you mean 'F' for 'f'\? 'f' is named by no output, so it is a core "
+        r"dim, while 'F' is mapped\.",
+    ]
+    _raises_each(
+        ValueError, matches, lambda: w(jnp.ones((3, 4, 5, 2, 2)), jnp.ones(4))
+    )
+    with pytest.raises(ValueError) as info:
+        w(jnp.ones((3, 4, 5, 2, 2)), jnp.ones(4))
+    # The exception is JAX's own, not one raised in its place.
+    assert type(info.value) is ValueError
+
+
+def _note_count(error) -> int:
+    notes = getattr(error, "__notes__", [])
+    return sum("raised this while tracing its body" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    "how", ["eager", "jit", "filter_jit", "grad", "plan_auto", "shim", "nested"]
+)
+def test_body_error_note_is_added_once(how):
+    w = filter_multi_vmap(
+        _scale,
+        in_dims={"vis": "T F B 2 2", "nu": "f"},
+        out_dims="T F B 2 2",
+        plan="auto" if how == "plan_auto" else None,
+    )
+    vis, nu = jnp.ones((3, 4, 5, 2, 2)), jnp.ones(4)
+    if how == "jit":
+        w = jax.jit(w)
+    elif how == "filter_jit":
+        w = eqx.filter_jit(w)
+    elif how == "grad":
+        w = jax.grad(lambda v, n: jnp.sum(_scale_mapped(v, n)))
+    elif how == "shim":
+        w = multi_vmap(_scale, in_mapping="[T,F,B],[f]", out_mapping="[T,F,B]")
+    elif how == "nested":
+        inner = w
+        w = filter_multi_vmap(
+            lambda vis, nu: inner(vis, nu),
+            in_dims={"vis": "S ...", "nu": None},
+            out_dims="S ...",
+        )
+        vis = jnp.ones((2, 3, 4, 5, 2, 2))
+    with pytest.raises(ValueError, match="broadcast") as info:
+        w(vis, nu)
+    assert _note_count(info.value) == 1
+    note = [n for n in info.value.__notes__ if "while tracing" in n][0]
+    assert "Did you mean 'F' for 'f'?" in note
+    assert re.search(r"nu: float32\[4\] whole \(dims 'f( \.\.\.)?'\)", note)
+
+
+_scale_mapped = filter_multi_vmap(
+    _scale, in_dims={"vis": "T F B 2 2", "nu": "f"}, out_dims="T F B 2 2"
+)
+
+
+def test_body_shape_error_shows_per_element_shapes():
+    # `B` is core (named by no output): the body sees `y` whole, and `x @ y` fails.
+    def mix(x, y, k):
+        return x @ y * k
+
+    w = filter_multi_vmap(
+        mix, in_dims={"x": "T F", "y": "B F", "k": None}, out_dims="T"
+    )
+    matches = [
+        r"dot_general",
+        r"`filter_multi_vmap\(.*mix\)` raised this",
+        r"x: float32\[4\] per element \(given float32\[3,4\], dims 'T F'\)",
+        r"y: float32\[5,4\] whole \(dims 'B F'\)",
+        r"k: float32\[\] whole \(`None` dims: not mapped\)",
+        r"Mapped dims \(named by `out_dims`\): T=3\.",
+        r"Core dims, which the body sees whole: F=4 \(named by no output\), B=5 "
+        r"\(named by no output\)\.",
+    ]
+    args = (jnp.ones((3, 4)), jnp.ones((5, 4)), jnp.float32(2.0))
+    _raises_each(TypeError, matches, lambda: w(*args))
+    with pytest.raises(TypeError) as info:
+        w(*args)
+    assert "Did you mean" not in "\n".join(info.value.__notes__)
+
+
+def test_body_error_note_lists_non_array_leaves_and_declared_core():
+    def body(x, opts):
+        raise RuntimeError("the user's own bug")
+
+    w = filter_multi_vmap(
+        body, in_dims={"x": "T c"}, out_dims="T c", core="c", scan="T"
+    )
+    matches = [
+        r"the user's own bug",
+        r"x: float32\[2\] per element \(given float32\[3,2\], dims 'T c'\)",
+        r"opts: `str`, not an array: passed as it is",
+        r"Core dims, which the body sees whole: c=2 \(declared `core`\)\.",
+    ]
+    _raises_each(RuntimeError, matches, lambda: w(jnp.ones((3, 2)), "fast"))
+
+
+@pytest.mark.parametrize(
+    "core, mapped, close",
+    [
+        ("f", "F", True),  # case only, any length
+        ("time", "Time", True),
+        ("ant", "ant1", True),  # one character added
+        ("freq", "frq", True),  # one dropped
+        ("ant2", "ant1", True),  # one changed
+        ("atn1", "ant1", True),  # two adjacent swapped
+        ("ab", "ac", False),  # short names: case only
+        ("a", "b", False),
+        ("ant", "nat1", False),  # two edits
+        ("nu", "mu", False),
+    ],
+)
+def test_did_you_mean_rule(core, mapped, close):
+    w = filter_multi_vmap(
+        lambda x, y: x + y.sum() + None,  # always fails in the body
+        in_dims=(f"T {mapped}", f"T {core} {core}"),
+        out_dims=f"T {mapped}",
+    )
+    with pytest.raises(TypeError) as info:
+        w(jnp.ones((2, 3)), jnp.ones((2, 4, 4)))
+    note = "\n".join(info.value.__notes__)
+    assert (f"Did you mean {mapped!r} for {core!r}?" in note) == close
+
+
+def test_out_dims_naming_a_dim_no_input_has_suggests_the_close_one():
+    w = filter_multi_vmap(_never_called, in_dims=("T freq",), out_dims="T Freq")
+    matches = [
+        r"`out_dims` names dim 'Freq', so it is mapped",
+        r"The named dims of the arguments are: T, freq",
+        r"Did you mean 'freq' \(not 'Freq'\)\?",
+    ]
+    _raises_each(SpecError, matches, lambda: w(jnp.ones((3, 4))))
+
+
+def test_misspelled_keyword_argument_at_the_call():
+    w = filter_multi_vmap(
+        _scale, in_dims={"vis": "T F", "nu": "F"}, out_dims="T F", scan="T"
+    )
+    matches = [
+        r"`filter_multi_vmap\(_scale\)` was called with bad arguments",
+        r"unexpected keyword arguments \('nuu',\)",
+        r"The parameters are \('vis', 'nu'\)",
+    ]
+    _raises_each(TypeError, matches, lambda: w(jnp.ones((3, 4)), nuu=jnp.ones(4)))
+    with pytest.raises(TypeError, match=r"Did you mean 'vis' \(not 'viss'\)\?"):
+        w(viss=jnp.ones((3, 4)), nu=jnp.ones(4))
+
+
+def test_jax_scalar_given_dims_of_rank_one():
+    # A 0-d array for an argument whose dims name one axis: the rank is wrong.
+    w = filter_multi_vmap(
+        _scale_never_called, in_dims={"vis": "T F", "nu": "F"}, out_dims="T F"
+    )
+    matches = [r"argument `nu` of type float32\[\]", r"rank 0", r"'F' need exactly 1"]
+    _raises_each(ShapeError, matches, lambda: w(jnp.ones((3, 4)), jnp.float32(2.0)))
+
+
+def test_numpy_arrays_are_arrays():
+    # NumPy arrays are mapped like JAX arrays (the output is a JAX array).
+    w = filter_multi_vmap(
+        _scale, in_dims={"vis": "T F", "nu": "F"}, out_dims="F T", scan="T"
+    )
+    vis = np.arange(12.0, dtype=np.float32).reshape(3, 4)
+    nu = np.arange(4.0, dtype=np.float32)
+    out = w(vis, nu)
+    assert isinstance(out, jax.Array)
+    assert out.shape == (4, 3) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, (vis * nu).T)
