@@ -352,6 +352,10 @@ def filter_multi_vmap(
         of `"auto"` gives the wrapper a planner of its own (e.g.
         `Planner(measure=True)`, which times the best candidates). See
         [The planner](../planner.md).
+    - `memory_budget`: with `plan`, the temporary memory that the chosen nest may
+        use: bytes as an `int` (`2**30`), or a fraction of the device's memory as
+        a `float` in `(0, 1]`. The default, `None`, is `0.5`: half of the
+        device's memory (of physical RAM on a CPU, which reports none).
     - `checkpoint`: wrap each scan body in `jax.checkpoint`, so that reverse-mode
         autodiff stores only each iteration's inputs.
     - `verbose`: print the nest whenever the function is traced.

@@ -822,3 +822,98 @@ def test_return_annotation_without_dims():
         [r"has no `out_dims`, and its return annotation names no dims", "out_dims="],
         lambda: filter_multi_vmap(jnp.sin, in_dims="T F", scan="T")(jnp.ones((2, 3))),
     )
+
+
+#
+# Every dtype annotation of jaxtyping: the dims are read and the dtype checked.
+# (docs/annotations.md lists these; keep the two in step.)
+#
+
+# Annotation -> a dtype it accepts (64-bit ones under `jax.enable_x64`).
+DTYPE_ANNOTATIONS = {
+    "Shaped": "float32",
+    "Float": "float32",
+    "Complex": "complex64",
+    "Inexact": "float16",
+    "Real": "uint8",
+    "Num": "int8",
+    "Int": "int32",
+    "UInt": "uint32",
+    "Integer": "int16",
+    "Bool": "bool",
+    "Key": "key",
+    "BFloat16": "bfloat16",
+    "Float16": "float16",
+    "Float32": "float32",
+    "Float64": "float64",
+    "Float8e4m3b11fnuz": "float8_e4m3b11fnuz",
+    "Float8e4m3fn": "float8_e4m3fn",
+    "Float8e4m3fnuz": "float8_e4m3fnuz",
+    "Float8e5m2": "float8_e5m2",
+    "Float8e5m2fnuz": "float8_e5m2fnuz",
+    "Complex64": "complex64",
+    "Complex128": "complex128",
+    "Int2": "int2",
+    "Int4": "int4",
+    "Int8": "int8",
+    "Int16": "int16",
+    "Int32": "int32",
+    "Int64": "int64",
+    "UInt2": "uint2",
+    "UInt4": "uint4",
+    "UInt8": "uint8",
+    "UInt16": "uint16",
+    "UInt32": "uint32",
+    "UInt64": "uint64",
+}
+
+
+def test_every_dtype_annotation_is_listed():
+    import jaxtyping
+
+    every = {
+        name
+        for name in dir(jaxtyping)
+        if isinstance(getattr(jaxtyping, name), type)
+        and issubclass(getattr(jaxtyping, name), jaxtyping.AbstractDtype)
+        and name != "AbstractDtype"
+    }
+    assert every == set(DTYPE_ANNOTATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPE_ANNOTATIONS))
+def test_dtype_annotation(name):
+    import jaxtyping
+
+    ann = getattr(jaxtyping, name)
+    dtype = DTYPE_ANNOTATIONS[name]
+    with jax.enable_x64(dtype.endswith(("64", "128")) and dtype != "complex64"):
+
+        def f(x: ann[Array, "T F"]) -> Shaped[Array, "F T"]:
+            return x
+
+        w = filter_multi_vmap(f, scan="T")
+        if dtype == "key":
+            x = jax.random.split(jax.random.key(0), 12).reshape(3, 4)
+        else:
+            x = (jnp.arange(12) % 2).reshape(3, 4).astype(dtype)
+        out = w(x)
+        assert out.shape == (4, 3) and out.dtype == x.dtype
+        if dtype == "key":
+            out, x = jax.random.key_data(out), jax.random.key_data(x)
+            np.testing.assert_array_equal(out, np.swapaxes(np.asarray(x), 0, 1))
+        else:
+            assert np.array_equal(np.asarray(out), np.asarray(x).T)
+        # A dtype outside the annotation's is a `ShapeError` naming both.
+        if name == "Shaped":
+            return
+        accepted = () if dtype == "key" else ann.dtypes
+        wrong = next(d for d in ("float32", "int32", "bool") if d not in accepted)
+        raises_all(
+            ShapeError,
+            [
+                f"argument `x` has dtype {wrong}",
+                re.escape(f"{ann.__name__}[..., 'T F']"),
+            ],
+            lambda: w(jnp.zeros((3, 4), wrong)),
+        )

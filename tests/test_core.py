@@ -974,3 +974,12 @@ def test_prefix_dims_map_array_leaves_only():
     np.testing.assert_allclose(
         m.score(x), np.asarray(m.w) @ np.asarray(x) + 2, rtol=1e-5, atol=1e-6
     )
+
+
+def test_docstring_states_the_default_memory_budget():
+    # `help(filter_multi_vmap)` says what `memory_budget=None` means.
+    from eqx_multimap._planner import DEFAULT_BUDGET_FRACTION
+
+    doc = filter_multi_vmap.__doc__
+    assert doc is not None
+    assert f"The default, `None`, is `{DEFAULT_BUDGET_FRACTION}`" in doc
