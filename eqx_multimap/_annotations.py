@@ -39,6 +39,7 @@ from ._args import (
     is_array,
     LeafSpec,
     names_str,
+    no_array_in,
 )
 from ._check import dtype_matches
 from ._dims import Dims, parse_dims
@@ -328,8 +329,7 @@ class _Context:
     def not_an_array(self, ann: Any, dims: Dims, value: Any, path: str) -> ShapeError:
         return ShapeError(
             f"`{self.fun_name}`: {self.label(path)} is annotated `{_type_name(ann)}`, "
-            f"but was given {describe_value(value)}, with no array (of rank 1 or "
-            "more) in it: the "
+            f"but was given {describe_value(value)}, {no_array_in(value)}: the "
             f"annotation is not met, and its {names_str(dims)} would describe "
             f"nothing (only array leaves are mapped). Pass an array, "
             f"`jnp.asarray({path})`; or override the annotation with "

@@ -338,6 +338,14 @@ def describe_value(value: Any) -> str:
     return out
 
 
+def no_array_in(value: Any) -> str:
+    """`with no array in it`, or, if it holds rank-0 arrays (as a list of numbers
+    does under `jax.jit`), `with no array of rank 1 or more in it`."""
+    if any(is_array(x) for x in jtu.tree_leaves(value)):
+        return "with no array of rank 1 or more in it"
+    return "with no array in it"
+
+
 def names_str(dims: Dims) -> str:
     """`dim 'F'`, `dims 'T', 'F'`: the named dims of `dims`, for errors."""
     names = list(dict.fromkeys(dims.names))
@@ -365,8 +373,8 @@ def _check_some_array(fun_name: str, path: str, value: Any, spec: Any) -> None:
             return
         where = path + jtu.keystr(key_path)
         raise ShapeError(
-            f"`{fun_name}`: argument `{where}` is {describe_value(sub)}, with no "
-            f"array (of rank 1 or more) in it, but its dims {dims.source!r} name {names_str(dims)}. "
+            f"`{fun_name}`: argument `{where}` is {describe_value(sub)}, "
+            f"{no_array_in(sub)}, but its dims {dims.source!r} name {names_str(dims)}. "
             "Only array "
             "leaves are mapped and checked (other leaves pass through whole), so "
             f"these dims would describe nothing. Pass an array, "

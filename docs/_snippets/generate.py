@@ -28,7 +28,7 @@ PREAMBLE = """\
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 import eqx_multimap
 from eqx_multimap import filter_multi_vmap, multi_vmap
 """
@@ -180,6 +180,33 @@ def summary(x):
 
 summary(jnp.ones((10, 4)))
 """,
+    "errors/no_array": _SCALE
+    + """
+scale(jnp.ones((10, 4, 5, 2, 2)), [0.0, 1.0, 2.0, 3.0])  # a list, not an array
+""",
+    "errors/annotation_list": """\
+def gather(x: Float[Array, "T N"], ant1: Int[Array, " B"]) -> Float[Array, "T B"]:
+    return x[ant1]
+
+
+f = filter_multi_vmap(gather)
+f(jnp.ones((10, 4)), [0, 1, 3])
+""",
+    "errors/body_note": """\
+@filter_multi_vmap(
+    in_dims={"vis": "T F B 2 2", "nu": "f"},  # `f`, a typo for `F`
+    out_dims="T F B 2 2",
+)
+def scale(vis, nu):
+    return vis * nu
+
+
+scale(jnp.ones((10, 4, 5, 2, 2)), jnp.arange(4.0))
+""",
+    "errors/keyword": _SCALE
+    + """
+scale(jnp.ones((10, 4, 5, 2, 2)), mu=jnp.arange(4.0))  # `mu` for `nu`
+""",
     "errors/scalar": _SCALE
     + """
 scale(jnp.ones((10, 4, 5, 2, 2)), 2.0)  # a Python float, but its dims say 'F'
@@ -232,10 +259,7 @@ f(jnp.ones(10))
     "errors/core_not_output": """\
 filter_multi_vmap(jnp.sum, in_dims="T c", out_dims="T", core="c")
 """,
-    "errors/in_dims_key": _SCALE.replace('"vis": ', '"visibilities": ')
-    + """
-scale(jnp.ones((10, 4, 5, 2, 2)), jnp.arange(4.0))
-""",
+    "errors/in_dims_key": _SCALE.replace('"vis": ', '"viz": '),
     # --- The migration shim.
     "migration": """\
 def f(x, y):
@@ -267,6 +291,10 @@ def run_example(code: str) -> str:
         except Exception as e:
             cls = type(e)
             print(f"{cls.__module__}.{cls.__qualname__}: {e}")
+            # Notes, as Python prints them; not JAX's own about traceback filtering.
+            for note in getattr(e, "__notes__", ()):
+                if "JAX has removed its internal frames" not in note:
+                    print(note)
     out = buf.getvalue().rstrip("\n")
     for pattern, shown in _MASKS:
         out = pattern.sub(shown, out)
