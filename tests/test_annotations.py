@@ -16,6 +16,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from beartype import beartype
@@ -869,8 +870,6 @@ DTYPE_ANNOTATIONS = {
 
 
 def test_every_dtype_annotation_is_listed():
-    import jaxtyping
-
     every = {
         name
         for name in dir(jaxtyping)
@@ -883,8 +882,6 @@ def test_every_dtype_annotation_is_listed():
 
 @pytest.mark.parametrize("name", sorted(DTYPE_ANNOTATIONS))
 def test_dtype_annotation(name):
-    import jaxtyping
-
     ann = getattr(jaxtyping, name)
     dtype = DTYPE_ANNOTATIONS[name]
     with jax.enable_x64(dtype.endswith(("64", "128")) and dtype != "complex64"):

@@ -25,7 +25,7 @@ from eqx_multimap import (
     SpecError,
 )
 from hypothesis import given, settings
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from .test_core import signatures
 
@@ -812,9 +812,7 @@ def test_dims_string_for_a_subtree_with_no_array():
         r"`jnp\.asarray\(m\['b'\]\)`",
     ]
     w = filter_multi_vmap(g, in_dims=({"a": "T", "b": "T c"},), out_dims="T")
-    _raises_each(
-        ShapeError, matches, lambda: w({"a": jnp.ones(3), "b": [1.0, 2.0]})
-    )
+    _raises_each(ShapeError, matches, lambda: w({"a": jnp.ones(3), "b": [1.0, 2.0]}))
 
 
 @pytest.mark.parametrize("dims", ["...", "_ _", None])
@@ -843,11 +841,7 @@ def test_non_array_leaves_beside_arrays_pass_through():
 
 
 def test_list_under_annotations_names_the_parameter():
-    from jaxtyping import Int
-
-    def gather(
-        x: Float[Array, "T N"], ant1: Int[Array, " B"]
-    ) -> Float[Array, "T B"]:
+    def gather(x: Float[Array, "T N"], ant1: Int[Array, " B"]) -> Float[Array, "T B"]:
         raise AssertionError("traced")
 
     w = filter_multi_vmap(gather)
@@ -884,9 +878,7 @@ def test_misspelled_dim_in_in_dims_gets_a_note():
         r"Did you mean 'F' for 'f'\? 'f' is named by no output, so it is a core "
         r"dim, while 'F' is mapped\.",
     ]
-    _raises_each(
-        ValueError, matches, lambda: w(jnp.ones((3, 4, 5, 2, 2)), jnp.ones(4))
-    )
+    _raises_each(ValueError, matches, lambda: w(jnp.ones((3, 4, 5, 2, 2)), jnp.ones(4)))
     with pytest.raises(ValueError) as info:
         w(jnp.ones((3, 4, 5, 2, 2)), jnp.ones(4))
     # The exception is JAX's own, not one raised in its place.
