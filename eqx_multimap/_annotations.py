@@ -40,6 +40,7 @@ from ._args import (
     LeafSpec,
     names_str,
     no_array_in,
+    pass_an_array,
 )
 from ._check import dtype_matches
 from ._dims import Dims, parse_dims
@@ -331,8 +332,8 @@ class _Context:
             f"`{self.fun_name}`: {self.label(path)} is annotated `{_type_name(ann)}`, "
             f"but was given {describe_value(value)}, {no_array_in(value)}: the "
             f"annotation is not met, and its {names_str(dims)} would describe "
-            f"nothing (only array leaves are mapped). Pass an array, "
-            f"`jnp.asarray({path})`; or override the annotation with "
+            f"nothing (only array leaves are mapped). {pass_an_array(value, path)}; "
+            "or override the annotation with "
             f"{self.override} (`None` passes it through unchanged)."
         )
 

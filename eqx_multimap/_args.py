@@ -329,13 +329,20 @@ def describe_value(value: Any) -> str:
     what = " and ".join(_plural(n, kind) for kind, n in counts.items())
     treedef = jtu.tree_structure(value)
     flat = all(jtu.treedef_is_leaf(c) for c in treedef.children())
-    kind = type(value).__name__
-    article = "an" if kind[:1].lower() in "aeiou" else "a"
-    out = f"{article} {kind} {'of' if flat else 'holding'} {what}"
+    type_name = type(value).__name__
+    article = "an" if type_name[:1].lower() in "aeiou" else "a"
+    out = f"{article} {type_name} {'of' if flat else 'holding'} {what}"
     if not any(is_array(x) for x in leaves):
         text = repr(value)
         out += f" ({text[:56] + ' ...' if len(text) > 60 else text})"
     return out
+
+
+def pass_an_array(value: Any, path: str) -> str:
+    """How to turn `value` into an array, for errors."""
+    if isinstance(value, (list, tuple)):
+        return f"Pass an array, `jnp.asarray({path})`"
+    return "Pass arrays in it"
 
 
 def no_array_in(value: Any) -> str:
@@ -374,12 +381,11 @@ def _check_some_array(fun_name: str, path: str, value: Any, spec: Any) -> None:
         where = path + jtu.keystr(key_path)
         raise ShapeError(
             f"`{fun_name}`: argument `{where}` is {describe_value(sub)}, "
-            f"{no_array_in(sub)}, but its dims {dims.source!r} name {names_str(dims)}. "
-            "Only array "
-            "leaves are mapped and checked (other leaves pass through whole), so "
-            f"these dims would describe nothing. Pass an array, "
-            f"`jnp.asarray({where})`, or give it `None` dims to pass it through "
-            "unchanged."
+            f"{no_array_in(sub)}, but its dims {dims.source!r} name "
+            f"{names_str(dims)}. Only array leaves are mapped and checked (other "
+            "leaves pass through whole), so these dims would describe nothing. "
+            f"{pass_an_array(sub, where)}, or give it `None` dims to pass it "
+            "through unchanged."
         )
 
     jtu.tree_map_with_path(check, spec, value, is_leaf=is_spec_leaf)

@@ -15,7 +15,10 @@
    closes over (a closure's arrays, an `eqx.Module`'s fields, tracers of an
    enclosing transform) becomes an explicit, unmapped input of the nest: the nest
    is then a pure function of its inputs, which `jax.custom_jvp` and
-   `jax.shard_map` need.
+   `jax.shard_map` need. An exception raised while the body is traced is the
+   user's own, and is re-raised as it is, with a note (`_body_note`): the
+   per-element shapes of the arguments, the mapped and core dims, and a
+   did-you-mean for a core dim named like a mapped one.
 4. From the body's jaxpr: the collectives it uses over mapped dims
    ([`Call.collective_dims`][]), which a scan cannot run; and the reductions'
    dtypes and identities (`_reduce.make_reduction`).
