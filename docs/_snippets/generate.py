@@ -192,7 +192,7 @@ def gather(x: Float[Array, "T N"], ant1: Int[Array, " B"]) -> Float[Array, "T B"
 f = filter_multi_vmap(gather)
 f(jnp.ones((10, 4)), [0, 1, 3])
 """,
-    "errors/body_note": """\
+    "body_note": """\
 @filter_multi_vmap(
     in_dims={"vis": "T F B 2 2", "nu": "f"},  # `f`, a typo for `F`
     out_dims="T F B 2 2",
@@ -203,7 +203,7 @@ def scale(vis, nu):
 
 scale(jnp.ones((10, 4, 5, 2, 2)), jnp.arange(4.0))
 """,
-    "errors/keyword": _SCALE
+    "bad_call": _SCALE
     + """
 scale(jnp.ones((10, 4, 5, 2, 2)), mu=jnp.arange(4.0))  # `mu` for `nu`
 """,
