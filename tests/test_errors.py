@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eqx_multimap import (
+    explain,
     filter_multi_vmap,
     multi_vmap,
     parse_dims,
@@ -893,7 +894,8 @@ def _note_count(error) -> int:
 
 
 @pytest.mark.parametrize(
-    "how", ["eager", "jit", "filter_jit", "grad", "plan_auto", "shim", "nested"]
+    "how",
+    ["eager", "jit", "filter_jit", "grad", "plan_auto", "explain", "shim", "nested"],
 )
 def test_body_error_note_is_added_once(how):
     w = filter_multi_vmap(
@@ -908,7 +910,10 @@ def test_body_error_note_is_added_once(how):
     elif how == "filter_jit":
         w = eqx.filter_jit(w)
     elif how == "grad":
-        w = jax.grad(lambda v, n: jnp.sum(_scale_mapped(v, n)))
+        mapped = w
+        w = jax.grad(lambda v, n: jnp.sum(mapped(v, n)))
+    elif how == "explain":
+        w = ft.partial(explain, w)
     elif how == "shim":
         w = multi_vmap(_scale, in_mapping="[T,F,B],[f]", out_mapping="[T,F,B]")
     elif how == "nested":
@@ -925,11 +930,6 @@ def test_body_error_note_is_added_once(how):
     note = [n for n in info.value.__notes__ if "while tracing" in n][0]
     assert "Did you mean 'F' for 'f'?" in note
     assert re.search(r"nu: float32\[4\] whole \(dims 'f( \.\.\.)?'\)", note)
-
-
-_scale_mapped = filter_multi_vmap(
-    _scale, in_dims={"vis": "T F B 2 2", "nu": "f"}, out_dims="T F B 2 2"
-)
 
 
 def test_body_shape_error_shows_per_element_shapes():
