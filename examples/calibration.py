@@ -133,9 +133,7 @@ def simulate(
     return Observation(vis, model, ant1, ant2, gains, noise)
 
 
-def check_baselines(
-    ant1: Any, ant2: Any, n_antennas: int, ref: int
-) -> None:
+def check_baselines(ant1: Any, ant2: Any, n_antennas: int, ref: int) -> None:
     """Errors for antenna indices that `filter_multi_vmap`'s shape checks cannot see:
     the values. (The shapes, `vis` and `model` against `ant1` and `ant2` over `B`,
     are checked by `filter_multi_vmap` itself, and raise `ShapeError`.)"""
@@ -151,7 +149,7 @@ def check_baselines(
             raise ValueError(
                 f"`{name}[{b}]` is {int(a.flat[b])}, but the antenna indices must be "
                 f"in [0, {n_antennas}): there are {n_antennas} antennas (the size of "
-                f"dim A of `g0`). {bad.size} of the {a.size} baselines are out of range."
+                f"dim A of `g0`); {bad.size} of the {a.size} indices are out of range."
             )
     if not 0 <= ref < n_antennas:
         raise ValueError(
@@ -182,6 +180,7 @@ def check_baselines(
 #
 
 
+# --8<-- [start:slot]
 def to_params(g: Complex[Array, "A"], ref: int) -> Float[Array, "P"]:  # noqa: F821
     """Complex gains to the solver's reals: `Re g` (A), then `Im g` but the
     reference antenna's (A - 1)."""
@@ -213,7 +212,9 @@ class SlotFit(eqx.Module):
     converged: Bool[Array, "T F"]
 
 
-def make_solver(rtol: float = 1e-5, atol: float = 1e-5, linear_solver: str = "cholesky"):
+def make_solver(
+    rtol: float = 1e-5, atol: float = 1e-5, linear_solver: str = "cholesky"
+) -> optx.LevenbergMarquardt:
     """Levenberg-Marquardt. `"cholesky"` solves each damped step by the normal
     equations (`lineax.Normal(lineax.Cholesky())`); `"qr"` is optimistix's default,
     `lineax.QR()`, better conditioned but slow on XLA:CPU for large matrices."""
@@ -256,6 +257,10 @@ def solve_slot(
     )
 
 
+# --8<-- [end:slot]
+
+
+# --8<-- [start:map]
 def per_slot(
     scan: Any = None,
     plan: Any = None,
@@ -299,11 +304,15 @@ def calibrate(
     return per_slot(**strategy)(vis, model, ant1, ant2, g0, ref=ref, solver=solver)
 
 
+# --8<-- [end:map]
+
+
 #
 # One dense solve.
 #
 
 
+# --8<-- [start:dense]
 def _solve_dense(vis, model, ant1, ant2, g0, ref, solver):
     n_t, n_f, _ = vis.shape
     x0 = jnp.broadcast_to(to_params(g0, ref), (n_t, n_f, 2 * g0.shape[-1] - 1))
@@ -329,11 +338,15 @@ unknowns at once: its Jacobian is dense, `(T F 2B) x (T F (2A - 1))`. Returns th
 gains (T, F, A), the step count and whether it converged."""
 
 
+# --8<-- [end:dense]
+
+
 #
 # Jacobians by named dims.
 #
 
 
+# --8<-- [start:jacobian]
 def predict_slot(
     gains: Float[Array, "T F A 2"],
     model: Complex[Array, "T F B"],
@@ -363,11 +376,15 @@ jacobian_blocks = jax.jit(
 jacobian_dense = jax.jit(jax.jacfwd(filter_multi_vmap(predict_slot)))
 
 
+# --8<-- [end:jacobian]
+
+
 #
 # A note for XLA:CPU: 2x2 complex products.
 #
 
 
+# --8<-- [start:jones]
 def jones_matmul(a, b, c):
     """`a @ b @ c^H` for stacks of 2x2 complex matrices, with `jnp.matmul`."""
     return a @ b @ jnp.conj(jnp.swapaxes(c, -1, -2))
@@ -386,6 +403,9 @@ def jones_elementwise(a, b, c):
     return jnp.stack([row0, row1], axis=-2)
 
 
+# --8<-- [end:jones]
+
+
 #
 # Measuring.
 #
@@ -398,6 +418,23 @@ def compile_timed(jitted, *args, **kwargs):
     return compiled, time.perf_counter() - t0
 
 
+def ft_call(compiled, args):
+    """A thunk that calls `compiled(*args)`."""
+    return lambda: compiled(*args)
+
+
+def traced_nest(printed: str) -> str:
+    """The nest that `verbose=True` printed when `solve_slot` was traced."""
+    lines = [
+        line.split(": ", 1)[1].removesuffix(" -> body")
+        for line in printed.splitlines()
+        if line.startswith("filter_multi_vmap(solve_slot): ") and "-> body" in line
+    ]
+    if not lines:
+        raise RuntimeError(f"no nest was printed while tracing; got:\n{printed}")
+    return lines[-1]
+
+
 def temp_bytes(compiled) -> int:
     """XLA's compiled temporaries: the peak scratch memory of one call."""
     return int(compiled.memory_analysis().temp_size_in_bytes)
@@ -405,15 +442,17 @@ def temp_bytes(compiled) -> int:
 
 def interleaved_medians(thunks: dict[str, Callable[[], Any]], repeats: int):
     """The median seconds of each thunk, run in rounds (the order rotating each
-    round), so that a change in the machine's load affects all of them alike."""
+    round), so that a change in the machine's load affects all of them alike; and
+    each thunk's output."""
     names = list(thunks)
     times: dict[str, list[float]] = {n: [] for n in names}
+    outputs = {}
     for r in range(repeats):
         for n in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
-            jax.block_until_ready(thunks[n]())
+            outputs[n] = jax.block_until_ready(thunks[n]())
             times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(ts) for n, ts in times.items()}
+    return {n: statistics.median(ts) for n, ts in times.items()}, outputs
 
 
 def rms_residual(obs: Observation, gains: jax.Array) -> float:
@@ -461,10 +500,10 @@ def run(
     noise: float = 0.1,
     *,
     ref: int = 0,
-    t_chunk: int = 2,
+    t_chunk: int = 1,
     memory_budget: int | None = None,
     linear_solver: str = "cholesky",
-    repeats: int = 5,
+    repeats: int = 3,
     dense: bool = True,
     matmul_size: int = 1 << 16,
     seed: int = 0,
@@ -484,37 +523,28 @@ def run(
     static = dict(ref=ref, solver=solver)
 
     # Per slot, three ways. Compiling `plan="auto"` plans it (several compiles).
+    # `verbose=True` prints each nest as it is traced: kept for the table.
+    strategies = {
+        "vmap": {},
+        "scan": dict(scan="T" if t_chunk == 1 else {"T": t_chunk}),
+        "auto": dict(plan="auto", memory_budget=memory_budget),
+    }
     compiled, seconds, nests = {}, {}, {}
-    compiled["vmap"], seconds["vmap"] = compile_timed(per_slot(), *args, **static)
-    nests["vmap"] = f"vmap(T={n_times}) -> vmap(F={n_freqs})"
-    if memory_budget is None:
-        memory_budget = max(temp_bytes(compiled["vmap"]) // 2, 1)
-    scan = {"T": t_chunk}
-    compiled["scan"], seconds["scan"] = compile_timed(per_slot(scan), *args, **static)
-    n_chunks, rem = divmod(n_times, t_chunk)
-    nests["scan"] = f"scan(T: {n_chunks} chunks of {t_chunk}" + (
-        f", remainder {rem})" if rem else ")"
-    ) + f" -> vmap(F={n_freqs})"
-    # `verbose=True` prints the plan when the call is traced; keep its nest.
-    auto = per_slot(plan="auto", memory_budget=memory_budget, verbose=True)
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        compiled["auto"], seconds["auto"] = compile_timed(auto, *args, **static)
-    nests["auto"] = next(
-        line.removeprefix("nest: ").removesuffix(" -> body")
-        for line in printed.getvalue().splitlines()
-        if line.startswith("nest: ")
-    )
+    for name, strategy in strategies.items():
+        if name == "auto" and memory_budget is None:
+            strategy["memory_budget"] = max(temp_bytes(compiled["vmap"]) // 2, 1)
+        fn = per_slot(**strategy, verbose=True)
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            compiled[name], seconds[name] = compile_timed(fn, *args, **static)
+        nests[name] = traced_nest(printed.getvalue())
+    memory_budget = strategies["auto"]["memory_budget"]
 
-    fits = {k: c(*args) for k, c in compiled.items()}
     thunks = {k: ft_call(c, args) for k, c in compiled.items()}
-
-    dense_out = None
     if dense:
-        g0_dense = g0
-        dense_c, dense_s = compile_timed(solve_dense, *args[:4], g0_dense, **static)
-        dense_out = dense_c(*args[:4], g0_dense)
-        thunks["dense"] = ft_call(dense_c, (*args[:4], g0_dense))
-    medians = interleaved_medians(thunks, repeats)
+        dense_c, dense_s = compile_timed(solve_dense, *args, **static)
+        thunks["dense"] = ft_call(dense_c, args)
+    medians, fits = interleaved_medians(thunks, repeats)
+    dense_out = fits.pop("dense", None)
 
     reference = fits["vmap"]
     per_slot_figs = {}
@@ -584,10 +614,6 @@ def run(
     )
 
 
-def ft_call(compiled, args):
-    return lambda: compiled(*args)
-
-
 def compare_jacobians(blocks: np.ndarray, whole: np.ndarray) -> dict[str, Any]:
     """Checks that `whole` (T F B 2 T F A 2) is `blocks` (T F B 2 A 2) on its
     (t, f) = (t', f') diagonal, exactly, and zero elsewhere."""
@@ -620,7 +646,7 @@ def measure_matmul(n: int, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
     mm, _ = compile_timed(jax.jit(jones_matmul), a, b, c)
     ew, _ = compile_timed(jax.jit(jones_elementwise), a, b, c)
     err = float(jnp.max(jnp.abs(mm(a, b, c) - ew(a, b, c))))
-    med = interleaved_medians(
+    med, _ = interleaved_medians(
         {"matmul": ft_call(mm, (a, b, c)), "elementwise": ft_call(ew, (a, b, c))},
         repeats,
     )
@@ -645,23 +671,20 @@ def print_figures(fig: Figures) -> None:
         "medians of interleaved runs after compiling"
     )
     print()
+    keys = ("compile_s", "temp", "run_s", "rms", "steps", "converged")
     rows = [
-        ("per slot, " + k, f["nest"], f["compile_s"], f["temp"], f["run_s"], f["rms"],
-         f["steps"], f["converged"])
+        ("per slot, " + k, f["nest"], *(f[x] for x in keys))
         for k, f in fig.per_slot.items()
     ]
     d = fig.dense
     if "run_s" in d:
-        rows.append(
-            ("one dense LM", f"{d['unknowns']} unknowns, {d['residuals']} residuals",
-             d["compile_s"], d["temp"], d["run_s"], d["rms"], d["steps"],
-             d["converged"])
-        )
-    head = ("solve", "nest", "compile", "temp memory", "run", "rms residual",
-            "steps", "converged")
+        shape = f"{d['unknowns']} unknowns, {d['residuals']} residuals"
+        rows.append(("one dense LM", shape, *(d[x] for x in keys)))
+    head = ("solve", "nest", "compile", "temp memory", "run", "rms residual")
+    head += ("max steps", "converged")
     table = [head] + [
-        (a, b, f"{c:.2f} s", fmt_bytes(t), f"{r * 1e3:.2f} ms", f"{e:.5f}", str(st),
-         str(cv))
+        (a, b, f"{c:.2f} s", fmt_bytes(t), f"{r * 1e3:.2f} ms", f"{e:.5f}")
+        + (str(st), str(cv))
         for a, b, c, t, r, e, st, cv in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
@@ -732,7 +755,7 @@ def main(argv: list[str] | None = None) -> Figures:
     )
     parser.add_argument("--ref-antenna", type=int, default=0, help="phase 0 here")
     parser.add_argument(
-        "--t-chunk", type=int, default=2, help="scan={'T': t_chunk} for the scan fit"
+        "--t-chunk", type=int, default=1, help="the scan fit's chunk of T"
     )
     parser.add_argument(
         "--memory-budget",
@@ -744,7 +767,7 @@ def main(argv: list[str] | None = None) -> Figures:
         "--linear-solver", choices=("cholesky", "qr"), default="cholesky",
         help="LM's linear solve, for both fits",
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each")
     parser.add_argument(
         "--no-dense", action="store_true", help="skip the dense solve (large sizes)"
     )
@@ -756,7 +779,7 @@ def main(argv: list[str] | None = None) -> Figures:
     sizes = (args.times, args.freqs, args.antennas)
     repeats = args.repeats
     if args.quick:
-        sizes, repeats = (3, 2, 5), min(repeats, 3)
+        sizes = (3, 2, 5)
     for name, n in zip(("--times", "--freqs"), sizes[:2]):
         if n < 1:
             parser.error(f"`{name}` must be at least 1, but got {n}.")

@@ -83,7 +83,8 @@ def test_per_slot_against_hand_vmap_nest():
 
 @pytest.mark.slow
 def test_main_quick(capsys):
-    fig = cal.main(["--quick", "--repeats", "2", "--matmul-size", "1024"])
+    argv = ["--quick", "--t-chunk", "2", "--repeats", "2", "--matmul-size", "64"]
+    fig = cal.main(argv)
     out = capsys.readouterr().out
     assert fig.sizes == dict(T=3, F=2, A=5, B=10, S=5)
     # The fit: the residual is the noise left after fitting 2A - 1 reals to 2B
@@ -104,7 +105,7 @@ def test_main_quick(capsys):
     assert fig.matmul["max_abs_diff"] < 1e-4
     for line in [
         "per slot, vmap | vmap(T=3) -> vmap(F=2)",
-        "per slot, scan | scan(T: 1 chunks of 2, remainder 1) -> vmap(F=2)",
+        "per slot, scan | scan(T: 1 chunk of 2) + vmap(T remainder=1) -> vmap(F=2)",
         "one dense LM   | 54 unknowns, 120 residuals",
         "same entries on the (t, f) diagonal: True; zero off it: True",
     ]:
