@@ -41,6 +41,7 @@ compared with the fitted ones in the same gauge.
 import argparse
 import contextlib
 import dataclasses
+import functools as ft
 import io
 import statistics
 import time
@@ -261,14 +262,17 @@ def solve_slot(
 
 
 # --8<-- [start:map]
+@ft.cache  # one jitted function per strategy, so that calls reuse its compile
 def per_slot(
-    scan: Any = None,
-    plan: Any = None,
+    t_chunk: int | None = None,
+    plan: str | None = None,
     memory_budget: int | None = None,
     verbose: bool = False,
 ) -> Callable[..., SlotFit]:
-    """`solve_slot` mapped over `T F`, jitted; the options as in
-    `filter_multi_vmap` (default: everything vmapped)."""
+    """`solve_slot` mapped over `T F`, jitted. All vmapped by default; with
+    `t_chunk`, a scan over `T` (in chunks of `t_chunk` times, vmapped inside);
+    `plan="auto"` lets the planner choose under `memory_budget` (bytes)."""
+    scan = None if t_chunk is None else "T" if t_chunk == 1 else {"T": t_chunk}
     mapped = filter_multi_vmap(
         solve_slot,
         core="A",
@@ -290,18 +294,22 @@ def calibrate(
     n_antennas: int | None = None,
     ref: int = 0,
     solver: optx.AbstractLeastSquaresSolver | None = None,
-    **strategy,
+    t_chunk: int | None = None,
+    plan: str | None = None,
+    memory_budget: int | None = None,
 ) -> SlotFit:
     """Fit the gains of every slot: the entry point a user calls. Checks the
-    antenna indices, then runs `per_slot(**strategy)`. `g0` (the starting gains,
-    shared by every slot) defaults to ones for `n_antennas` antennas."""
+    antenna indices, then runs `per_slot(t_chunk, plan, memory_budget)`. `g0` (the
+    starting gains, shared by every slot) defaults to ones for `n_antennas`
+    antennas (default: the largest index in `ant1` and `ant2`, plus 1)."""
     if g0 is None:
         if n_antennas is None:
             n_antennas = int(max(np.max(ant1), np.max(ant2))) + 1
         g0 = jnp.ones((n_antennas,), jnp.complex64)
     check_baselines(ant1, ant2, g0.shape[-1], ref)
     solver = make_solver() if solver is None else solver
-    return per_slot(**strategy)(vis, model, ant1, ant2, g0, ref=ref, solver=solver)
+    fit = per_slot(t_chunk, plan, memory_budget)
+    return fit(vis, model, ant1, ant2, g0, ref=ref, solver=solver)
 
 
 # --8<-- [end:map]
@@ -313,7 +321,11 @@ def calibrate(
 
 
 # --8<-- [start:dense]
-def _solve_dense(vis, model, ant1, ant2, g0, ref, solver):
+@ft.partial(jax.jit, static_argnames=("ref", "solver"))
+def solve_dense(vis, model, ant1, ant2, g0, ref, solver):
+    """The same fit as one Levenberg-Marquardt over all `T F (2A - 1)` unknowns at
+    once: its Jacobian is dense, `(T F 2B) x (T F (2A - 1))`. Returns the gains
+    (T, F, A), the step count and whether it converged."""
     n_t, n_f, _ = vis.shape
     x0 = jnp.broadcast_to(to_params(g0, ref), (n_t, n_f, 2 * g0.shape[-1] - 1))
 
@@ -330,12 +342,6 @@ def _solve_dense(vis, model, ant1, ant2, g0, ref, solver):
         sol.stats["num_steps"],
         sol.result == optx.RESULTS.successful,
     )
-
-
-solve_dense = jax.jit(_solve_dense, static_argnames=("ref", "solver"))
-solve_dense.__doc__ = """The same fit as one Levenberg-Marquardt over all `T F (2A - 1)`
-unknowns at once: its Jacobian is dense, `(T F 2B) x (T F (2A - 1))`. Returns the
-gains (T, F, A), the step count and whether it converged."""
 
 
 # --8<-- [end:dense]
@@ -526,7 +532,7 @@ def run(
     # `verbose=True` prints each nest as it is traced: kept for the table.
     strategies = {
         "vmap": {},
-        "scan": dict(scan="T" if t_chunk == 1 else {"T": t_chunk}),
+        "scan": dict(t_chunk=t_chunk),
         "auto": dict(plan="auto", memory_budget=memory_budget),
     }
     compiled, seconds, nests = {}, {}, {}
@@ -595,7 +601,8 @@ def run(
         **compare_jacobians(blocks, whole),
     )
 
-    matmul = measure_matmul(matmul_size, repeats=max(repeats, 5), seed=seed)
+    # Milliseconds each, so cheap to repeat more: a steadier median.
+    matmul = measure_matmul(matmul_size, repeats=max(5 * repeats, 15), seed=seed)
 
     return Figures(
         sizes=dict(T=n_times, F=n_freqs, A=n_antennas, B=n_b, S=n_sources),
