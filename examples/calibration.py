@@ -34,7 +34,7 @@ fixed for the fit to have a unique answer (the *phase gauge*). The true gains ar
 compared with the fitted ones in the same gauge.
 
     python examples/calibration.py            # T=8, F=4, A=12 (66 baselines)
-    python examples/calibration.py --quick    # T=3, F=2, A=5: seconds
+    python examples/calibration.py --quick    # T=3, F=2, A=5: a smoke test
     python examples/calibration.py --times 32 --freqs 16 --antennas 24 --no-dense
 """
 
@@ -758,12 +758,10 @@ def main(argv: list[str] | None = None) -> Figures:
     parser.add_argument("--sources", type=int, default=5, help="sky model sources")
     parser.add_argument("--noise", type=float, default=0.1, help="std per visibility")
     parser.add_argument(
-        "--quick", action="store_true", help="T=3, F=2, A=5, 3 repeats: seconds"
+        "--quick", action="store_true", help="T=3, F=2, A=5: a smoke test"
     )
     parser.add_argument("--ref-antenna", type=int, default=0, help="phase 0 here")
-    parser.add_argument(
-        "--t-chunk", type=int, default=1, help="the scan fit's chunk of T"
-    )
+    parser.add_argument("--t-chunk", type=int, default=1, help="the scan's chunk of T")
     parser.add_argument(
         "--memory-budget",
         type=int,
@@ -771,7 +769,9 @@ def main(argv: list[str] | None = None) -> Figures:
         help="bytes, for plan='auto' (default: half the all-vmap fit's temporaries)",
     )
     parser.add_argument(
-        "--linear-solver", choices=("cholesky", "qr"), default="cholesky",
+        "--linear-solver",
+        choices=("cholesky", "qr"),
+        default="cholesky",
         help="LM's linear solve, for both fits",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each")
@@ -787,11 +787,14 @@ def main(argv: list[str] | None = None) -> Figures:
     repeats = args.repeats
     if args.quick:
         sizes = (3, 2, 5)
-    for name, n in zip(("--times", "--freqs"), sizes[:2]):
+    positive = [("--times", sizes[0]), ("--freqs", sizes[1])]
+    positive += [("--sources", args.sources), ("--t-chunk", args.t_chunk)]
+    positive += [("--repeats", repeats), ("--matmul-size", args.matmul_size)]
+    for name, n in positive:
         if n < 1:
             parser.error(f"`{name}` must be at least 1, but got {n}.")
-    if not 1 <= args.t_chunk:
-        parser.error(f"`--t-chunk` must be at least 1, but got {args.t_chunk}.")
+    if args.noise < 0:
+        parser.error(f"`--noise` must be at least 0, but got {args.noise}.")
     fig = run(
         *sizes,
         n_sources=args.sources,
