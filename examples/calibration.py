@@ -589,17 +589,21 @@ def run(
     gains_ri = jnp.stack([obs.gains.real, obs.gains.imag], axis=-1)  # T F A 2
     jargs = (gains_ri, obs.model, obs.ant1, obs.ant2)
     jb_c, _ = compile_timed(jacobian_blocks, *jargs)
-    jd_c, _ = compile_timed(jacobian_dense, *jargs)
-    blocks, whole = np.asarray(jb_c(*jargs)), np.asarray(jd_c(*jargs))
-    jacobian = dict(
+    blocks = np.asarray(jb_c(*jargs))
+    jacobian: dict[str, Any] = dict(
         blocks_shape=blocks.shape,
-        dense_shape=whole.shape,
         blocks_bytes=blocks.nbytes,
-        dense_bytes=whole.nbytes,
         blocks_temp=temp_bytes(jb_c),
-        dense_temp=temp_bytes(jd_c),
-        **compare_jacobians(blocks, whole),
     )
+    if dense:  # the whole map's Jacobian is (T F)^2 B A 16 bytes: dense too
+        jd_c, _ = compile_timed(jacobian_dense, *jargs)
+        whole = np.asarray(jd_c(*jargs))
+        jacobian.update(
+            dense_shape=whole.shape,
+            dense_bytes=whole.nbytes,
+            dense_temp=temp_bytes(jd_c),
+            **compare_jacobians(blocks, whole),
+        )
 
     # Milliseconds each, so cheap to repeat more: a steadier median.
     matmul = measure_matmul(matmul_size, repeats=max(5 * repeats, 15), seed=seed)
@@ -724,17 +728,18 @@ def print_figures(fig: Figures) -> None:
         f"{fmt_bytes(j['blocks_bytes'])} (compiled temporaries "
         f"{fmt_bytes(j['blocks_temp'])})"
     )
-    print(
-        f"jax.jacfwd of the whole map, {list(j['dense_shape'])}: "
-        f"{fmt_bytes(j['dense_bytes'])} (compiled temporaries "
-        f"{fmt_bytes(j['dense_temp'])}); {j['dense_bytes'] / j['blocks_bytes']:.0f}x "
-        "the memory"
-    )
-    print(
-        f"same entries on the (t, f) diagonal: {j['diagonal_equal']}; zero off it: "
-        f"{j['off_diagonal_zero']}; nonzero entries {j['nonzero']} vs "
-        f"{j['nonzero_blocks']}"
-    )
+    if "dense_shape" in j:
+        print(
+            f"jax.jacfwd of the whole map, {list(j['dense_shape'])}: "
+            f"{fmt_bytes(j['dense_bytes'])} (compiled temporaries "
+            f"{fmt_bytes(j['dense_temp'])}); "
+            f"{j['dense_bytes'] / j['blocks_bytes']:.0f}x the memory"
+        )
+        print(
+            f"same entries on the (t, f) diagonal: {j['diagonal_equal']}; zero off "
+            f"it: {j['off_diagonal_zero']}; nonzero entries {j['nonzero']} vs "
+            f"{j['nonzero_blocks']}"
+        )
     m = fig.matmul
     print()
     print(
@@ -776,7 +781,9 @@ def main(argv: list[str] | None = None) -> Figures:
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each")
     parser.add_argument(
-        "--no-dense", action="store_true", help="skip the dense solve (large sizes)"
+        "--no-dense",
+        action="store_true",
+        help="skip the dense solve and the whole map's Jacobian (for large sizes)",
     )
     parser.add_argument(
         "--matmul-size", type=int, default=1 << 16, help="2x2 products timed"
