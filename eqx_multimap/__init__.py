@@ -20,6 +20,7 @@ from ._reduce import (
 )
 from ._shard import ShardSpec as ShardSpec
 from ._shim import multi_vmap as multi_vmap
+from . import timing as timing
 
 
 __version__ = importlib.metadata.version("eqx_multimap")
