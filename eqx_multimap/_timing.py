@@ -9,6 +9,7 @@ their comparison is a *paired* ratio, the median of the per-round ratios
 apart two identical programs land.
 """
 
+import functools as ft
 import math
 import re
 import statistics
@@ -38,9 +39,11 @@ def fresh(fn: Callable) -> Callable:
     `jax.jit` caches on the function object, so `compiled(fresh(fn), ...)` next to
     `compiled(fn, ...)` is a second, separately compiled executable of the same
     program: its *twin*. Build every program that is compared afresh, or the
-    comparison may read one executable twice.
+    comparison may read one executable twice. It keeps `fn`'s name and signature
+    (`functools.wraps`), so that dims given by parameter name still apply.
     """
 
+    @ft.wraps(fn)
     def fresh_fn(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
