@@ -51,6 +51,11 @@ from eqx_multimap.timing import (
 
 SECTIONS = ("reduce", "budget")
 MiB = 2**20
+# Per mode (quick or not): the T of `reduce`; n = M = K and the budget of `budget`.
+SIZES = {
+    True: dict(ts=(256, 1024, 4096), n=128, budget=1 * MiB, seconds=2.0),
+    False: dict(ts=(256, 1024, 4096, 16384), n=256, budget=4 * MiB, seconds=4.0),
+}
 
 
 def body(x, y, v):
@@ -97,7 +102,7 @@ def inputs(t: int, k: int) -> tuple:
 
 
 def run_reduce(quick: bool, max_rounds: int, log) -> list[str]:
-    ts = (256, 1024, 4096) if quick else (256, 1024, 4096, 16384)
+    ts, seconds = SIZES[quick]["ts"], SIZES[quick]["seconds"]
     k, chunk = 64, 16
     rows = []
     log("| T | " + " | ".join(f"{n}: temp, ms" for n in PROGRAMS) + " | rounds |")
@@ -113,7 +118,7 @@ def run_reduce(quick: bool, max_rounds: int, log) -> list[str]:
                 PROGRAMS,
                 time_interleaved(
                     [lambda c=c: c(*args) for c in comp.values()],
-                    2.0 if quick else 4.0,
+                    seconds,
                     5,
                     max_rounds,
                 ),
@@ -156,8 +161,8 @@ def outer_sumexp(x, y):
 
 
 def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
-    n = m = k = 128 if quick else 256
-    B = (1 if quick else 4) * MiB
+    n = m = k = SIZES[quick]["n"]
+    B = SIZES[quick]["budget"]
     rng = np.random.default_rng(1)
     x = jnp.asarray(0.1 * rng.standard_normal((n, m), dtype=np.float32))
     y = jnp.asarray(0.1 * rng.standard_normal((k,), dtype=np.float32))
@@ -200,7 +205,7 @@ def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
         for a, b in zip(jax.tree.leaves(values[0]), jax.tree.leaves(v))
     )
     times = time_interleaved(
-        [lambda c=c: c(x, y) for c in grads], 3.0, 5, max_rounds
+        [lambda c=c: c(x, y) for c in grads], SIZES[quick]["seconds"], 5, max_rounds
     )
     vs = [statistics.median(paired_ratios(times[0], t)) for t in times[1:]]
 

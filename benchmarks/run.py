@@ -19,8 +19,9 @@ a second copy of the hand-written program, whose ratio to it is the noise floor.
 - `compile`: lower + compile seconds, the three taking turns, at one cell per body;
 - `eager`: un-jitted forward calls (one wrapper each, called again and again), timed
     side by side at one cell per body, and the traces and compiles JAX reports
-    during repeated calls of ours (0 expected). Un-jitted `jax.grad` traces afresh
-    on every call, ours and hand-written alike: not timed here.
+    during repeated calls of ours (0 expected); for `vmap` and `scan(vmap)` (an
+    un-jitted `lax.map` traces and compiles afresh on every call, and so does an
+    un-jitted `jax.grad`, ours and hand-written alike: not timed here).
 
 Reported: paired ratios (the median of the per-round ratios ours / hand-written, with
 their interquartile range), the twins' ratios, a summary table, and in `--out`
@@ -269,7 +270,7 @@ def measure(sections: list[str], cfg: Config, log: Callable[[str], None]) -> lis
     for kind, body in it.product(sections, BODIES):
         cells = cfg.cells[body] if kind == "run" else [cfg.one_cell[body]]
         transforms = ("forward",) if kind == "eager" else TRANSFORMS
-        nests = cfg.compile_nests if kind == "compile" else NESTS
+        nests = {"compile": cfg.compile_nests, "eager": NESTS[:2]}.get(kind, NESTS)
         for cell, transform, nest in it.product(cells, transforms, nests):
             what = f"{kind} {body} {nest} {transform} {'x'.join(map(str, cell))}"
             if largest_array(body, nest, transform, cell) > cfg.max_elements:
