@@ -394,7 +394,7 @@ def limits(values: list[float]) -> tuple[float, float]:
     """y limits (log scale) that every median within the 5th to 95th percentile,
     the noise band and 1 fit in, with a margin; outliers are not let stretch it."""
     lo, hi = np.percentile(values, [5, 95])
-    return float(lo) / 1.15, float(hi) * 1.15
+    return float(lo) / 1.25, float(hi) * 1.25
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -442,8 +442,8 @@ def plot(rows: list[dict], path: str) -> None:
                 edge = hi if v > hi else lo
                 marker = "^" if v > hi else "v"
                 ax.plot(x, edge, marker, mfc="white", color=f"C{j}", ms=9, clip_on=0)
-                ax.annotate(f"{v:.2f}", (x, edge), xytext=(7, -3), fontsize=8,
-                            textcoords="offset points", color=f"C{j}")
+                ax.annotate(f"{v:.2f}", (x, edge), xytext=(7, -9 if v > hi else 3),
+                            textcoords="offset points", color=f"C{j}", size=8)
         ax.set_yscale("log")
         ax.set_ylim(lo, hi)
         ax.yaxis.set_major_locator(ticker.FixedLocator(ticks(lo, hi)))

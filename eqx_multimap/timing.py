@@ -1,7 +1,12 @@
 """Timing compiled programs side by side, with twins as the noise floor.
 
 The one timing implementation of the project: the planner's measured mode and the
-benchmarks (`benchmarks/`) use it. See [Benchmarks](../benchmarks.md)."""
+scripts in `benchmarks/` use it. Programs are timed round by round, the order
+rotating (`time_interleaved`); two of them are compared by their *paired* ratio,
+the median of the per-round ratios (`paired_ratios`); and a second, separately
+compiled copy of a program (`fresh`, checked with `same_hlo`) timed in the same
+rounds gives the noise floor.
+"""
 
 from ._timing import (
     compile_seconds as compile_seconds,
