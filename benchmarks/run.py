@@ -28,8 +28,8 @@ their interquartile range), the twins' ratios, a summary table, and in `--out`
 (default `benchmarks/results/`) `results.md`, `results.csv` and `ours_vs_hand.png`.
 Nothing passes or fails on a time.
 
-    python benchmarks/run.py --quick     # about a minute on 2 cores
-    python benchmarks/run.py             # about 5 minutes
+    python benchmarks/run.py --quick     # 2 minutes on 2 busy cores
+    python benchmarks/run.py             # 19 minutes on 2 busy cores (18 cells)
     python benchmarks/run.py --sections run --max-elements 1e8
 """
 
@@ -408,8 +408,9 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.ticker as ticker
 
     panels = [p for p in PANELS if any(r["kind"] == p[0] for r in rows)]
+    width = max(11, 0.5 * len({r["cell"] for r in rows}) + 4)
     fig, axes = plt.subplots(
-        len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False
+        len(panels), 1, figsize=(width, 3.6 * len(panels)), squeeze=False
     )
     for ax, (kind, transform, title) in zip(axes[:, 0], panels):
         sub = [
@@ -449,7 +450,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.yaxis.set_major_locator(ticker.FixedLocator(ticks(lo, hi)))
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_locator(ticker.NullLocator())
-        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_xticks(range(len(labels)), labels, size=8, rotation=30, ha="right")
         ax.set_xlim(-0.5, len(labels) - 0.5)
         ax.set_title(f"{title}: ours / hand-written (below 1: ours faster)", size=10)
         ax.grid(axis="y", alpha=0.3)
