@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from . import timing as timing
 from ._dims import Dims as Dims, parse_dims as parse_dims
 from ._errors import ShapeError as ShapeError, SpecError as SpecError
 from ._multi_vmap import (
@@ -20,7 +21,6 @@ from ._reduce import (
 )
 from ._shard import ShardSpec as ShardSpec
 from ._shim import multi_vmap as multi_vmap
-from . import timing as timing
 
 
 __version__ = importlib.metadata.version("eqx_multimap")
