@@ -46,14 +46,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-
-sys.path.insert(0, os.path.dirname(__file__))
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import normalised_hlo, paired_ratio, time_calibrated, time_side_by_side
 from eqx_multimap import explain, filter_multi_vmap, Plan, Planner
+from eqx_multimap.timing import (
+    compiled as _compile,
+    fmt_bytes as _fmt_bytes,
+    normalised_hlo,
+    paired_ratios,
+    time_interleaved,
+)
 
 
 # Each workload: (name, body, options, args(quick), budget fraction of full vmap).
@@ -198,18 +201,6 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
     return out
 
 
-def _compile(fn: Callable, args: tuple) -> Any:
-    return jax.jit(fn).lower(*args).compile()
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def _explain_seconds(fn: Callable, args: tuple) -> tuple[Plan, float]:
     t0 = time.perf_counter()
     plan = explain(fn, *args)
@@ -236,7 +227,7 @@ def run(
         if only is not None and only not in name:
             continue
         full = filter_multi_vmap(body, **kw)
-        full_temp = _compile(full, args).memory_analysis().temp_size_in_bytes
+        full_temp = _compile(full, *args).memory_analysis().temp_size_in_bytes
         budget = max(1024, int(full_temp * fraction))
         auto = filter_multi_vmap(body, plan=planner, memory_budget=budget, **kw)
         # Planning latency: `explain` plans the map and its derivative.
@@ -258,7 +249,7 @@ def run(
         sizes = dict(plan.sizes)
         mapped = {d.name for d in plan.dims}
 
-        auto_compiled = _compile(auto, args)
+        auto_compiled = _compile(auto, *args)
         auto_temp = auto_compiled.memory_analysis().temp_size_in_bytes
         # Every candidate, as a fixed nest; measured memory decides which fit.
         timed: list[tuple[str, Any, int]] = []
@@ -266,15 +257,17 @@ def run(
             fixed = filter_multi_vmap(
                 body, **{**kw, "scan": dict(cand.scan), "vmap": cand.vmap}
             )
-            compiled = _compile(fixed, args)
+            compiled = _compile(fixed, *args)
             temp = compiled.memory_analysis().temp_size_in_bytes
             timed.append((cand.nest(sizes), compiled, temp))
         everyone = timed + [("auto", auto_compiled, auto_temp)]
         # Each timed call follows an untimed one of the same program (`settle`).
-        times = time_side_by_side(
+        times = time_interleaved(
             [lambda fn=fn: fn(*args) for _, fn, _ in everyone],
-            repeats=repeats,
-            settle=1,
+            0.0,
+            min_rounds=repeats,
+            max_rounds=repeats,
+            min_sample=0.0,
         )
         medians = [statistics.median(ts) for ts in times]
         if verbose:
@@ -292,17 +285,16 @@ def run(
         # HLO), whose ratio is the noise floor. Samples of at least 20 ms (several
         # calls of a quick program), every round interleaved.
         twin = timed[same[0]][1] if same else auto_compiled
-        pair = time_calibrated(
+        pair = time_interleaved(
             [
                 lambda: auto_compiled(*args),
                 lambda: timed[best][1](*args),
                 lambda: twin(*args),
             ],
-            budget_s=3.0 if quick else 8.0,
-            max_rounds=4 * confirm,
+            3.0 if quick else 8.0,
             min_rounds=confirm,
-            min_sample_s=0.02,
-            settle=1,
+            max_rounds=4 * confirm,
+            min_sample=0.02,
         )
         base_nest = base_plan.chosen.nest(sizes)
         base = [i for i, (nest, _, _) in enumerate(timed) if nest == base_nest]
@@ -317,8 +309,8 @@ def run(
                 auto_time=auto_time,
                 best_nest=timed[best][0],
                 best_time=medians[best],
-                ratio=paired_ratio(pair[0], pair[1]),
-                noise=paired_ratio(pair[2], pair[0]),
+                ratio=statistics.median(paired_ratios(pair[0], pair[1])),
+                noise=statistics.median(paired_ratios(pair[2], pair[0])),
                 fastest_nest=timed[fastest][0],
                 fastest_time=medians[fastest],
                 n_fit=len(fitting),

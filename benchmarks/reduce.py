@@ -1,55 +1,61 @@
-"""A sum over a mapped dim: `reduce={"T": "sum"}` against materialise-then-sum and
-against a hand-written `lax.scan` with a carry.
+"""Memory and reductions: `reduce={"T": "sum"}` against materialise-then-sum and a
+hand-written `lax.scan` with a carry; and the memory of a derivative under a budget.
 
-The body, for one element `t`, is `softmax(outer(x_t, y_t), axis=1) @ v`: a `(K, M)`
-intermediate that XLA materialises (`K = M = 64`: 16 KiB per element), summed over
-`T`. Per `T`, five programs are compiled, then timed side by side, interleaved round
-by round, with `jax.block_until_ready`:
+Section `reduce`: the body, for one element `t`, is `softmax(outer(x_t, y_t),
+axis=1) @ v`, a `(K, M)` intermediate that XLA materialises (`K = M = 64`: 16 KiB
+per element), summed over `T`. Per `T`, five programs are built afresh and compiled,
+then timed side by side (`eqx_multimap.timing.time_interleaved`):
 
 - `reduced scan`: `filter_multi_vmap(..., reduce={"T": "sum"}, scan="T")`;
-- `reduced chunk`: the same with `scan={"T": k}` (a vmap over `k` times inside);
-- `materialise`: `filter_multi_vmap(..., out_dims="T K")` (vmap over `T`), then
-    `.sum(0)`: what summing over a mapped dim took before `reduce=`;
+- `reduced chunk`: the same with `scan={"T": 16}` (a vmap over 16 inside);
+- `materialise`: `filter_multi_vmap(..., out_dims="T K")`, then `.sum(0)`;
 - `hand scan`: `lax.scan(lambda c, e: (c + body(*e), None), zeros, (x, y))`;
-- `hand twin`: a second, separately compiled copy of `hand scan` (the same
-    optimised HLO): its ratio to `hand scan` is the noise floor.
+- `hand twin`: a second copy of `hand scan`, its ratio to it the noise floor.
 
-Reported per `T`: the compiled temporaries (`memory_analysis().temp_size_in_bytes`),
-the median times, and paired ratios (the median of the per-round time ratios of two
-programs timed in the same rounds, with their interquartile range); and whether the
-optimised HLO of `reduced scan` is identical to `hand scan`'s.
+Reported: compiled temporaries (`memory_analysis().temp_size_in_bytes`), median
+times, paired ratios (median and interquartile range of per-round ratios), and
+whether `reduced scan` has the optimised HLO of `hand scan`.
+
+Section `budget`: `sum(exp(outer(x, y)) @ y)` per row of `x` (a big intermediate
+per element, a scalar out) with `plan=Planner(), memory_budget=B`: the compiled
+temporaries of the forward pass, of `jit(grad(sum of f))` and of
+`jit(value_and_grad(...))` against `B`; for comparison the gradient of a fixed nest
+with the forward plan's `scan`/`vmap` (no planning for the backward pass) and of full
+vmap; then the three gradients' times, side by side.
 
     python benchmarks/reduce.py --quick     # T in {256, 1024, 4096}: under a minute
     python benchmarks/reduce.py             # T up to 16384
-    python benchmarks/reduce.py --full      # T up to 32768 (512 MiB materialised)
 """
 
 import argparse
-import dataclasses
 import os
-import sys
+import statistics
 import time
-from collections.abc import Callable
-
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from _timing import (
+import numpy as np
+from eqx_multimap import explain, filter_multi_vmap, Planner
+from eqx_multimap.timing import (
     compiled,
-    distinct,
     fmt_bytes,
+    fmt_ratios,
     fresh,
-    median,
-    normalised_hlo,
     paired_ratios,
-    quartiles,
-    ratio_spread,
-    time_calibrated,
+    same_hlo,
+    temp_bytes,
+    time_interleaved,
 )
-from eqx_multimap import filter_multi_vmap
+
+
+SECTIONS = ("reduce", "budget")
+MiB = 2**20
+# Per mode (quick or not): the T of `reduce`; n = M = K and the budget of `budget`.
+SIZES = {
+    True: dict(ts=(256, 1024, 4096), n=128, budget=1 * MiB, seconds=2.0),
+    False: dict(ts=(256, 1024, 4096, 16384), n=256, budget=4 * MiB, seconds=4.0),
+}
 
 
 def body(x, y, v):
@@ -59,9 +65,15 @@ def body(x, y, v):
 
 DIMS = dict(in_dims=("T K", "T M", "M"), core="K")
 PROGRAMS = ("reduced scan", "reduced chunk", "materialise", "hand scan", "hand twin")
+PAIRS = (
+    ("reduced scan", "hand scan"),
+    ("reduced chunk", "hand scan"),
+    ("reduced scan", "materialise"),
+    ("hand twin", "hand scan"),
+)
 
 
-def make_programs(k: int) -> dict[str, Callable]:
+def make_programs(chunk: int) -> dict:
     """Every program, built afresh (new function objects, compiled on their own)."""
     fun = fresh(body)
 
@@ -72,165 +84,170 @@ def make_programs(k: int) -> dict[str, Callable]:
         return lax.scan(step, jnp.zeros(x.shape[1:], x.dtype), (x, y))[0]
 
     stacked = filter_multi_vmap(fun, out_dims="T K", **DIMS)
+    reduced = dict(out_dims="K", reduce={"T": "sum"}, **DIMS)
     return {
-        "reduced scan": filter_multi_vmap(
-            fun, out_dims="K", reduce={"T": "sum"}, scan="T", **DIMS
-        ),
-        "reduced chunk": filter_multi_vmap(
-            fun, out_dims="K", reduce={"T": "sum"}, scan={"T": k}, **DIMS
-        ),
+        "reduced scan": filter_multi_vmap(fun, scan="T", **reduced),
+        "reduced chunk": filter_multi_vmap(fun, scan={"T": chunk}, **reduced),
         "materialise": lambda x, y, v: stacked(x, y, v).sum(0),
         "hand scan": hand_scan,
         "hand twin": fresh(hand_scan),
     }
 
 
-def inputs(t: int, k: int, m: int) -> tuple:
-    keys = jax.random.split(jax.random.key(0), 3)
-    x = 0.3 * jax.random.normal(keys[0], (t, k), jnp.float32)
-    y = 0.3 * jax.random.normal(keys[1], (t, m), jnp.float32)
-    v = jax.random.normal(keys[2], (m,), jnp.float32)
-    return x, y, v
+def inputs(t: int, k: int) -> tuple:
+    rng = np.random.default_rng(0)
+    x, y = (0.3 * rng.standard_normal((t, k), dtype=np.float32) for _ in "xy")
+    v = rng.standard_normal(k, dtype=np.float32)
+    return jnp.asarray(x), jnp.asarray(y), jnp.asarray(v)
 
 
-@dataclasses.dataclass
-class Config:
-    ts: tuple[int, ...]
-    k: int = 64  # K = M
-    chunk: int = 16
-    max_rounds: int = 15
-    min_rounds: int = 5
-    cell_budget_s: float = 2.0
-
-
-def make_config(args) -> Config:
-    if args.quick:
-        cfg = Config(ts=(256, 1024, 4096), max_rounds=15, cell_budget_s=2.0)
-    elif args.full:
-        ts = (256, 1024, 4096, 16384, 32768)
-        cfg = Config(ts=ts, max_rounds=31, cell_budget_s=8.0)
-    else:
-        cfg = Config(ts=(256, 1024, 4096, 16384), max_rounds=21, cell_budget_s=4.0)
-    if args.repeats:
-        cfg.max_rounds = args.repeats
-    return cfg
-
-
-def run_cell(t: int, cfg: Config) -> dict:
-    """Compile every program for `T = t`, read their temporaries, time them."""
-    args = inputs(t, cfg.k, cfg.k)
-    programs = make_programs(cfg.chunk)
-    comp = {name: compiled(fn, *args) for name, fn in programs.items()}
-    temps = {
-        name: int(c.memory_analysis().temp_size_in_bytes) for name, c in comp.items()
-    }
-    if not distinct(comp["reduced scan"], comp["hand scan"]):
-        raise AssertionError("the HLO check must compare two compiled programs")
-    same_hlo = normalised_hlo(comp["reduced scan"]) == normalised_hlo(comp["hand scan"])
-    names = list(PROGRAMS)
-    times = time_calibrated(
-        [lambda c=comp[n]: c(*args) for n in names],
-        budget_s=cfg.cell_budget_s,
-        max_rounds=cfg.max_rounds,
-        min_rounds=cfg.min_rounds,
-    )
-    t_of = dict(zip(names, times))
-    return dict(
-        T=t,
-        temps=temps,
-        ms={n: 1e3 * median(ts) for n, ts in t_of.items()},
-        ratios={
-            "reduced scan / hand scan": paired_ratios(
-                t_of["reduced scan"], t_of["hand scan"]
-            ),
-            "reduced chunk / hand scan": paired_ratios(
-                t_of["reduced chunk"], t_of["hand scan"]
-            ),
-            "reduced scan / materialise": paired_ratios(
-                t_of["reduced scan"], t_of["materialise"]
-            ),
-            "hand twin / hand scan": paired_ratios(
-                t_of["hand twin"], t_of["hand scan"]
-            ),
-        },
-        same_hlo=same_hlo,
-        rounds=len(times[0]),
-    )
-
-
-def run(cfg: Config, log: Callable[[str], None]) -> list[dict]:
+def run_reduce(quick: bool, max_rounds: int, log) -> list[str]:
+    ts, seconds = SIZES[quick]["ts"], SIZES[quick]["seconds"]
+    k, chunk = 64, 16
     rows = []
-    log("\n## Compiled temporaries and median times\n")
-    header = " | ".join(f"{n} temp | {n} (ms)" for n in PROGRAMS)
-    log(f"| T | {header} | rounds |")
-    log("|---:|" + "---:|---:|" * len(PROGRAMS) + "---:|")
-    for t in cfg.ts:
-        r = run_cell(t, cfg)
-        rows.append(r)
+    log("| T | " + " | ".join(f"{n}: temp, ms" for n in PROGRAMS) + " | rounds |")
+    log("|---:|" + "---:|" * len(PROGRAMS) + "---:|")
+    for t in ts:
+        args = inputs(t, k)
+        comp = {n: compiled(fn, *args) for n, fn in make_programs(chunk).items()}
+        outs = [np.asarray(c(*args)) for c in comp.values()]
+        if not all(np.allclose(o, outs[-1], rtol=1e-4, atol=1e-4) for o in outs):
+            raise AssertionError(f"the programs disagree at T={t}")
+        times = dict(
+            zip(
+                PROGRAMS,
+                time_interleaved(
+                    [lambda c=c: c(*args) for c in comp.values()],
+                    seconds,
+                    5,
+                    max_rounds,
+                ),
+            )
+        )
+        temps = {n: temp_bytes(c) for n, c in comp.items()}
+        ratios = {f"{a} / {b}": paired_ratios(times[a], times[b]) for a, b in PAIRS}
+        same = same_hlo(comp["reduced scan"], comp["hand scan"])
+        rows.append(dict(T=t, temps=temps, ratios=ratios, same=same))
         cells = " | ".join(
-            f"{fmt_bytes(r['temps'][n])} | {r['ms'][n]:.3f}" for n in PROGRAMS
+            f"{fmt_bytes(temps[n])}, {1e3 * statistics.median(times[n]):.3f}"
+            for n in PROGRAMS
         )
-        log(f"| {t} | {cells} | {r['rounds']} |")
-    log("\n## Paired ratios, median (IQR)\n")
-    pairs = list(rows[0]["ratios"]) if rows else []
-    log("| T | " + " | ".join(pairs) + " | same HLO (reduced scan, hand scan) |")
-    log("|---:|" + "---|" * len(pairs) + "---|")
+        log(f"| {t} | {cells} | {len(times['hand scan'])} |")
+    log("\n| T | " + " | ".join(rows[0]["ratios"]) + " | same HLO |")
+    log("|---:|" + "---|" * (len(PAIRS) + 1))
     for r in rows:
-        cells = " | ".join(ratio_spread(r["ratios"][p]) for p in pairs)
-        log(f"| {r['T']} | {cells} | {'yes' if r['same_hlo'] else 'no'} |")
-    return rows
-
-
-def summary_lines(rows: list[dict], cfg: Config) -> list[str]:
-    """The answers, computed from the rows."""
-    if not rows:
-        return ["no cells"]
+        cells = " | ".join(fmt_ratios(v) for v in r["ratios"].values())
+        log(f"| {r['T']} | {cells} | {'yes' if r['same'] else 'no'} |")
     lo, hi = rows[0], rows[-1]
-    lines = []
-    for name in ("reduced scan", "reduced chunk", "materialise", "hand scan"):
-        growth = hi["temps"][name] / max(lo["temps"][name], 1)
-        lines.append(
-            f"temp bytes, {name}: {fmt_bytes(lo['temps'][name])} at T={lo['T']}, "
-            f"{fmt_bytes(hi['temps'][name])} at T={hi['T']} (x{growth:.1f})"
-        )
+    lines = [
+        f"temp bytes, {n}: {fmt_bytes(lo['temps'][n])} at T={lo['T']}, "
+        f"{fmt_bytes(hi['temps'][n])} at T={hi['T']}"
+        for n in PROGRAMS[:4]
+    ]
     for pair in rows[0]["ratios"]:
         per_t = ", ".join(
-            f"T={r['T']}: {quartiles(r['ratios'][pair])[1]:.2f}" for r in rows
+            f"T={r['T']}: {statistics.median(r['ratios'][pair]):.2f}" for r in rows
         )
         lines.append(f"time, {pair} (paired median): {per_t}")
-    same = sum(r["same_hlo"] for r in rows)
     lines.append(
-        f"optimised HLO of reduced scan identical to hand scan's: {same} of "
-        f"{len(rows)} T (K = M = {cfg.k}, chunk {cfg.chunk})"
+        f"optimised HLO of reduced scan identical to hand scan's: "
+        f"{sum(r['same'] for r in rows)} of {len(rows)} T (K = M = {k}, chunk {chunk})"
     )
     return lines
 
 
-def main(argv=None, cfg: Config | None = None) -> int:
+def outer_sumexp(x, y):
+    return jnp.sum(jnp.exp(jnp.outer(x, y)) @ y)  # x: (M,), y: (K,)
+
+
+def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
+    n = m = k = SIZES[quick]["n"]
+    B = SIZES[quick]["budget"]
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(0.1 * rng.standard_normal((n, m), dtype=np.float32))
+    y = jnp.asarray(0.1 * rng.standard_normal((k,), dtype=np.float32))
+    dims = dict(in_dims=("N M", None), out_dims="N")
+    planned = filter_multi_vmap(outer_sumexp, **dims, plan=Planner(), memory_budget=B)
+    plan = explain(planned, x, y)
+    assert plan.gradient is not None
+    sizes = dict(plan.sizes)
+    fixed = filter_multi_vmap(
+        fresh(outer_sumexp), **dims, scan=plan.scan, vmap=plan.vmap
+    )
+    vmapped = filter_multi_vmap(fresh(outer_sumexp), **dims, vmap="N")
+
+    def grad(f):
+        return jax.grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))
+
+    def value_and_grad(f):
+        return jax.value_and_grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))
+
+    fwd, bwd = plan.chosen.nest(sizes), plan.gradient.chosen.nest(sizes)
+    programs = {
+        "forward, planned": (fwd, planned),
+        "jit(grad(sum of f)), planned": (bwd, grad(planned)),
+        "jit(value_and_grad(sum of f)), planned": (bwd, value_and_grad(planned)),
+        "jit(grad), the forward plan's nest": (fwd, grad(fixed)),
+        "jit(grad), full vmap": (f"vmap(N={n})", grad(vmapped)),
+    }
+    comp = {what: compiled(fn, x, y) for what, (_, fn) in programs.items()}
+    temps = {what: temp_bytes(c) for what, c in comp.items()}
+    log(f"\n`plan=Planner(), memory_budget={B}` ({fmt_bytes(B)}), x ({n}, {m})")
+    log("\n| program | nest | temp | temp / budget |\n|---|---|---:|---:|")
+    for what, (nest, _) in programs.items():
+        log(f"| {what} | {nest} | {fmt_bytes(temps[what])} | {temps[what] / B:.2f} |")
+    names = list(programs)
+    grads = [comp[names[i]] for i in (1, 3, 4)]  # planned, fixed, full vmap
+    values = [c(x, y) for c in grads]
+    agree = all(
+        np.allclose(a, b, rtol=1e-4, atol=1e-6)
+        for v in values[1:]
+        for a, b in zip(jax.tree.leaves(values[0]), jax.tree.leaves(v))
+    )
+    times = time_interleaved(
+        [lambda c=c: c(x, y) for c in grads], SIZES[quick]["seconds"], 5, max_rounds
+    )
+    vs = [statistics.median(paired_ratios(times[0], t)) for t in times[1:]]
+
+    def of(what: str) -> str:
+        return f"{fmt_bytes(temps[what])} ({temps[what] / B:.2f} B)"
+
+    return [
+        f"budget: B = {fmt_bytes(B)}: planned grad {of(names[1])}, "
+        f"value_and_grad {of(names[2])}, forward {of(names[0])}; "
+        f"grad without backward planning {of(names[3])}, full vmap grad "
+        f"{of(names[4])}; planned grad time / forward plan's nest's "
+        f"{vs[0]:.2f}, / full vmap's {vs[1]:.2f} (paired); gradients agree: "
+        f"{'yes' if agree else 'NO'}"
+    ]
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="T in {256, 1024, 4096}")
-    size.add_argument("--full", action="store_true", help="T up to 32768")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes")
     parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
+    parser.add_argument("--sections", default="reduce,budget", help="a subset")
     args = parser.parse_args(argv)
-    cfg = cfg or make_config(args)
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
-    log(
+    sections = [s for s in args.sections.split(",") if s]
+    if not sections or set(sections) - set(SECTIONS):
+        parser.error(f"--sections: choose from {', '.join(SECTIONS)}")
+    max_rounds = args.repeats or (15 if args.quick else 21)
+    print(
         f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} "
-        f"cores); T in {list(cfg.ts)}, K = M = {cfg.k}, up to {cfg.max_rounds} "
-        "rounds per T"
+        f"cores), {'quick' if args.quick else 'default'} mode, up to {max_rounds} "
+        "rounds",
+        flush=True,
     )
     start = time.perf_counter()
-    rows = run(cfg, log)
-    log(f"\nSummary (Total: {time.perf_counter() - start:.0f} s)\n")
-    for line in summary_lines(rows, cfg):
-        log(line)
+    lines = []
+    for section in sections:
+        run = run_reduce if section == "reduce" else run_budget
+        lines += run(args.quick, max_rounds, lambda s: print(s, flush=True))
+    print(f"\nSummary (Total: {time.perf_counter() - start:.0f} s)\n")
+    print("\n".join(lines))
     return 0
 
 

@@ -4,10 +4,13 @@ The same per-element function (a 2x2 matrix product with transcendentals, over
 `vis: "T F B 2 2"` and `nu: "F"`) is run twice for each device count `n`: unsharded
 on one device, and with `shard={"F": "d"}` over a mesh of the first `n` devices
 (inputs placed with their sharding beforehand, as they would be in real use). Both
-programs are compiled first, then timed side by side, interleaved, with
-`jax.block_until_ready`. Reported: the medians, and the median of the per-round time
-ratios sharded / unsharded (below 1 means that sharding is faster), plus the number of
-collectives in the sharded program (a pure map should have none).
+programs, and a second, separately compiled copy of the unsharded one (its *twin*,
+whose ratio to it is the noise floor), are compiled first, then timed side by side
+with `eqx_multimap.timing.time_interleaved` (rounds interleaved, samples settled).
+Reported: the medians, the paired ratios sharded / unsharded (the median and
+interquartile range of the per-round ratios; below 1, sharding is faster) and twin /
+unsharded, and the number of collectives in the sharded program (a pure map should
+have none).
 
 The devices are *simulated*: `--xla_force_host_platform_device_count=8` makes XLA
 treat one CPU as 8 devices, and they all share this machine's physical cores. So:
@@ -23,22 +26,27 @@ treat one CPU as 8 devices, and they all share this machine's physical cores. So
 """
 
 import os
-import sys
 
 
 # Must be set before JAX initialises its backends.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-sys.path.insert(0, os.path.dirname(__file__))
 
 import argparse
 import re
+import statistics
 
 import jax
 import jax.numpy as jnp
-from _timing import compiled, median, paired_ratio, time_side_by_side
 from eqx_multimap import filter_multi_vmap
+from eqx_multimap.timing import (
+    compiled,
+    fmt_ratios,
+    fresh,
+    paired_ratios,
+    time_interleaved,
+)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
@@ -60,12 +68,12 @@ NESTS = {
 }
 
 
-def make(nest: str, mesh=None):
+def make(nest: str, mesh=None, fn=body):
     kw = dict(in_dims={"vis": "T F B 2 2", "nu": "F"}, out_dims="T F B 2 2")
     kw.update(NESTS[nest])
     if mesh is not None:
         kw.update(shard={"F": "d"}, mesh=mesh)
-    return filter_multi_vmap(body, **kw)
+    return filter_multi_vmap(fn, **kw)
 
 
 def main(argv=None) -> int:
@@ -94,11 +102,12 @@ def main(argv=None) -> int:
     print()
     print(
         "| devices | nest | unsharded (ms) | sharded (ms) | sharded / unsharded "
-        "| collectives |"
+        "| twin / unsharded (noise) | collectives |"
     )
-    print("|---:|---|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---|---|---:|")
     for nest in NESTS:
         unsharded = compiled(make(nest), vis1, nu1)
+        twin = compiled(make(nest, fn=fresh(body)), vis1, nu1)
         for n in (1, 2, 4, 8):
             mesh = jax.make_mesh(
                 (n,), ("d",), axis_types=(AxisType.Auto,), devices=devices[:n]
@@ -110,13 +119,21 @@ def main(argv=None) -> int:
             out_s, out_u = sharded(vis_n, nu_n), unsharded(vis1, nu1)
             err = float(jnp.max(jnp.abs(jax.device_get(out_s) - jax.device_get(out_u))))
             assert err < 1e-5, err
-            t_u, t_s = time_side_by_side(
-                [lambda: unsharded(vis1, nu1), lambda: sharded(vis_n, nu_n)],
-                repeats=repeats,
+            t_u, t_s, t_t = time_interleaved(
+                [
+                    lambda: unsharded(vis1, nu1),
+                    lambda: sharded(vis_n, nu_n),
+                    lambda: twin(vis1, nu1),
+                ],
+                seconds=1.0,
+                min_rounds=repeats,
+                max_rounds=repeats,
             )
+            ms_u, ms_s = (1e3 * statistics.median(t) for t in (t_u, t_s))
             print(
-                f"| {n} | {nest} | {1e3 * median(t_u):.2f} | {1e3 * median(t_s):.2f} "
-                f"| {paired_ratio(t_s, t_u):.2f} | {n_coll} |",
+                f"| {n} | {nest} | {ms_u:.2f} | {ms_s:.2f} "
+                f"| {fmt_ratios(paired_ratios(t_s, t_u))} "
+                f"| {fmt_ratios(paired_ratios(t_t, t_u))} | {n_coll} |",
                 flush=True,
             )
     print()

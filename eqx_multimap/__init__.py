@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from . import timing as timing
 from ._dims import Dims as Dims, parse_dims as parse_dims
 from ._errors import ShapeError as ShapeError, SpecError as SpecError
 from ._multi_vmap import (

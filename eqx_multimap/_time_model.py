@@ -8,8 +8,8 @@ constants: [`calibrate`][] measures them with a short micro-benchmark (a matmul,
 memory), which the planner runs once per backend and device kind and keeps in its
 disk cache.
 
-[`concrete_inputs`][] and [`time_interleaved`][] run compiled programs on fresh
-arrays of given shapes and dtypes, for the planner's measured mode.
+[`concrete_inputs`][] makes fresh arrays of given shapes and dtypes, on which the
+planner's measured mode times compiled programs (with `_timing.time_interleaved`).
 """
 
 import ctypes
@@ -27,29 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import traceback_util
 
+from ._timing import (
+    compiled as compile_program,
+    fmt_bytes as fmt_bytes,
+    fmt_seconds as fmt_seconds,
+    time_interleaved as _time_interleaved,
+)
+
 
 traceback_util.register_exclusion(__file__)
 
 
 DEFAULT_SOURCE = "default constants, set by hand for one 2-core x86-64"
-
-
-def fmt_bytes(n: int | float) -> str:
-    """`512 B`, `1.5 KiB`, `2.0 GiB`."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def fmt_seconds(s: float) -> str:
-    """`3.1 ms`, `250 us`, `1.20 s`."""
-    if s >= 1.0:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} us"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,52 +241,12 @@ def concrete_inputs(specs: Any) -> Any:
 def time_interleaved(
     fns: Sequence[Callable[[], Any]],
     seconds: float,
-    min_rounds: int = 3,
-    max_rounds: int = 15,
-    min_sample: float = 2e-3,
-    drop_above: float = 1.25,
     on_round: Callable[[int, int], None] | None = None,
 ) -> list[list[float]]:
-    """Time thunks side by side; the seconds per call of every round, per thunk.
-
-    One untimed call of each (which also warms up) sets how many calls make one
-    timed sample (so that the quickest thunk's sample takes at least `min_sample`)
-    and how many rounds fit in about `seconds` (within `[min_rounds, max_rounds]`).
-    Each round runs every thunk once, the order rotating from round to round, so
-    that machine noise hits all of them alike. Each timed sample follows an untimed
-    call of the same thunk: the first call after another program pays for that
-    program's leftovers (the heap it trimmed, the caches it filled), which a caller
-    calling one program repeatedly does not; with big buffers this holds for calls
-    of tens of milliseconds too. From the third round on, a thunk whose best time is
-    above `drop_above` times the best of all is no longer timed (it keeps the times
-    it has)."""
-    firsts = []
-    for fn in fns:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        firsts.append(time.perf_counter() - t0)
-    number = max(1, math.ceil(min_sample / max(min(firsts), 1e-9)))
-    settle = 1
-    per_round = (number + settle) * sum(firsts)
-    rounds = max(min_rounds, min(max_rounds, int(seconds / max(per_round, 1e-9))))
-    times: list[list[float]] = [[] for _ in fns]
-    active = list(range(len(fns)))
-    for r in range(rounds):
-        if on_round is not None:
-            on_round(r, rounds)
-        if r >= 2:
-            best = min(min(times[i]) for i in active)
-            active = [i for i in active if min(times[i]) <= drop_above * best]
-        n = len(active)
-        for k in range(n):
-            i = active[(k + r) % n]
-            for _ in range(settle):
-                jax.block_until_ready(fns[i]())
-            t0 = time.perf_counter()
-            for _ in range(number):
-                jax.block_until_ready(fns[i]())
-            times[i].append((time.perf_counter() - t0) / number)
-    return times
+    """The planner's measured mode: `_timing.time_interleaved` of the candidates'
+    thunks for about `seconds`, each sample settled, and candidates more than 1.25x
+    slower than the fastest no longer timed from the third round on."""
+    return _time_interleaved(fns, seconds, drop_above=1.25, on_round=on_round)
 
 
 #
@@ -306,19 +255,15 @@ def time_interleaved(
 
 
 def _best_of(fn: Callable[[], Any], repeats: int) -> float:
-    jax.block_until_ready(fn())
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """The quickest of `repeats` timed calls, after one untimed call."""
+    times = _time_interleaved([fn], 0.0, repeats, repeats, min_sample=0.0, settle=0)
+    return min(times[0])
 
 
 def _rate(fn: Callable, specs: list, key: str, repeats: int = 5) -> float | None:
     """XLA's `cost_analysis()[key]` of `fn` over the seconds it takes (best of
     `repeats`), or `None` if either is unavailable."""
-    compiled = jax.jit(fn).lower(*specs).compile()
+    compiled = compile_program(fn, *specs)
     ca = compiled.cost_analysis()
     if isinstance(ca, (list, tuple)):
         ca = ca[0] if ca else {}
@@ -344,7 +289,7 @@ def _loop_overhead(trips: int = 2048) -> float | None:
         return jax.lax.scan(step, jnp.zeros((), xs.dtype), xs)[1]
 
     spec = jax.ShapeDtypeStruct((trips, 16), jnp.float32)
-    compiled = jax.jit(steps).lower(spec).compile()
+    compiled = compile_program(steps, spec)
     args = concrete_inputs(spec)
     seconds = _best_of(lambda: compiled(args), 5)
     return seconds / trips if seconds > 0 else None

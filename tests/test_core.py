@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import jax.test_util as jtu_test
 import numpy as np
 import pytest
-from eqx_multimap import filter_multi_vmap, SpecError
+from eqx_multimap import filter_multi_vmap, SpecError, timing
 from eqx_multimap._blocks import describe_nest, NestSpec
 from hypothesis import given, settings
 
-from .helpers import load_benchmark, loop_reference, tree_allclose
+from .helpers import loop_reference, tree_allclose
 
 
 def _rand(shape, seed=0, dtype=np.float32):
@@ -309,8 +309,7 @@ def test_scan_lowers_to_loop():
 
 
 def _optimised_hlo(fn, *args) -> str:
-    timing = load_benchmark("_timing")
-    return timing.normalised_hlo(jax.jit(fn).lower(*args).compile())
+    return timing.normalised_hlo(timing.compiled(fn, *args))
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only workaround")

@@ -14,9 +14,9 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqx_multimap import explain, filter_multi_vmap, Planner
+from eqx_multimap import explain, filter_multi_vmap, Planner, timing
 
-from .helpers import load_benchmark, loop_reference
+from .helpers import loop_reference
 
 
 def _rand(shape, seed=0, scale=1.0):
@@ -25,8 +25,7 @@ def _rand(shape, seed=0, scale=1.0):
 
 
 def _hlo(fn, *args) -> str:
-    timing = load_benchmark("_timing")
-    return timing.normalised_hlo(jax.jit(fn).lower(*args).compile())
+    return timing.normalised_hlo(timing.compiled(fn, *args))
 
 
 def _cheap(a):

@@ -1,0 +1,146 @@
+"""`eqx_multimap.timing`: the interleaving order, the calibration of calls per sample
+and of rounds, and the ratio and formatting helpers, with a fake clock (no real
+times), and the twin and HLO helpers on real compiled programs."""
+
+import jax.numpy as jnp
+import pytest
+
+from eqx_multimap import timing
+
+
+class FakeClock:
+    """A clock that only moves when a fake program runs."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.calls: list[str] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def program(self, name: str, seconds: float):
+        def thunk():
+            self.calls.append(name)
+            self.now += seconds
+
+        return thunk
+
+
+def test_rounds_rotate_the_order_and_settle_each_sample():
+    clock = FakeClock()
+    fns = [clock.program(n, 2**-6) for n in "abc"]
+    times = timing.time_interleaved(
+        fns, seconds=0.0, min_rounds=3, max_rounds=3, settle=1, clock=clock
+    )
+    # One untimed call each, then per round every thunk once (settled: twice),
+    # round r starting from the r-th thunk.
+    rounds = ["aabbcc", "bbccaa", "ccaabb"]
+    assert clock.calls == list("abc") + [c for r in rounds for c in r]
+    assert times == [[2**-6] * 3] * 3
+
+
+def test_calls_per_sample_and_rounds_follow_the_first_calls():
+    clock = FakeClock()
+    fns = [clock.program("quick", 1e-3), clock.program("slow", 4e-3)]
+    times = timing.time_interleaved(
+        fns, seconds=0.2, min_sample=5e-3, settle=0, max_rounds=100, clock=clock
+    )
+    # 5 calls per sample make the quickest sample 5 ms; a round is 5 x 5 ms.
+    assert clock.calls.count("quick") == 1 + 5 * 8
+    assert times == [[pytest.approx(1e-3)] * 8, [pytest.approx(4e-3)] * 8]
+
+
+def test_rounds_stay_within_their_bounds():
+    for seconds, expected in ((0.0, 4), (1e3, 6)):
+        clock = FakeClock()
+        times = timing.time_interleaved(
+            [clock.program("a", 0.01)],
+            seconds=seconds,
+            min_rounds=4,
+            max_rounds=6,
+            clock=clock,
+        )
+        assert len(times[0]) == expected
+
+
+def test_drop_above_stops_timing_slow_thunks_after_two_rounds():
+    clock = FakeClock()
+    fns = [clock.program("fast", 0.01), clock.program("slow", 0.02)]
+    times = timing.time_interleaved(
+        fns, 0.0, min_rounds=5, max_rounds=5, settle=0, drop_above=1.25, clock=clock
+    )
+    assert len(times[0]) == 5 and len(times[1]) == 2
+    on = []
+    timing.time_interleaved(
+        [clock.program("a", 0.01)],
+        0.0,
+        min_rounds=2,
+        max_rounds=2,
+        on_round=lambda r, n: on.append((r, n)),
+        clock=clock,
+    )
+    assert on == [(0, 2), (1, 2)]
+
+
+def test_compile_seconds_builds_fresh_programs_in_rotating_turns():
+    clock = FakeClock()
+    made = []
+
+    def maker(name):
+        def make():
+            made.append(name)
+            clock.now += 1.0 if name == "a" else 2.0
+            return lambda x: x + len(made)  # a new function object every time
+
+        return make
+
+    out = timing.compile_seconds(
+        [maker("a"), maker("b")], (jnp.ones(3),), repeats=2, clock=clock
+    )
+    assert made == ["a", "b", "a", "b", "b", "a"]
+    # The making is not timed, only the lower + compile (which the fake clock
+    # does not see).
+    assert out == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_ratios_and_quartiles():
+    assert timing.paired_ratios([2.0, 6.0, 3.0], [1.0, 2.0, 3.0]) == [2.0, 3.0, 1.0]
+    assert timing.quartiles([5.0]) == (5.0, 5.0, 5.0)
+    assert timing.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
+    assert timing.fmt_ratios([1.0, 2.0, 3.0, 4.0, 5.0]) == "3.00 (2.00 to 4.00)"
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 B"), (512, "512 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB")]
+    + [(2**30, "1.0 GiB"), (5 * 2**40, "5120.0 GiB"), (-2048, "-2.0 KiB")],
+)
+def test_fmt_bytes(n, text):
+    assert timing.fmt_bytes(n) == text
+
+
+@pytest.mark.parametrize(
+    "s, text",
+    [(2.5e-4, "250 us"), (3.14e-3, "3.14 ms"), (0.25, "250 ms"), (1.2, "1.20 s")],
+)
+def test_fmt_seconds(s, text):
+    assert timing.fmt_seconds(s) == text
+
+
+def _program(x):
+    return jnp.sin(x) * 2
+
+
+def test_twins_are_separate_executables_with_the_same_hlo():
+    x = jnp.ones((4, 3), jnp.float32)
+    a = timing.compiled(_program, x)
+    again = timing.compiled(_program, x)
+    twin = timing.compiled(timing.fresh(_program), x)
+    other = timing.compiled(lambda x: jnp.cos(x) * 2, x)
+    assert again.runtime_executable() is a.runtime_executable()
+    assert timing.same_hlo(a, twin)
+    assert not timing.same_hlo(a, other)
+    with pytest.raises(ValueError, match="one executable twice"):
+        timing.same_hlo(a, again)
+    assert timing.temp_bytes(a) >= 0
+    assert timing.fresh(_program)(x).shape == (4, 3)
