@@ -158,9 +158,10 @@ def _jaxprs_in(value: Any) -> list[Any]:
 def _sub_jaxprs(eqn: Any) -> list[Any]:
     """Every jaxpr in an equation's parameters (calls, branches, loop bodies).
 
-    Not those of Python callables, such as `custom_vjp`'s backward rule or
-    `custom_jvp`'s JVP rule: they run only under differentiation, which our nest
-    does around the body's own (`mapped_function`)."""
+    Not the jaxprs that Python callables in them would trace to: `custom_jvp`'s JVP
+    rule, `custom_vjp`'s forward and backward rules run only under differentiation,
+    and a collective that only they use is not seen here (JAX then reports the
+    unbound axis name)."""
     return [j for value in eqn.params.values() for j in _jaxprs_in(value)]
 
 
@@ -321,10 +322,13 @@ def trace_body(
     # of the `shard_map` rejects a cotangent whose mesh is not its primal's).
     mesh = shard.mesh.abstract_mesh if isinstance(shard.mesh, Mesh) else shard.mesh
     manual = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
+    replicated = NamedSharding(manual, PartitionSpec())
+
     def on_mesh(specs: list[jax.ShapeDtypeStruct]) -> list[jax.ShapeDtypeStruct]:
-        sharding = NamedSharding(manual, PartitionSpec())
         return [
-            jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type, sharding=sharding)
+            jax.ShapeDtypeStruct(
+                s.shape, s.dtype, weak_type=s.weak_type, sharding=replicated
+            )
             for s in specs
         ]
 
@@ -427,7 +431,9 @@ def _reads(jaxpr: Any, maps: dict[Any, frozenset]) -> bool:
     know) is a kernel of its own, whose outputs read nothing.
     """
     for eqn in jaxpr.eqns:
-        ins = [(i, maps[v]) for i, v in enumerate(eqn.invars) if _is_var(v) and v in maps]
+        ins = [
+            (i, maps[v]) for i, v in enumerate(eqn.invars) if _is_var(v) and v in maps
+        ]
         if not ins:
             continue
         name = eqn.primitive.name

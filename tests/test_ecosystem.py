@@ -243,6 +243,14 @@ def random_args():
     return keys, _f32(_rng(7).uniform(1.0, 2.0, size=(F,)))
 
 
+def vector_args(seed: int, n: int) -> Callable[[], tuple[jax.Array]]:
+    return lambda: (_f32(_rng(seed).normal(size=(T, F, n))),)
+
+
+def mlp_args():
+    return (_f32(_rng(8).normal(size=(T, F, 3))), MLP)
+
+
 CASES = {
     "lm": Case(
         lm_fit, ("T F n", "n"), "T F 2", lm_args, (0,), 1e-4, 1e-5, shard_fails="value"
@@ -251,30 +259,31 @@ CASES = {
         newton_root, ("T F",), "T F", newton_args, (0,), shard_fails="value"
     ),
     "lineax": Case(
-        linear_solve, ("T F 3 3", "T F 3"), "T F 3", linear_args, (0, 1),
+        linear_solve,
+        ("T F 3 3", "T F 3"),
+        "T F 3",
+        linear_args,
+        (0, 1),
         shard_fails="grad",
     ),
     "diffrax": Case(
         decay, ("T F 2", "F"), "T F 2", decay_args, (0, 1), 1e-4, shard_fails="value"
     ),
-    "mlp_closed": Case(
-        mlp_closed, ("T F 3",), "T F 2", lambda: (_f32(_rng(8).normal(size=(T, F, 3))),), (0,)
-    ),
-    "mlp_passed": Case(
-        mlp_passed,
-        ("T F 3", None),
-        "T F 2",
-        lambda: (_f32(_rng(8).normal(size=(T, F, 3))), MLP),
-        (0, 1),
-    ),
+    "mlp_closed": Case(mlp_closed, ("T F 3",), "T F 2", vector_args(8, 3), (0,)),
+    "mlp_passed": Case(mlp_passed, ("T F 3", None), "T F 2", mlp_args, (0, 1)),
     "linalg": Case(
-        linalg, ("T F 3 3", "T F 3"), ("T F 3", "T F 3", "T F 3"), linalg_args, (0, 1),
-        rtol=1e-4, atol=1e-5,
+        linalg,
+        ("T F 3 3", "T F 3"),
+        ("T F 3", "T F 3", "T F 3"),
+        linalg_args,
+        (0, 1),
+        1e-4,
+        1e-5,
     ),
-    "custom_rules": Case(
-        custom_rules, ("T F 4",), "T F 4", lambda: (_f32(_rng(9).normal(size=(T, F, 4))),), (0,)
+    "custom_rules": Case(custom_rules, ("T F 4",), "T F 4", vector_args(9, 4), (0,)),
+    "control_flow": Case(
+        control_flow, ("T F 4", "T F"), ("T F 4", "T F 4"), control_args, (0,)
     ),
-    "control_flow": Case(control_flow, ("T F 4", "T F"), ("T F 4", "T F 4"), control_args, (0,)),
     "random": Case(random_body, ("T F", "F"), "T F 3", random_args, (1,)),
 }
 
@@ -437,6 +446,10 @@ def test_newton_grad_is_the_implicit_one():
 
 def test_diffrax_against_the_exact_solution():
     y0, k = decay_args()
-    mapped = filter_multi_vmap(decay, in_dims=("T F 2", "F"), out_dims="T F 2", scan="T")
+    mapped = filter_multi_vmap(
+        decay, in_dims=("T F 2", "F"), out_dims="T F 2", scan="T"
+    )
     exact = np.asarray(y0) * np.exp(-np.asarray(k))[None, :, None]
-    np.testing.assert_allclose(np.asarray(mapped(y0, k)), exact, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(mapped(y0, k)), exact, rtol=1e-5, atol=1e-6
+    )

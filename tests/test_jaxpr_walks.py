@@ -208,7 +208,9 @@ def test_collective_inside_closed_call_under_shard():
         (2,), ("d",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
     )
     x = jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3)
-    f = filter_multi_vmap(body, in_dims="F 3", out_dims="F 3", shard={"F": "d"}, mesh=mesh)
+    f = filter_multi_vmap(
+        body, in_dims="F 3", out_dims="F 3", shard={"F": "d"}, mesh=mesh
+    )
     np.testing.assert_allclose(np.asarray(f(x)), np.broadcast_to(x.sum(0), (4, 3)))
 
 
