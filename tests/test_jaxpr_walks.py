@@ -312,3 +312,39 @@ def test_walks_of_random_bodies(program):
         if i == 0:  # the body's own jaxpr
             assert (("psum", ("F",)) in found) == _has(program, "psum")
             assert isolated <= {0}
+
+
+def _rewritable(program):
+    """Whether every `psum` of `program` can be rewritten to span a mesh: reached
+    through calls that are inlined (`jit`), not inside control flow or custom rules."""
+    kind, *parts = program
+    if kind in ("jit", "seq"):
+        return all(_rewritable(p) for p in parts)
+    return kind == "psum" or not _has(program, "psum")
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(program=_programs())
+def test_random_bodies_mapped(program):
+    # Mapped over F (4) by every strategy, against `jax.vmap` with the axis named.
+    note(repr(program))
+    body = _build(program)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), dtype=jnp.float32)
+    want = jax.vmap(body, axis_name="F")(x)
+    mesh = jax.make_mesh(
+        (2,), ("d",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+    )
+    psum = _has(program, "psum")
+    for options in [{}, {"scan": "F"}, {"shard": {"F": "d"}, "mesh": mesh}]:
+        f = filter_multi_vmap(body, in_dims="F 3", out_dims="F 3", **options)
+        if psum and "scan" in options:
+            with pytest.raises(Exception, match="uses the collective `psum`"):
+                f(x)
+        elif psum and "shard" in options and not _rewritable(program):
+            with pytest.raises(Exception, match="cannot be rewritten to span the mesh"):
+                f(x)
+        else:
+            np.testing.assert_allclose(
+                np.asarray(f(x)), np.asarray(want), rtol=1e-5, atol=1e-5
+            )
