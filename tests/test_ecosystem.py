@@ -366,6 +366,7 @@ FAST = {
     ("mlp_passed", "shard"),
     ("random", "shard"),
     ("linalg", "vmap"),
+    ("lineax", "shard"),  # traced for inside `shard_map` as it traces outside
 }
 
 

@@ -25,12 +25,30 @@ SPEC = jax.ShapeDtypeStruct((3,), jnp.float32)
 AXIS_ENV = [("F", 2)]
 
 
+def _with_dropvars(closed):
+    """`closed` with every unused output of its equations a `DropVar` (as JAX's
+    transformations may leave them; `make_jaxpr` itself names them `_`)."""
+    jaxpr = closed.jaxpr
+    core = jax.extend.core
+    used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var)}
+    used |= {v for v in jaxpr.outvars if isinstance(v, core.Var)}
+    eqns = [
+        e.replace(outvars=[v if v in used else core.DropVar(v.aval) for v in e.outvars])
+        for e in jaxpr.eqns
+    ]
+    return core.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
+
+
 def _jaxprs_of(fun, specs, axis_env=()):
-    """The jaxpr of `fun`, its dead-code-eliminated version (unused outputs of kept
-    equations become `DropVar`s) and the jaxpr of its linearization."""
+    """The jaxpr of `fun`, with `DropVar`s, dead-code-eliminated, and the jaxpr of
+    its linearization."""
     closed = jax.make_jaxpr(fun, axis_env=list(axis_env))(*specs)
     dced, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-    out = [closed, jax.extend.core.ClosedJaxpr(dced, closed.consts)]
+    out = [
+        closed,
+        _with_dropvars(closed),
+        jax.extend.core.ClosedJaxpr(dced, closed.consts),
+    ]
 
     def linearized(*xs):
         where = [i for i, x in enumerate(xs) if jnp.issubdtype(x.dtype, jnp.inexact)]
@@ -141,6 +159,20 @@ def test_loop_and_branch_outputs_do_not_read_the_input():
 
     assert _isolated(looped, SPEC) == frozenset()
     assert _isolated(branched, SPEC) == frozenset()
+
+
+def test_dropvars_are_walked():
+    # The call's second output is not used: a `DropVar`. Its first is `x` read
+    # through one index map, then two.
+    def body(x):
+        a, _ = jax.jit(lambda v: (v * 2.0, v * 3.0))(x)
+        return outer(a)
+
+    closed = _with_dropvars(jax.make_jaxpr(body)(SPEC))
+    outs = [v for e in closed.jaxpr.eqns for v in e.outvars]
+    assert any(isinstance(v, jax.extend.core.DropVar) for v in outs)
+    jax.extend.core.check_jaxpr(closed.jaxpr)
+    assert _walk(closed) == ([], frozenset({0}))
 
 
 def _psum_inside(kind):
