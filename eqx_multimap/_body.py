@@ -29,7 +29,7 @@ import jax.extend.core
 import jax.lax as lax
 import numpy as np
 from jax._src import traceback_util
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._args import BoundCall, is_array
 from ._errors import SpecError
@@ -110,31 +110,59 @@ def _rebind(
 # Primitives whose axis-name parameters are not collectives.
 _NOT_COLLECTIVES = frozenset({"pvary", "pcast"})
 # Calls that a sharded dim's collectives can be rewritten through (inlined).
-_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call", "call"})
+
+
+def _is_axis_key(key: str) -> bool:
+    """Whether a parameter names axes: `axes` (`psum`, `pmax`...), `axis_name`
+    (`all_gather`, `ppermute`, `axis_index`...), and, for primitives we do not
+    know, anything else called so (`axis_names`, `spmd_axis_name`...)."""
+    return key == "axes" or "axis_name" in key
+
+
+def _strings(value: Any) -> list[str]:
+    """The strings in a parameter's value, through tuples, lists and sets."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def _axis_names(eqn: Any) -> tuple[str, ...]:
-    """The axis names a collective equation uses (`axes`, `axis_name`)."""
+    """The axis names a collective equation uses. Every primitive but those known
+    not to be collectives counts, so a collective we do not know is still one."""
     if eqn.primitive.name in _NOT_COLLECTIVES:
         return ()
     names: list[str] = []
-    for key in ("axes", "axis_name"):
-        value = eqn.params.get(key)
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        names.extend(v for v in values if isinstance(v, str))
+    for key, value in eqn.params.items():
+        if isinstance(key, str) and _is_axis_key(key):
+            names.extend(_strings(value))
     return tuple(names)
 
 
+def _jaxprs_in(value: Any) -> list[Any]:
+    """The jaxprs in a parameter's value, through tuples, lists and dicts (`cond`'s
+    branches, `custom_linear_solve`'s named tuple...)."""
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        return [value.jaxpr]
+    if isinstance(value, jax.extend.core.Jaxpr):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [j for v in value for j in _jaxprs_in(v)]
+    return []
+
+
 def _sub_jaxprs(eqn: Any) -> list[Any]:
-    """Every jaxpr in an equation's parameters (calls, branches, loop bodies)."""
-    out = []
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jax.extend.core.ClosedJaxpr):
-                out.append(v.jaxpr)
-            elif isinstance(v, jax.extend.core.Jaxpr):
-                out.append(v)
-    return out
+    """Every jaxpr in an equation's parameters (calls, branches, loop bodies).
+
+    Not the jaxprs that Python callables in them would trace to: `custom_jvp`'s JVP
+    rule, `custom_vjp`'s forward and backward rules run only under differentiation,
+    and a collective that only they use is not seen here (JAX then reports the
+    unbound axis name)."""
+    return [j for value in eqn.params.values() for j in _jaxprs_in(value)]
 
 
 def collectives(jaxpr: Any) -> list[tuple[str, tuple[str, ...]]]:
@@ -193,8 +221,9 @@ class _Sharded:
         names = _axis_names(eqn)
         if not names:  # a call with such collectives inside
             if prim.name in _INLINE:
-                closed = eqn.params["jaxpr"]
-                return _rebind(closed.jaxpr, closed.consts, invals, self)
+                sub = eqn.params[_CALLS[prim.name]]
+                consts = list(getattr(sub, "consts", ()))
+                return _rebind(getattr(sub, "jaxpr", sub), consts, invals, self)
             inner, name = next(
                 (p, n)
                 for sub in _sub_jaxprs(eqn)
@@ -287,9 +316,35 @@ def trace_body(
     out = eqx.combine(shapes, static_out[-1])
     if shard is None:
         return Body(jaxpr, hoisted, len(element_specs)), out
-    # As `jax.shard_map` traces its function: with the mesh's axes manual.
+    # As `jax.shard_map` traces its function: with the mesh's axes manual, and
+    # every value on that mesh. Traced afresh rather than `closed` rebound, so that
+    # the jaxprs nested in calls, loops and custom rules are on that mesh too (`grad`
+    # of the `shard_map` rejects a cotangent whose mesh is not its primal's).
     mesh = shard.mesh.abstract_mesh if isinstance(shard.mesh, Mesh) else shard.mesh
     manual = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
+    replicated = NamedSharding(manual, PartitionSpec())
+
+    def on_mesh(specs: list[jax.ShapeDtypeStruct]) -> list[jax.ShapeDtypeStruct]:
+        return [
+            jax.ShapeDtypeStruct(
+                s.shape, s.dtype, weak_type=s.weak_type, sharding=replicated
+            )
+            for s in specs
+        ]
+
+    try:
+        with jax.sharding.use_abstract_mesh(manual):
+            traced = jax.make_jaxpr(element, axis_env=axis_env)(on_mesh(element_specs))
+    except Exception:
+        # Some bodies trace outside `shard_map` but not on its manual mesh (in JAX
+        # 0.10, diffrax's and lineax's solves, which compare structures that carry
+        # the mesh). Their values are right with `closed` rebound; their `grad`s may
+        # fail, as in a plain `jax.shard_map`.
+        traced = None
+    if traced is not None and [struct(c) for c in traced.consts] == hoisted_specs:
+        closed, specs = traced, on_mesh
+    else:  # (or it closed over other arrays this time, made as it was traced)
+        specs = list
     sharded = _Sharded(shard)
 
     def inside_shard_map(dyn: list[Any], consts: list[Any]) -> Any:
@@ -298,7 +353,7 @@ def trace_body(
     with jax.sharding.use_abstract_mesh(manual):
         inside = jax.make_jaxpr(
             inside_shard_map, axis_env=[*axis_env, *mesh.shape.items()]
-        )(element_specs, hoisted_specs)
+        )(specs(element_specs), specs(hoisted_specs))
     return Body(inside, hoisted, len(element_specs), jaxpr), out
 
 
@@ -320,16 +375,36 @@ _INDEX_MAPS = frozenset(
     """broadcast_in_dim concatenate dynamic_slice expand_dims gather pad reshape rev
     slice squeeze transpose""".split()
 )
-_SUB_JAXPRS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Calls, whose jaxpr's inputs and outputs are the equation's own, followed into.
+# Every other equation with jaxprs is a kernel of its own: control flow (`cond`,
+# `while`, `scan`: a scan's outputs are stacked, a loop's carried), `shard_map`
+# (its jaxpr sees blocks), and primitives we do not know.
+_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
 
 
 def _sub_jaxpr(eqn: Any) -> Any:
-    """The jaxpr of a call (`jit`, `checkpoint`, `custom_jvp_call`...), if any."""
-    for key in _SUB_JAXPRS:
-        sub = eqn.params.get(key)
-        if sub is not None and not isinstance(sub, (tuple, list)):
-            return getattr(sub, "jaxpr", sub)
-    return None
+    """The jaxpr of a call (`jit`, `checkpoint`, `custom_jvp_call`...) whose inputs
+    and outputs are those of the equation, or `None`."""
+    key = _CALLS.get(eqn.primitive.name)
+    sub = None if key is None else eqn.params.get(key)
+    sub = getattr(sub, "jaxpr", sub)
+    if not isinstance(sub, jax.extend.core.Jaxpr):
+        return None
+    if len(sub.invars) != len(eqn.invars) or len(sub.outvars) != len(eqn.outvars):
+        return None
+    return sub
 
 
 def _index_map(eqn: Any, position: int) -> tuple:
@@ -339,38 +414,43 @@ def _index_map(eqn: Any, position: int) -> tuple:
     return (eqn.primitive.name, position, params)
 
 
+def _is_var(v: Any) -> bool:
+    """Whether `v` is a variable that can carry a read: not a `Literal` (which is
+    not hashable), nor a `DropVar` (an unused output)."""
+    core = jax.extend.core
+    return isinstance(v, core.Var) and not isinstance(v, core.DropVar)
+
+
 def _reads(jaxpr: Any, maps: dict[Any, frozenset]) -> bool:
     """Whether some value of `jaxpr` combines reads of the tracked input through two
     or more index maps, within the ops that XLA fuses with its slice.
 
     `maps` gives, for each variable, the index maps through which it reads the
     input; elementwise ops join them, index ops extend them, calls are followed, and
-    every other op (a reduction, `dot_general`, control flow) is a kernel of its own.
+    every other op (a reduction, `dot_general`, control flow, a primitive we do not
+    know) is a kernel of its own, whose outputs read nothing.
     """
     for eqn in jaxpr.eqns:
         ins = [
-            (i, maps[v])
-            for i, v in enumerate(eqn.invars)
-            if not isinstance(v, jax.extend.core.Literal) and v in maps
+            (i, maps[v]) for i, v in enumerate(eqn.invars) if _is_var(v) and v in maps
         ]
         if not ins:
             continue
         name = eqn.primitive.name
-        sub = _sub_jaxpr(eqn)
         if name in _ELEMENTWISE:
             out = frozenset().union(*(m for _, m in ins))
         elif name in _INDEX_MAPS:
             out = frozenset(p + (_index_map(eqn, i),) for i, m in ins for p in m)
-        elif sub is not None and len(sub.invars) == len(eqn.invars):
+        elif (sub := _sub_jaxpr(eqn)) is not None:
             inner = {
                 sv: maps[v]
                 for sv, v in zip(sub.invars, eqn.invars)
-                if not isinstance(v, jax.extend.core.Literal) and v in maps
+                if _is_var(v) and v in maps
             }
             if _reads(sub, inner):
                 return True
             for ov, sv in zip(eqn.outvars, sub.outvars):
-                if not isinstance(sv, jax.extend.core.Literal) and sv in inner:
+                if _is_var(ov) and _is_var(sv) and sv in inner:
                     maps[ov] = inner[sv]
             continue
         else:
@@ -378,7 +458,8 @@ def _reads(jaxpr: Any, maps: dict[Any, frozenset]) -> bool:
         if len(out) >= 2:
             return True
         for ov in eqn.outvars:
-            maps[ov] = out
+            if _is_var(ov):
+                maps[ov] = out
     return False
 
 
@@ -391,8 +472,16 @@ def inputs_to_isolate(body: Body) -> frozenset[int]:
     1.4-2x); elsewhere the copy costs up to 1.6x (`2 * x + 1`), and a single index
     map or two different inputs gain nothing. So an input is isolated exactly when
     the body reads it through two index maps within one fusion.
+
+    Only a matter of speed: should the analysis meet a jaxpr it cannot read, no
+    input is isolated (the default slicing), rather than the call failing.
     """
     jaxpr = body.jaxpr.jaxpr
-    return frozenset(
-        i for i, v in enumerate(jaxpr.invars) if _reads(jaxpr, {v: frozenset({()})})
-    )
+    try:
+        return frozenset(
+            i
+            for i, v in enumerate(jaxpr.invars)
+            if _reads(jaxpr, {v: frozenset({()})})
+        )
+    except Exception:  # a last resort: every equation above is handled
+        return frozenset()
