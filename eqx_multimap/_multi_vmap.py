@@ -191,6 +191,7 @@ class _EagerRunner:
     """
 
     def __init__(self, fun: Callable):
+        fun_ref: Callable[[], Any]
         try:
             fun_ref = weakref.ref(fun)
         except TypeError:  # a builtin, say: it lives as long as the process
