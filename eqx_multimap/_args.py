@@ -9,6 +9,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 from jax._src import traceback_util
+from jax._src.tree_util import prefix_errors
 
 from ._dims import Dims, parse_dims
 from ._errors import ShapeError, SpecError
@@ -68,6 +69,11 @@ def broadcast_spec(
     except SpecError:
         raise
     except (ValueError, TypeError) as e:
+        # The first mismatch, with its key path (as `tree_map` raises it since JAX
+        # 0.10.2; before, its error named no key path).
+        errors = prefix_errors(spec, value, is_leaf=is_spec_leaf)
+        if errors:
+            e = errors[0]("tree_map tree")
         # JAX calls the root of the key path "tree_map tree"; use the user's name.
         detail = str(e).replace("the prefix pytree tree_map tree", "the spec")
         detail = detail.replace("the full pytree", f"`{name}`")

@@ -10,6 +10,7 @@ output.
 
 import dataclasses
 import functools as ft
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload, TypeVar
 
@@ -169,9 +170,75 @@ def _static_hashable(tree: Any) -> bool:
     return True
 
 
-@eqx.filter_jit
-def _compiled_call(wrapper: "_MultiVmapWrapper", args: tuple, kwargs: dict) -> Any:
-    return wrapper._traced_call(args, kwargs)
+class _Static(eqx.Module):
+    """The non-array leaves of an eager call's output, carried out of `jax.jit`."""
+
+    leaves: tuple = eqx.field(static=True)
+    treedef: Any = eqx.field(static=True)
+
+    @property
+    def value(self) -> Any:
+        return jtu.tree_unflatten(self.treedef, self.leaves)
+
+
+class _EagerRunner:
+    """The un-jitted calls of one function, each compiled once per call signature
+    (arrays traced, everything else static, as `equinox.filter_jit` does), so that
+    repeated calls neither re-trace nor re-compile.
+
+    A `jax.jit` of its own per function, which holds the function weakly: what it
+    compiled is released with the function, as `jax.jit(fun)`'s is. (One shared
+    `filter_jit` kept every wrapper a notebook had built alive, with its programs.)
+    """
+
+    def __init__(self, fun: Callable):
+        fun_ref: Callable[[], Any]
+        try:
+            fun_ref = weakref.ref(fun)
+        except TypeError:  # a builtin, say: it lives as long as the process
+            fun_ref = lambda: fun
+        self._fun_ref = fun_ref
+
+        def run(dynamic: tuple, static: tuple) -> tuple[Any, _Static]:
+            dynamic_fun, dynamic_args = dynamic
+            options, leaves, treedef = static
+            static_fun = eqx.filter(fun_ref(), eqx.is_array, inverse=True)
+            traced_fun = eqx.combine(dynamic_fun, static_fun)
+            static_args = jtu.tree_unflatten(treedef, leaves)
+            args, kwargs = eqx.combine(dynamic_args, static_args)
+            out = run_call(resolve(traced_fun, options, args, kwargs))
+            dynamic_out, static_out = eqx.partition(out, eqx.is_array)
+            out_leaves, out_treedef = jtu.tree_flatten(static_out)
+            return dynamic_out, _Static(tuple(out_leaves), out_treedef)
+
+        self._jitted = jax.jit(run, static_argnums=1)
+
+    def __call__(self, options: Options, args: tuple, kwargs: dict) -> Any:
+        # The function's own static parts are not static arguments: the compile
+        # cache would hold them, and with them the function.
+        dynamic_fun = eqx.filter(self._fun_ref(), eqx.is_array)
+        dynamic_args, static_args = eqx.partition((args, kwargs), eqx.is_array)
+        leaves, treedef = jtu.tree_flatten(static_args)
+        static = (options, tuple(leaves), treedef)
+        dynamic_out, static_out = self._jitted((dynamic_fun, dynamic_args), static)
+        return eqx.combine(dynamic_out, static_out.value)
+
+
+_eager_runners: dict[int, _EagerRunner] = {}
+"""The runner of each function called un-jitted, by `id`; each entry removed when its
+function is collected (or kept, with the function, if it has no weak reference)."""
+
+
+def _eager_runner(fun: Callable) -> _EagerRunner:
+    key = id(fun)
+    runner = _eager_runners.get(key)
+    if runner is None:
+        runner = _eager_runners[key] = _EagerRunner(fun)
+        try:
+            weakref.finalize(fun, _eager_runners.pop, key, None)
+        except TypeError:
+            pass
+    return runner
 
 
 class _MultiVmapWrapper(eqx.Module):
@@ -189,15 +256,16 @@ class _MultiVmapWrapper(eqx.Module):
         return getattr(self._fun, "__globals__", {})
 
     def __call__(self, /, *args, **kwargs):
-        # An un-jitted call runs the nest compiled once per call signature (as
-        # `equinox.filter_jit` does), so that repeated calls do not re-trace it.
+        # An un-jitted call runs the nest compiled once per call signature and
+        # function (as `jax.jit(fun)` does), so that repeated calls do not re-trace
+        # it, and what was compiled goes with the function.
         eager = (
             not jax.config.jax_disable_jit
             and not _has_tracer((self._fun, args, kwargs))
             and _static_hashable((self, args, kwargs))
         )
         if eager:
-            return _compiled_call(self, args, kwargs)
+            return _eager_runner(self._fun)(self._options, args, kwargs)
         return self._traced_call(args, kwargs)
 
     def _traced_call(self, args: tuple, kwargs: dict) -> Any:

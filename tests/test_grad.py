@@ -7,7 +7,9 @@ within the budget; repeated un-jitted calls compile once.
 """
 
 import contextlib
+import gc
 import re
+import weakref
 
 import jax
 import jax.lax as lax
@@ -215,6 +217,29 @@ def test_unjitted_calls_compile_once(strategy):
         f(fewer)
         f(fewer)
     assert len(counts) == 1
+
+
+def test_unjitted_calls_keep_nothing_after_the_function():
+    # As with `jax.jit(fun)`: what un-jitted calls compiled is released with the
+    # function, as when a notebook re-runs a cell that defines and calls one.
+    xs = _rand((9, 4, 8), seed=8)
+    ref = 2 * _hand(_heavy, "scan")(xs)
+    scale = jnp.asarray(2.0)  # a constant of the compiled program
+
+    def body(x):
+        return _heavy(x) * scale
+
+    alive = weakref.ref(body)
+    f = _ours(body, "scan")
+    np.testing.assert_allclose(f(xs), ref, rtol=1e-5, atol=1e-6)
+    # Another wrapper of the same function runs the same program.
+    with _count_compiles() as counts:
+        out = _ours(body, "scan")(xs)
+    assert counts == []
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    del f, body
+    gc.collect()
+    assert alive() is None
 
 
 def _sumexp(x, y):

@@ -135,7 +135,8 @@ def test_no_nest_fits():
         r"no nest fits `memory_budget=16`",
         r"16 B of temporary memory",
         r"The smallest of the \d+ compiled candidates needs",
-        r"scan\(T=8\) -> scan\(B=4\) -> body",
+        # The smaller of the two is XLA's estimate: vmap(B) before jaxlib 0.10.2.
+        r"scan\(T=8\) -> (scan|vmap)\(B=4\) -> body",
         r"Raise `memory_budget`, or map fewer dims.",
     ]:
         with pytest.raises(SpecError, match=match):
