@@ -12,7 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eqx_multimap import (
-    _planner,
+    _candidates,
+    _costing,
+    _measure,
+    _plan,
+    _progress,
     explain,
     filter_multi_vmap,
     Plan,
@@ -24,7 +28,7 @@ from eqx_multimap._blocks import NestSpec
 from eqx_multimap._nest import Build, run
 from eqx_multimap._plan_cache import DiskCache
 from eqx_multimap._resolve import Call, resolve
-from eqx_multimap._time_model import calibrate
+from eqx_multimap._time_model import calibrate, fmt_bytes
 
 
 def _planner_of(tmp_path=None, **kwargs) -> Planner:
@@ -264,8 +268,8 @@ def test_cost_correction_matches_full_vmap(getkey):
     f = _sumexp_wrapper()
     call = resolve(f._fun, f._options, (a, b), {})
     sizes = call.mapped_sizes
-    compiler = _planner._Compiler(call, sizes, _planner.TimeModel())
-    full = compiler.evaluate(_planner._candidate((), ("T", "B"), sizes, "x"), None)
+    compiler = _costing.Compiler(call, sizes, TimeModel())
+    full = compiler.evaluate(_candidates.candidate((), ("T", "B"), sizes, "x"), None)
     scanned = [
         (("T", 4),),  # 3 chunks of 4
         (("T", None), ("B", None)),  # 120 trips, nested loops
@@ -273,7 +277,7 @@ def test_cost_correction_matches_full_vmap(getkey):
     ]
     for scan in scanned:
         vmap = tuple(n for n in ("T", "B") if n not in dict(scan))
-        cand = compiler.evaluate(_planner._candidate(scan, vmap, sizes, "x"), None)
+        cand = compiler.evaluate(_candidates.candidate(scan, vmap, sizes, "x"), None)
         assert cand.flops == pytest.approx(full.flops, rel=1e-3)
         assert cand.transcendentals == pytest.approx(full.transcendentals, rel=1e-3)
         # The uncorrected report undercounts by about the trip count.
@@ -283,7 +287,7 @@ def test_cost_correction_matches_full_vmap(getkey):
             ),
             compiler.specs,
         )
-        raw_flops = _planner._costs(raw)[0]
+        raw_flops = _costing.xla_costs(raw)[0]
         assert raw_flops < 0.5 * full.flops
 
     # Independently of the planner: an unrolled Python loop over T has the same flops.
@@ -369,7 +373,7 @@ def test_explain_table(getkey):
         f"({plan.n_compiled} compiles including loop bodies" in text
     )
     # Layout, input and size orders all agree here: one ladder.
-    steps = _planner.ladder(("T", "B"), ("T", "B"), dict(plan.sizes))
+    steps = _candidates.ladder(("T", "B"), ("T", "B"), dict(plan.sizes))
     assert plan.n_candidates == 1 + len(steps)
     chosen_rows = [line for line in lines if line.startswith("* |")]
     assert (
@@ -385,7 +389,7 @@ def test_explain_table(getkey):
     # The time model is spelled out, with the threshold of fresh temporaries and
     # where the constants come from.
     assert lines[-1].startswith("est. time = max(flops / 5e+10 + ")
-    assert _planner.TimeModel().fresh_source in lines[-1]
+    assert TimeModel().fresh_source in lines[-1]
     assert lines[-1].endswith(
         "Constants not calibrated: default constants, set by hand for one 2-core "
         "x86-64."
@@ -663,7 +667,7 @@ def test_auto_with_shard(getkey, scan, bsize, pad):
     )
     plan = explain(f, a, b)
     # The shard dim keeps its local strategy; only T is planned, at local sizes.
-    assert plan.shard == (_planner.ShardDim("B", bsize, ("x",), 8, local_b),)
+    assert plan.shard == (_plan.ShardDim("B", bsize, ("x",), 8, local_b),)
     assert dict(plan.sizes)["B"] == local_b and dict(plan.sizes)["T"] == 16
     strategy = {d.name: d.strategy for d in plan.dims}
     assert strategy["B"] == ("scan" if scan is not None else "vmap")
@@ -719,7 +723,7 @@ def test_auto_with_shard_cache_and_ambient_mesh(getkey):
     with jax.set_mesh(mesh4):
         plan4 = explain(f, a, b)
     assert dict(plan4.sizes)["B"] == 4
-    assert plan4.shard == (_planner.ShardDim("B", 16, ("x",), 4, 4),)
+    assert plan4.shard == (_plan.ShardDim("B", 16, ("x",), 4, 4),)
 
 
 #
@@ -728,7 +732,7 @@ def test_auto_with_shard_cache_and_ambient_mesh(getkey):
 
 
 def test_fresh_threshold_and_time_model():
-    model = _planner.TimeModel.for_backend(jax.default_backend())
+    model = TimeModel.for_backend(jax.default_backend())
     if jax.default_backend() != "cpu":
         assert model.fresh_threshold is None
         return
@@ -758,7 +762,7 @@ _SMALL = 64 * 1024
 @pytest.fixture
 def small_threshold():
     """A planner for which temporaries above 64 KiB count as fresh."""
-    model = _planner.TimeModel(fresh_threshold=_SMALL, fresh_source="test threshold")
+    model = TimeModel(fresh_threshold=_SMALL, fresh_source="test threshold")
     return _planner_of(time_model=model)
 
 
@@ -783,7 +787,7 @@ def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
     # The largest block below the threshold: 64 KiB / 4 KiB = 16 elements at most.
     largest = max(c.block for c in below)
     assert 8 <= largest <= 16
-    steps = _planner.ladder(("T", "B"), ("T", "B"), dict(plan.sizes))
+    steps = _candidates.ladder(("T", "B"), ("T", "B"), dict(plan.sizes))
     bigger = [c for c in steps if c.block > largest]
     assert all(
         by_nest[(c.scan, c.vmap)].temp_bytes is None
@@ -961,8 +965,8 @@ def test_every_row_carries_a_reason(getkey):
                 assert c.reason.startswith("not compiled: ")
             elif not c.fits:
                 assert c.reason == (
-                    f"over budget: {_planner._fmt_bytes(c.temp_bytes)} > "
-                    f"{_planner._fmt_bytes(budget)}"
+                    f"over budget: {fmt_bytes(c.temp_bytes)} > "
+                    f"{fmt_bytes(budget)}"
                 )
             else:
                 assert c.reason.startswith(("slower (est. ", "fits, not costed"))
@@ -981,14 +985,14 @@ def test_every_row_carries_a_reason(getkey):
 
 
 def test_measured_pool_spreads_over_the_ranking():
-    pool_of = _planner._measured_pool
+    pool_of = _measure.measured_pool
     # Few candidates: all of them, the model's choice first (keys are tuples).
     assert pool_of(("c",), [("a",), ("b",), ("c",)]) == [("c",), ("a",), ("b",)]
     # Many: the best estimates, then an even spread down to the worst estimate,
     # which is where a chunk shape the model cannot see may hide the fastest.
     ranked = [(i,) for i in range(40)]
     pool = pool_of((7,), ranked)
-    cap = _planner._MAX_MEASURED
+    cap = _measure.MAX_MEASURED
     assert pool[0] == (7,) and len(pool) == len(set(pool)) <= cap
     half = (cap - 1) // 2
     assert pool[1 : 1 + half] == [k for k in ranked if k != (7,)][:half]
@@ -1012,7 +1016,7 @@ def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
         "filter_multi_vmap(_sumexp): plan='auto', measured"
     )
     timed = [c for c in plan.candidates if c.measured is not None]
-    assert 2 <= len(timed) <= _planner._MAX_MEASURED
+    assert 2 <= len(timed) <= _measure.MAX_MEASURED
     assert all(c.fits and c.temp_bytes <= budget for c in timed)
     assert plan.chosen.fits and plan.chosen.temp_bytes <= budget
     # The rule: the fastest measured wins, unless the time model's own choice (the
@@ -1022,7 +1026,7 @@ def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
     )
     model = next(c for c in timed if c.key == unmeasured.chosen.key)
     fastest = min(c.measured for c in timed)
-    keep = _planner._KEEP_WITHIN
+    keep = _measure.KEEP_WITHIN
     if model.measured <= keep * fastest:
         assert plan.chosen.key == model.key
     else:
@@ -1058,7 +1062,7 @@ def test_measured_mode_when_full_vmap_fits(getkey):
     assert sum(c.measured is not None for c in plan.candidates) >= 2
     fastest = min(c.measured for c in plan.candidates if c.measured is not None)
     # Full vmap is the time model's choice here: kept if within `_KEEP_WITHIN`.
-    if full.measured <= _planner._KEEP_WITHIN * fastest:
+    if full.measured <= _measure.KEEP_WITHIN * fastest:
         assert plan.chosen == full
     else:
         assert plan.chosen.measured == fastest
@@ -1296,11 +1300,11 @@ def test_calibration_is_positive_and_stored(tmp_path):
 
 def test_progress_logs_and_shows_a_bar(caplog, capsys):
     with caplog.at_level(logging.INFO, logger="eqx_multimap"):
-        quiet = _planner._Progress("f: planning", verbose=False, after=3600.0)
+        quiet = _progress.Progress("f: planning", verbose=False, after=3600.0)
         quiet.step("compiling a")
         quiet.close()
         assert not caplog.records  # quick planning says nothing
-        slow = _planner._Progress("f: planning", verbose=True, after=0.0)
+        slow = _progress.Progress("f: planning", verbose=True, after=0.0)
         slow.step("compiling a")
         slow.step("timing 2 candidates, round 1")
         slow.close()

@@ -1,0 +1,466 @@
+"""The planner's search: which candidate nests it compiles, and which it chooses.
+
+A plan picks, for the mapped dims of one call signature that no strategy names,
+which to scan, in which order and with which chunk sizes; the rest are vmapped. Dims
+named by `scan=`, `vmap=` or `shard=` keep the strategy given (the given scans
+outermost, in their order, with their chunks), and dims that the body uses in
+collectives are never scanned. Candidates (`_candidates`) are
+compiled and costed by `_costing`; their temporary memory must fit the budget.
+
+The search is bounded:
+
+1. Full vmap (of the planned dims) is compiled first and chosen if it fits, unless
+   its temporaries are allocated afresh on every call (see 3.) or the planner
+   measures.
+2. Otherwise the candidates form ladders, one per order of the dims (the output's
+   layout, the inputs' layout, by size): scan a prefix of the dims of size > 1, the
+   outer ones one element at a time and the last one in chunks from a small
+   geometric set (about `n/2, n/4, ...`, moved to a nearby divisor of `n` when there
+   is one, so that no remainder block is needed). A ladder is sorted by the number
+   of elements of one loop iteration (the block), which memory grows with; a binary
+   search finds the largest block that fits. These boundary candidates (and those
+   with the same block in the same ladder) get their costs, and the cheapest by
+   estimated time (`TimeModel.seconds`) wins.
+3. On CPU, temporaries above the fresh threshold (glibc's malloc hands blocks that
+   big out as fresh `mmap`s) are page-faulted in again on *every* call. So when the
+   largest fitting block of a ladder is above the threshold, a second binary search
+   finds its largest block below it, which is costed too.
+4. With `Planner(measure=True)`, up to `MAX_MEASURED` candidates that fit (among
+   every block that fits in the ladders searched: the model's best estimates, and
+   an even spread over the rest, `measured_pool`) are run on fresh inputs of the
+   call's shapes, side by side, and the fastest wins unless the model's own choice
+   measured within `KEEP_WITHIN` of it: the model cannot see what the chunk shape
+   does to XLA:CPU's code, and timings of near-equal nests shift with the load.
+
+With `shard=`, the plan is of the local nest of one device (`localize`): the sharded
+dims keep their strategy, at their local sizes, and the budget is per device.
+"""
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._candidates import (
+    candidate,
+    collective_dims,
+    dim_orders,
+    given_dims,
+    ladder,
+)
+from ._costing import Compiler
+from ._measure import KEEP_WITHIN, MAX_MEASURED, measured_pool, time_candidates
+from ._plan import dims_of, Plan, PlanCandidate, ShardDim
+from ._progress import Progress
+from ._reasons import summary, with_reason
+from ._resolve import Call
+from ._time_model import fmt_bytes, fmt_seconds, TimeModel
+
+
+# Once planning has compiled this many programs (candidates and loop bodies), it
+# searches no further ladders.
+MAX_COMPILES = 12
+# Bumped whenever the search changes what it chooses: plans on disk from another
+# version are not used.
+SEARCH_VERSION = 3
+
+
+class NoFit(Exception):
+    """No candidate fits the budget: the error's message, the smallest candidate
+    compiled, and how many were."""
+
+    def __init__(self, message: str, smallest: PlanCandidate, n: int):
+        super().__init__(message)
+        self.smallest = smallest
+        self.n = n
+
+
+def no_fit_message(
+    call: Call,
+    budget: int,
+    smallest: PlanCandidate,
+    n: int,
+    sizes: dict[str, int],
+    backward: bool,
+) -> str:
+    """The `SpecError` message when no candidate fits the budget."""
+    what = "the derivative (reverse mode) of " if backward else ""
+    given = ""
+    if given_dims(call):
+        given = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
+    return (
+        f"`{call.fun_name}` with `plan='auto'`: no nest fits "
+        f"`memory_budget={call.options.plan.memory_budget!r}` ({fmt_bytes(budget)} "
+        f"of temporary memory){' under differentiation' if backward else ''}. The "
+        f"smallest of the {n} compiled candidates needs "
+        f"{fmt_bytes(smallest.temp_bytes or 0)} for {what}{smallest.nest(sizes)}. "
+        f"Raise `memory_budget`, or map fewer dims{given}."
+    )
+
+
+@dataclasses.dataclass
+class Ladder:
+    """One ladder, as searched: the index of its largest block that fits (`j`) and
+    of its largest below the fresh threshold (`k`)."""
+
+    steps: list[PlanCandidate]
+    searched: bool = False
+    j: int | None = None
+    k: int | None = None
+
+
+def first_index(
+    steps: list[PlanCandidate], start: int, ok: Callable[[PlanCandidate], bool]
+) -> int | None:
+    """The first index from `start` at which `ok` holds, by binary search: `ok` is
+    monotone along a ladder (false for big blocks, true from some block on)."""
+    if start >= len(steps):
+        return None
+    lo, hi = start, len(steps) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(steps[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if ok(steps[lo]) else None
+
+
+class Search:
+    """One planning run: compiles candidates (each at most once), remembers what it
+    learnt about each, and says why each was or was not chosen."""
+
+    def __init__(
+        self,
+        call: Call,
+        sizes: dict[str, int],
+        budget: int,
+        model: TimeModel,
+        backward: bool,
+        measure: bool,
+        progress: Progress,
+    ):
+        self.call = call
+        self.sizes = sizes
+        self.budget = budget
+        self.model = model
+        self.measure = measure
+        self.progress = progress
+        self.compiler = Compiler(call, sizes, model, backward, progress.step)
+        self.known: dict[tuple, PlanCandidate] = {}  # by key: compiled ones
+        self.notes: dict[tuple, str] = {}  # by key: why an uncompiled one was not
+
+    def memory(self, c: PlanCandidate) -> PlanCandidate:
+        if c.key not in self.known:
+            temp = self.compiler.memory(c)
+            self.known[c.key] = dataclasses.replace(
+                c, temp_bytes=temp, fits=temp <= self.budget
+            )
+        return self.known[c.key]
+
+    def costed(self, c: PlanCandidate) -> PlanCandidate:
+        c = self.memory(c)
+        if c.fits and c.seconds is None:
+            self.known[c.key] = self.compiler.costs(c)
+        return self.known[c.key]
+
+    def fits(self, c: PlanCandidate) -> bool:
+        return bool(self.memory(c).fits)
+
+    def fresh(self, c: PlanCandidate) -> bool:
+        return bool(self.model.fresh(self.memory(c).temp_bytes or 0))
+
+    def note(self, c: PlanCandidate, why: str) -> None:
+        if c.key not in self.known:
+            self.notes.setdefault(c.key, why)
+
+    def search(self, lad: Ladder, full_fits: bool) -> None:
+        """Find the ladder's largest block that fits, and (if that one allocates
+        afresh per call) its largest block below the fresh threshold."""
+        steps = lad.steps
+        lad.searched = True
+        # Memory grows with the block: if full vmap fits, every step does.
+        j = 0 if full_fits else first_index(steps, 0, self.fits)
+        k = None
+        if j is not None and self.fresh(steps[j]):
+            k = first_index(steps, j, lambda c: not self.fresh(c))
+        lad.j, lad.k = j, k
+        for edge in (j, k):
+            if edge is not None:  # the boundary block, and its ties
+                for c in steps:
+                    if c.block == steps[edge].block:
+                        self.costed(c)
+        # Why the others were not compiled.
+        sizes = self.sizes
+        for i, c in enumerate(steps):
+            if c.key in self.known:
+                continue
+            if j is None or i < j:
+                over = next(
+                    (
+                        s
+                        for s in steps[i:]
+                        if s.key in self.known and self.known[s.key].fits is False
+                    ),
+                    None,
+                )
+                if over is not None:
+                    self.note(
+                        c,
+                        f"not compiled: a larger block than {over.nest(sizes)}, "
+                        "which is over budget",
+                    )
+            elif k is not None and i < k:
+                self.note(
+                    c,
+                    f"not compiled: allocates afresh per call, as the larger "
+                    f"{steps[j].nest(sizes)} does, and loops more",
+                )
+            else:
+                edge = steps[k if k is not None else j]
+                self.note(
+                    c,
+                    f"not compiled: a smaller block than {edge.nest(sizes)}, "
+                    "which fits: more loop trips, not needed",
+                )
+
+    def estimate(self, c: PlanCandidate, lad: Ladder) -> float:
+        """The estimated time of a candidate of a searched ladder that fits: its
+        own if costed, else from the costs of its ladder's boundary (the same
+        arithmetic), with its own trips and temporaries."""
+        known = self.known.get(c.key, c)
+        if known.seconds is not None:
+            return known.seconds
+        assert lad.j is not None
+        edge = self.known[lad.steps[lad.j].key]
+        if known.temp_bytes is not None:
+            temp = known.temp_bytes
+        else:
+            temp = int((edge.temp_bytes or 0) * c.block / max(edge.block, 1))
+        return self.model.seconds(
+            edge.flops or 0.0,
+            edge.transcendentals or 0.0,
+            edge.bytes_accessed or 0.0,
+            c.trips if c.scan else 0,
+            float(self.model.fresh(temp)),
+        )
+
+    def time(self, cands: list[PlanCandidate]) -> dict[tuple, float]:
+        """Run each candidate's compiled program on fresh inputs, side by side; the
+        median seconds per call of each."""
+        programs = [self.compiler.programs[c.spec] for c in cands]
+        args = self.compiler.program_inputs()
+        return time_candidates(cands, programs, args, self.progress.step)
+
+    def run(self, source: str, shard: tuple[ShardDim, ...]) -> Plan:
+        """Plan the call: the chosen nest, and every candidate with its reason.
+        Raises `NoFit` if no candidate fits the budget."""
+        start = time.perf_counter()
+        full, ladders, considered, free = self._space()
+        timed: dict[tuple, float] = {}
+        compared: list[PlanCandidate] = []
+        sizes = self.sizes
+        if any(sizes[n] == 0 for n in self.call.mapped):
+            chosen = full  # nothing to run; no need to compile anything
+            for c in considered.values():
+                self.note(c, "not compiled: a mapped dim has size 0")
+            text = (
+                f"Chose {full.nest(sizes)}: a mapped dim has size 0, so nothing "
+                "runs and nothing was compiled."
+            )
+        else:
+            chosen, compared, timed, text = self._choose(
+                full, ladders, considered, free
+            )
+        candidates = tuple(
+            with_reason(
+                self.known.get(k, c),
+                chosen,
+                self.notes.get(k),
+                timed,
+                self.measure,
+                self.budget,
+                compared,
+            )
+            for k, c in considered.items()
+        )
+        chosen = next(c for c in candidates if c.key == chosen.key)
+        return auto_plan(
+            self.call,
+            sizes,
+            chosen,
+            candidates,
+            self.budget,
+            source,
+            shard,
+            self.compiler.backward,
+            n_compiled=self.compiler.n_compiled,
+            seconds=time.perf_counter() - start,
+            checkpoint=self.compiler.build(chosen.spec).checkpoint,
+            time_model=self.model,
+            summary=text,
+            measured=self.measure,
+        )
+
+    def _space(
+        self,
+    ) -> tuple[PlanCandidate, list[Ladder], dict[tuple, PlanCandidate], bool]:
+        """Full vmap (of the planned dims), the ladders, every candidate by key,
+        and whether any dim is planned."""
+        call, sizes = self.call, self.sizes
+        fixed = call.options.scan  # the given scans, outermost, as given
+        frozen = frozenset(given_dims(call)) | frozenset(collective_dims(call))
+        free = tuple(n for n in call.mapped if n not in frozen)
+        # Unscanned dims are vmapped: those of `vmap=` in the order given, then the
+        # others in the order of the output's dims (no transpose).
+        scanned = set(call.options.scan_names)
+        layout = call.options.vmap + tuple(
+            n
+            for n in dim_orders(call, sizes)[0]
+            if n not in call.options.vmap and n not in scanned
+        )
+        source = "full vmap" if not fixed else "given scans"
+        full = candidate(fixed, layout, sizes, source)
+        orders = dim_orders(call, sizes, free) if free else []
+        ladders = [
+            Ladder(ladder(order, layout, sizes, fixed, frozen)) for order in orders
+        ]
+        considered = {full.key: full}
+        steps = (c for lad in ladders for c in lad.steps)
+        for c in sorted(steps, key=lambda c: -c.block):
+            considered.setdefault(c.key, c)
+        return full, ladders, considered, bool(free)
+
+    def _choose(
+        self,
+        full: PlanCandidate,
+        ladders: list[Ladder],
+        considered: dict[tuple, PlanCandidate],
+        free: bool,
+    ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
+        """Search the ladders: the chosen candidate, those compared, their measured
+        times (measured mode), and the summary."""
+        f = self.costed(full)
+        # Full vmap is kept if it fits, allocates nothing afresh per call, and the
+        # planner does not measure.
+        go = bool(ladders) and (not f.fits or bool(f.fresh_bytes) or self.measure)
+        for i, lad in enumerate(ladders if go else []):
+            if i > 0 and self.compiler.n_compiled >= MAX_COMPILES:
+                for c in lad.steps:
+                    self.note(
+                        c, f"not compiled: beyond the compile cap ({MAX_COMPILES} "
+                        "compiles)"
+                    )
+                continue  # the first ladder is always searched
+            self.search(lad, bool(f.fits))
+        if not go:
+            why = (
+                "full vmap fits and reuses its temporaries from call to call: "
+                "nothing else needed"
+            )
+            for c in considered.values():
+                self.note(c, f"not compiled: {why}")
+        fitting = [c for c in self.known.values() if c.fits and c.seconds is not None]
+        if not fitting:
+            evaluated = list(self.known.values())
+            smallest = min(evaluated, key=lambda c: c.temp_bytes or 0)
+            message = no_fit_message(
+                self.call,
+                self.budget,
+                smallest,
+                len(evaluated),
+                self.sizes,
+                self.compiler.backward,
+            )
+            raise NoFit(message, smallest, len(evaluated))
+        chosen = min(fitting, key=lambda c: c.seconds or 0.0)
+        compared, timed, note = fitting, {}, ""
+        if self.measure and (go or len(fitting) > 1):
+            chosen, compared, timed, note = self.measured(ladders, full, chosen)
+        text = summary(
+            chosen,
+            self.known[full.key],
+            compared,
+            timed,
+            go,
+            free,
+            self.budget,
+            self.model,
+            self.sizes,
+            note,
+        )
+        return chosen, compared, timed, text
+
+    def measured(
+        self,
+        ladders: list[Ladder],
+        full: PlanCandidate,
+        model_choice: PlanCandidate,
+    ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
+        """Time the model's best few candidates that fit; the fastest, those timed,
+        their times, and a note if timing was impossible."""
+        estimates: dict[tuple, float] = {}
+        for c in self.known.values():
+            if c.fits and c.seconds is not None:
+                estimates[c.key] = c.seconds
+        for lad in ladders:
+            if not lad.searched or lad.j is None:
+                continue
+            for c in lad.steps[lad.j :]:
+                known = self.known.get(c.key)
+                if known is not None and known.fits is False:
+                    continue
+                estimates.setdefault(c.key, self.estimate(c, lad))
+        by_key = {c.key: c for lad in ladders for c in lad.steps}
+        by_key[full.key] = full
+        ranked = sorted(estimates, key=lambda k: estimates[k])
+        pool = measured_pool(model_choice.key, ranked)
+        for k in pool:
+            if k not in self.known:
+                self.notes.pop(k, None)
+        timed_cands = [c for c in (self.memory(by_key[k]) for k in pool) if c.fits]
+        for k in ranked:
+            if k not in pool and k not in self.known:
+                self.notes[k] = (
+                    f"not compiled: est. {fmt_seconds(estimates[k])}, not among the "
+                    f"{MAX_MEASURED} measured (the best estimates and a spread of "
+                    f"the rest)"
+                )
+        try:
+            timed = self.time(timed_cands)
+        except Exception as e:  # e.g. inputs of a dtype we cannot make
+            note = f"could not measure ({type(e).__name__}: {e}), so estimated"
+            return model_choice, [c for c in timed_cands if c.seconds], {}, note
+        fastest = min(timed_cands, key=lambda c: timed[c.key])
+        kept = timed[model_choice.key] <= KEEP_WITHIN * timed[fastest.key]
+        return (model_choice if kept else fastest), timed_cands, timed, ""
+
+
+def auto_plan(
+    call: Call,
+    sizes: dict[str, int],
+    chosen: PlanCandidate,
+    candidates: tuple[PlanCandidate, ...],
+    budget: int,
+    source: str,
+    shard: tuple[ShardDim, ...],
+    backward: bool,
+    **fields: Any,
+) -> Plan:
+    """The `Plan` of `plan="auto"`: planned now, or read from the disk cache."""
+    return Plan(
+        fun_name=call.fun_name,
+        auto=True,
+        sizes=tuple({**call.sizes, **sizes}.items()),
+        dims=dims_of(chosen, sizes),
+        chosen=chosen,
+        candidates=candidates,
+        budget_bytes=budget,
+        budget_source=source,
+        shard=shard,
+        backward=backward,
+        given=given_dims(call),
+        collective=collective_dims(call),
+        **fields,
+    )
+
