@@ -17,6 +17,9 @@ from ._time_model import fmt_bytes, fmt_seconds, TimeModel
 
 ScanNest = tuple[tuple[str, int | None], ...]
 
+# How many candidates besides the chosen one `str(plan)` shows.
+RUNNERS_UP = 5
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanDim:
@@ -99,7 +102,10 @@ class Plan:
     """The nest chosen for one call signature, and how it was chosen.
 
     Returned by [`eqx_multimap.explain`][]; printed by `verbose=True` when planning.
-    `str(plan)` is a readable table, opening with `summary`.
+    `str(plan)` (that is, `plan.describe()`) opens with `summary` and the chosen nest,
+    then shows the compiled runners-up with their reasons; `plan.describe(full=True)`
+    adds every candidate and the time model, and `plan.table(all=True)` is the table
+    of every candidate alone.
 
     - `fun_name`: the wrapped function, as in error messages.
     - `auto`: `True` for a planned nest, `False` for a fixed nest.
@@ -173,21 +179,48 @@ class Plan:
         return len(self.candidates)
 
     def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self, full: bool = False, gradient: bool | None = None) -> str:
+        """The plan as text; `str(plan)` is `plan.describe()`.
+
+        **Arguments:**
+
+        - `full`: `False` (the default) gives the summary, the chosen nest, the
+            compiled runners-up (at most five) with their reasons, and one line
+            counting the rest. `True` adds the table of the mapped dims, every
+            candidate (as `plan.table(all=True)`) and the time model.
+        - `gradient`: whether to describe `plan.gradient` (the plan of the nest run
+            under differentiation) in full. `None` (the default): only when its nest
+            differs from this plan's (or no nest fits it), or with `full`;
+            otherwise one line says it is the same nest.
+        """
         lines = self._head()
+        if full:
+            lines.append("")
+            lines.extend(self._dims_table())
         lines.append("")
-        lines.extend(self._dims_table())
-        lines.append("")
-        lines.extend(self._candidates_table())
+        lines.append(self.table(all=full))
         if self.backward and self.checkpoint:
             lines.append(
                 "scan bodies checkpointed: the backward pass recomputes each block"
             )
-        if self.auto and self.time_model is not None:
+        if full and self.auto and self.time_model is not None:
             lines.append("")
             lines.append(self.time_model.describe())
-        if self.gradient is not None:
+        g = self.gradient
+        if g is None:
+            return "\n".join(lines)
+        differs = isinstance(g, str) or g.spec != self.spec
+        if gradient or (gradient is None and (differs or full)):
             lines.append("")
-            lines.append(str(self.gradient))
+            lines.append(g if isinstance(g, str) else g.describe(full))
+        else:
+            ckpt = ", its scan bodies checkpointed" if g.checkpoint else ""
+            lines.append(
+                f"under differentiation: the same nest{ckpt} "
+                "(`plan.describe(gradient=True)` shows its candidates)"
+            )
         return "\n".join(lines)
 
     def _head(self) -> list[str]:
@@ -253,9 +286,14 @@ class Plan:
             rows.append(row)
         return _table(rows)
 
-    def _candidates_table(self) -> list[str]:
-        """A line counting the candidates, then one row per candidate."""
-        sizes = dict(self.sizes)
+    def table(self, all: bool = False) -> str:
+        """The candidates as a table, each with its numbers and reason.
+
+        With `all=False` (as `str(plan)` shows), the chosen candidate and the best
+        five others that were compiled (those that fit, fastest first, then those
+        over budget), and a line counting the rest; with `all=True`, every
+        candidate considered, compiled or not, in the order of their blocks.
+        """
         n_cand = sum(c.temp_bytes is not None for c in self.candidates)
         n_timed = sum(c.measured is not None for c in self.candidates)
         timed = f", {n_timed} measured" if self.measured else ""
@@ -264,6 +302,35 @@ class Plan:
             f"({self.n_compiled} compiles including loop bodies, "
             f"{self.seconds:.2f} s)"
         ]
+        shown = list(self.candidates) if all else self._runners_up()
+        lines.extend(self._rows(shown))
+        rest = [c for c in self.candidates if c not in shown]
+        if rest:
+            compiled = sum(c.temp_bytes is not None for c in rest)
+            lines.append(
+                f"... and {plural(len(rest), 'more candidate')} ({compiled} "
+                f"compiled, {len(rest) - compiled} not): "
+                "`print(plan.table(all=True))` lists them all"
+            )
+        return "\n".join(lines)
+
+    def _runners_up(self, n: int = RUNNERS_UP) -> list[PlanCandidate]:
+        """The chosen candidate, then the best `n` others compiled."""
+
+        def rank(c: PlanCandidate) -> tuple:
+            time = c.measured if c.measured is not None else c.seconds
+            if c.fits is not False and time is not None:
+                return (0, time)
+            return (1, c.temp_bytes or 0)
+
+        others = [
+            c for c in self.candidates if c != self.chosen and c.temp_bytes is not None
+        ]
+        return [self.chosen, *sorted(others, key=rank)[:n]]
+
+    def _rows(self, cands: list[PlanCandidate]) -> list[str]:
+        """One row per candidate, the chosen one marked `*`."""
+        sizes = dict(self.sizes)
         header = (
             "",
             "nest",
@@ -276,7 +343,7 @@ class Plan:
         )
         header += ("measured",) if self.measured else ()
         rows = [header + ("fits", "why")]
-        for c in self.candidates:
+        for c in cands:
             mark = "*" if c == self.chosen else ""
             fits = "-" if c.fits is None else ("yes" if c.fits else "no")
             row = (
@@ -292,7 +359,7 @@ class Plan:
             if self.measured:
                 row += ("-" if c.measured is None else fmt_seconds(c.measured),)
             rows.append(row + (fits, c.reason))
-        return lines + _table(rows)
+        return _table(rows)
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

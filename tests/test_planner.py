@@ -347,10 +347,13 @@ def test_explain_table(getkey):
     assert isinstance(plan, Plan) and plan == explain(f, a, b)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.auto = False  # pyright: ignore[reportAttributeAccessIssue]
-    # The plan of the derivative's nest comes last; check the forward plan's part.
+    # In full, the plan of the derivative's nest comes last; check the forward
+    # plan's part.
     assert isinstance(plan.gradient, Plan) and plan.gradient.backward
-    text = str(plan).split("\n\n" + str(plan.gradient))[0]
-    assert str(plan).endswith(str(plan.gradient))
+    full = plan.describe(full=True)
+    gradient = "\n\n" + plan.gradient.describe(full=True)
+    assert full.endswith(gradient)
+    text = full[: -len(gradient)]
     lines = text.splitlines()
     assert lines[0] == "filter_multi_vmap(_sumexp): plan='auto'"
     # A one-line summary a newcomer understands: what, and why.
@@ -393,6 +396,60 @@ def test_explain_table(getkey):
     assert lines[-1].endswith(
         "Constants not calibrated: default constants, set by hand for one 2-core "
         "x86-64."
+    )
+
+
+def _rows(text: str) -> list[str]:
+    """The candidate rows of a plan's text (they end with `| <reason>`)."""
+    return [
+        line
+        for line in text.splitlines()
+        if line.startswith(("* |", "  |")) and "| nest " not in line
+    ]
+
+
+def test_explain_is_concise(getkey):
+    # str(plan): the summary and nest, the chosen candidate and at most five
+    # compiled runners-up, and one line counting the rest.
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    f = _sumexp_wrapper(plan=_planner_of(measure=False), memory_budget=20 * _ONE)
+    plan = explain(f, a, b)
+    text = str(plan)
+    assert text == plan.describe()
+    head = text.split("\n\n")[0].splitlines()
+    assert head[1] == plan.summary
+    assert f"nest: {plan.chosen.nest(dict(plan.sizes))}" in head
+    rows = _rows(text.split("\n\n" + str(plan.gradient))[0])
+    compiled = [c for c in plan.candidates if c.temp_bytes is not None]
+    assert rows[0].startswith("* |") and plan.chosen.reason in rows[0]
+    assert len(rows) == min(len(compiled), 1 + _plan.RUNNERS_UP)
+    sizes = dict(plan.sizes)
+    shown = [c for c in compiled if any(f"| {c.nest(sizes)} " in r for r in rows)]
+    assert len(shown) == len(rows)
+    rest = plan.n_candidates - len(rows)
+    assert f"... and {rest} more candidates (" in text
+    assert "print(plan.table(all=True))" in text
+    assert "est. time = max(" not in text.split("\n\n" + str(plan.gradient))[0]
+    # The full table: one row per candidate, none counted away.
+    table = plan.table(all=True)
+    assert len(_rows(table)) == plan.n_candidates and "... and" not in table
+    # The gradient's nest differs here (its derivative needs more memory), so
+    # its plan is shown.
+    assert plan.gradient.spec != plan.spec
+    assert text.endswith("\n\n" + str(plan.gradient))
+
+
+def test_explain_same_gradient_nest_in_one_line(getkey):
+    a, b = _sumexp_args(getkey, t=8, bsize=6, k=16)
+    f = _sumexp_wrapper(plan=_planner_of(), memory_budget=2**30)
+    plan = explain(f, a, b)
+    assert plan.gradient.spec == plan.spec
+    text = str(plan)
+    assert text.splitlines()[-1].startswith("under differentiation: the same nest")
+    assert "reverse mode" not in text
+    assert plan.describe(gradient=True).endswith("\n\n" + str(plan.gradient))
+    assert plan.describe(full=True).endswith(
+        "\n\n" + plan.gradient.describe(full=True)
     )
 
 
@@ -970,8 +1027,8 @@ def test_every_row_carries_a_reason(getkey):
                 )
             else:
                 assert c.reason.startswith(("slower (est. ", "fits, not costed"))
-        # Every row of the table ends with its reason.
-        text = str(p).split("\n\n" + str(p.gradient))[0] if p.gradient else str(p)
+        # Every row of the full table ends with its reason.
+        text = p.table(all=True)
         for c in p.candidates:
             assert any(
                 line.endswith("| " + c.reason) and c.nest(dict(p.sizes)) in line
@@ -1020,7 +1077,7 @@ def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
     assert all(c.fits and c.temp_bytes <= budget for c in timed)
     assert plan.chosen.fits and plan.chosen.temp_bytes <= budget
     # The rule: the fastest measured wins, unless the time model's own choice (the
-    # same model, unmeasured) measured within `_KEEP_WITHIN` of it.
+    # same model, unmeasured) measured within `KEEP_WITHIN` of it.
     unmeasured = explain(
         _sumexp_wrapper(plan=_planner_of(), memory_budget=budget), a, b
     )
@@ -1061,7 +1118,7 @@ def test_measured_mode_when_full_vmap_fits(getkey):
     assert full.source == "full vmap" and full.fits and full.measured is not None
     assert sum(c.measured is not None for c in plan.candidates) >= 2
     fastest = min(c.measured for c in plan.candidates if c.measured is not None)
-    # Full vmap is the time model's choice here: kept if within `_KEEP_WITHIN`.
+    # Full vmap is the time model's choice here: kept if within `KEEP_WITHIN`.
     if full.measured <= _measure.KEEP_WITHIN * fastest:
         assert plan.chosen == full
     else:
