@@ -9,6 +9,12 @@ arguments (no data), every input leaf an explicit argument:
   while loop (a scan) *once*, so the body of each block of the nest is also compiled
   on its own and its cost added `trips - 1` more times (`Compiler.corrected_cost`);
 - the time model turns these into an estimated time.
+
+Programs that are only analysed, never run, are compiled with `ANALYSIS_OPTIONS`:
+LLVM's optimisations off. Memory and cost analyses are made by XLA on the optimised
+HLO, before LLVM runs, so they are those of the default compile (a test checks it),
+for about half the compile time. Programs that measured mode runs are compiled as
+usual.
 """
 
 import dataclasses
@@ -23,6 +29,13 @@ from ._nest import Build, build_levels, loop_body_inputs, run
 from ._plan import PlanCandidate
 from ._resolve import Call
 from ._time_model import concrete_inputs, TimeModel
+
+
+# XLA options for programs that are analysed, never run.
+ANALYSIS_OPTIONS = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+}
 
 
 def struct(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
@@ -49,6 +62,7 @@ class Compiler:
         model: TimeModel,
         backward: bool = False,
         on_compile: Callable[[str], None] | None = None,
+        runs: bool = False,
     ):
         self.problem = call.problem(sizes, standalone=True)
         self.checkpoint = call.options.checkpoint
@@ -57,6 +71,7 @@ class Compiler:
         self.model = model
         self.sizes = sizes
         self.on_compile = on_compile
+        self.runs = runs
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
             shape = list(np.shape(v))
@@ -69,11 +84,16 @@ class Compiler:
         self.programs: dict[NestSpec, Any] = {}
         self._program_args: Any = None
 
-    def compile(self, fn: Callable[[list], Any], specs: Any, what: str = "") -> Any:
+    def compile(
+        self, fn: Callable[[list], Any], specs: Any, what: str = "", runs: bool = False
+    ) -> Any:
+        """Compile `fn` for `specs`; with `runs`, as a program to run, else with
+        `ANALYSIS_OPTIONS` (for its memory and cost analyses only)."""
         if self.on_compile is not None:
             self.on_compile(what or "compiling a loop body")
         self.n_compiled += 1
-        return jax.jit(fn).lower(specs).compile()
+        lowered = jax.jit(fn).lower(specs)
+        return lowered.compile(None if runs else ANALYSIS_OPTIONS)
 
     def build(self, spec: NestSpec) -> Build:
         """How a candidate is built: under differentiation, every scan body
@@ -114,7 +134,8 @@ class Compiler:
     def memory(self, cand: PlanCandidate) -> int:
         """Compile the candidate's program; its temporary memory."""
         fn, specs = self._program(cand.spec)
-        compiled = self.compile(fn, specs, f"compiling {cand.nest(self.sizes)}")
+        what = f"compiling {cand.nest(self.sizes)}"
+        compiled = self.compile(fn, specs, what, runs=self.runs)
         self.programs[cand.spec] = compiled
         if self._program_args is None:
             self._program_args = specs

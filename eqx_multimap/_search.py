@@ -38,7 +38,6 @@ dims keep their strategy, at their local sizes, and the budget is per device.
 
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ._candidates import (
@@ -62,7 +61,7 @@ from ._time_model import fmt_bytes, fmt_seconds, TimeModel
 MAX_COMPILES = 12
 # Bumped whenever the search changes what it chooses: plans on disk from another
 # version are not used.
-SEARCH_VERSION = 3
+SEARCH_VERSION = 4
 
 
 class NoFit(Exception):
@@ -108,22 +107,25 @@ class Ladder:
     j: int | None = None
     k: int | None = None
 
+    @property
+    def edge(self) -> int | None:
+        """The boundary block that is costed: `k` if there is one, else `j`."""
+        return self.k if self.k is not None else self.j
 
-def first_index(
-    steps: list[PlanCandidate], start: int, ok: Callable[[PlanCandidate], bool]
-) -> int | None:
-    """The first index from `start` at which `ok` holds, by binary search: `ok` is
-    monotone along a ladder (false for big blocks, true from some block on)."""
-    if start >= len(steps):
+
+def predict(points: list[tuple[int, int]], block: int) -> float | None:
+    """The temporary bytes of a block of a ladder, from the line through the two
+    compiled blocks nearest it (`(block, bytes)` pairs): temporaries grow close to
+    affinely with the block along one ladder. With one block compiled,
+    proportionally to the block; `None` with none."""
+    distinct = sorted(dict(points).items(), key=lambda p: abs(p[0] - block))
+    if not distinct:
         return None
-    lo, hi = start, len(steps) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ok(steps[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo if ok(steps[lo]) else None
+    if len(distinct) == 1:
+        ((b0, t0),) = distinct
+        return t0 * block / max(b0, 1)
+    (b0, t0), (b1, t1) = distinct[:2]
+    return t0 + (t1 - t0) * (block - b0) / (b1 - b0)
 
 
 class Search:
@@ -146,9 +148,13 @@ class Search:
         self.model = model
         self.measure = measure
         self.progress = progress
-        self.compiler = Compiler(call, sizes, model, backward, progress.step)
+        self.compiler = Compiler(
+            call, sizes, model, backward, progress.step, runs=measure
+        )
         self.known: dict[tuple, PlanCandidate] = {}  # by key: compiled ones
         self.notes: dict[tuple, str] = {}  # by key: why an uncompiled one was not
+        # By key: temporaries predicted above a limit, for blocks not compiled.
+        self.predicted: dict[tuple, int] = {}
 
     def memory(self, c: PlanCandidate) -> PlanCandidate:
         if c.key not in self.known:
@@ -174,55 +180,125 @@ class Search:
         if c.key not in self.known:
             self.notes.setdefault(c.key, why)
 
-    def search(self, lad: Ladder, full_fits: bool) -> None:
+    def search(self, lad: Ladder, full: PlanCandidate) -> None:
         """Find the ladder's largest block that fits, and (if that one allocates
-        afresh per call) its largest block below the fresh threshold."""
+        afresh per call) its largest block below the fresh threshold; cost the
+        latter if there is one (a block that allocates afresh loses to it by the
+        time model: its page faults cost more than the loop trips it saves), else
+        the former."""
         steps = lad.steps
         lad.searched = True
-        # Memory grows with the block: if full vmap fits, every step does.
-        j = 0 if full_fits else first_index(steps, 0, self.fits)
+        threshold = self.model.fresh_threshold
         k = None
-        if j is not None and self.fresh(steps[j]):
-            k = first_index(steps, j, lambda c: not self.fresh(c))
-        lad.j, lad.k = j, k
-        for edge in (j, k):
-            if edge is not None:  # the boundary block, and its ties
-                for c in steps:
-                    if c.block == steps[edge].block:
-                        self.costed(c)
+        if full.fits:
+            # Memory grows with the block: if full vmap fits, every step does.
+            j: int | None = 0
+            if threshold is not None and full.fresh_bytes:
+                k = self.first_within(steps, 0, threshold, full)
+        else:
+            j = self.first_within(steps, 0, self.budget, full)
+            if j is not None and threshold is not None and self.fresh(steps[j]):
+                above = self.memory(steps[j])
+                k = self.first_within(steps, j + 1, threshold, above)
+        lad.j, lad.k = j, (None if k == j else k)
+        edge = lad.edge
+        if lad.k is not None and j is not None and steps[j].key in self.known:
+            self.notes[steps[j].key] = (
+                "fits, not costed: allocates afresh per call; the smaller "
+                f"{steps[lad.k].nest(self.sizes)} does not, and was costed"
+            )
+        if edge is not None:  # the boundary block, and its ties
+            for c in steps:
+                if c.block == steps[edge].block:
+                    self.costed(c)
         # Why the others were not compiled.
         sizes = self.sizes
         for i, c in enumerate(steps):
             if c.key in self.known:
                 continue
             if j is None or i < j:
-                over = next(
-                    (
-                        s
-                        for s in steps[i:]
-                        if s.key in self.known and self.known[s.key].fits is False
-                    ),
-                    None,
-                )
-                if over is not None:
-                    self.note(
-                        c,
-                        f"not compiled: a larger block than {over.nest(sizes)}, "
-                        "which is over budget",
-                    )
-            elif k is not None and i < k:
+                self._note_over(steps, i)
+            elif lad.k is not None and i < lad.k:
                 self.note(
                     c,
-                    f"not compiled: allocates afresh per call, as the larger "
-                    f"{steps[j].nest(sizes)} does, and loops more",
+                    f"not compiled: a larger block than {steps[lad.k].nest(sizes)}, "
+                    "the largest that reuses its temporaries from call to call: "
+                    "it would allocate them afresh per call",
                 )
             else:
-                edge = steps[k if k is not None else j]
+                edge = steps[lad.edge]
                 self.note(
                     c,
                     f"not compiled: a smaller block than {edge.nest(sizes)}, "
                     "which fits: more loop trips, not needed",
                 )
+
+    def _note_over(self, steps: list[PlanCandidate], i: int) -> None:
+        """Why `steps[i]`, a block larger than the largest that fits, was not
+        compiled: a smaller block is over budget, or predicted to be."""
+        c, sizes = steps[i], self.sizes
+        for s in steps[i:]:
+            known = self.known.get(s.key)
+            if known is not None and known.fits is False:
+                self.note(
+                    c,
+                    f"not compiled: a larger block than {s.nest(sizes)}, which is "
+                    "over budget",
+                )
+                return
+            if self.predicted.get(s.key, 0) > self.budget:
+                what = "it" if s is c else f"{s.nest(sizes)}, a smaller block,"
+                self.note(
+                    c,
+                    f"not compiled: {what} is predicted to need "
+                    f"{fmt_bytes(self.predicted[s.key])} > {fmt_bytes(self.budget)} "
+                    "(from the blocks of its ladder compiled: temporaries grow "
+                    "about linearly with the block)",
+                )
+                return
+
+    def first_within(
+        self,
+        steps: list[PlanCandidate],
+        start: int,
+        limit: int,
+        above: PlanCandidate,
+    ) -> int | None:
+        """The first step from `start` (the largest block) whose temporaries are at
+        most `limit`; `above`, a larger block, is known to exceed it.
+
+        Temporaries shrink with the block along a ladder, close to affinely, so the
+        blocks compiled predict the boundary (`predict`): the largest block
+        predicted within `limit` is compiled, and the prediction refined, until a
+        step is within `limit` and the next larger one is known, or predicted, to
+        exceed it."""
+        lo, hi = start, len(steps)  # the answer is in steps[lo:hi], or None
+        points = [(above.block, above.temp_bytes or 0)]
+        points += [
+            (c.block, self.known[c.key].temp_bytes or 0)
+            for c in steps
+            if c.key in self.known
+        ]
+        while lo < hi:
+            within = [
+                i
+                for i in range(lo, hi)
+                if (predict(points, steps[i].block) or 0) <= limit
+            ]
+            i = within[0] if within else hi - 1
+            c = self.memory(steps[i])
+            points.append((c.block, c.temp_bytes or 0))
+            if (c.temp_bytes or 0) > limit:
+                lo = i + 1
+                continue
+            hi = i
+            if i == lo:
+                break
+            larger = predict(points, steps[i - 1].block) or 0
+            if larger > limit and steps[i - 1].block > c.block:
+                self.predicted[steps[i - 1].key] = int(larger)
+                break
+        return hi if hi < len(steps) else None
 
     def estimate(self, c: PlanCandidate, lad: Ladder) -> float:
         """The estimated time of a candidate of a searched ladder that fits: its
@@ -231,8 +307,8 @@ class Search:
         known = self.known.get(c.key, c)
         if known.seconds is not None:
             return known.seconds
-        assert lad.j is not None
-        edge = self.known[lad.steps[lad.j].key]
+        assert lad.edge is not None
+        edge = self.known[lad.steps[lad.edge].key]
         if known.temp_bytes is not None:
             temp = known.temp_bytes
         else:
@@ -352,7 +428,7 @@ class Search:
                         "compiles)"
                     )
                 continue  # the first ladder is always searched
-            self.search(lad, bool(f.fits))
+            self.search(lad, f)
         if not go:
             why = (
                 "full vmap fits and reuses its temporaries from call to call: "
@@ -404,7 +480,7 @@ class Search:
             if c.fits and c.seconds is not None:
                 estimates[c.key] = c.seconds
         for lad in ladders:
-            if not lad.searched or lad.j is None:
+            if not lad.searched or lad.j is None or lad.edge is None:
                 continue
             for c in lad.steps[lad.j :]:
                 known = self.known.get(c.key)
