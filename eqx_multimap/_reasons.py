@@ -61,9 +61,12 @@ def summary(
             f"fastest (measured {fmt_seconds(timed[chosen.key])}{nxt})"
         )
     elif n == 1:
+        reuses = ""
+        if model.fresh_threshold is not None and not chosen.fresh_bytes:
+            reuses = " and reuses its temporaries from call to call"
         how = (
-            "it is the largest block that fits, and the only candidate costed "
-            "(smaller blocks loop more)"
+            f"it is the largest block that fits{reuses}, and the only candidate "
+            "costed (smaller blocks loop more)"
         )
         if measure_note:
             how += f" ({measure_note})"

@@ -17,14 +17,19 @@ The search is bounded:
    outer ones one element at a time and the last one in chunks from a small
    geometric set (about `n/2, n/4, ...`, moved to a nearby divisor of `n` when there
    is one, so that no remainder block is needed). A ladder is sorted by the number
-   of elements of one loop iteration (the block), which memory grows with; a binary
-   search finds the largest block that fits. These boundary candidates (and those
-   with the same block in the same ladder) get their costs, and the cheapest by
-   estimated time (`TimeModel.seconds`) wins.
+   of elements of one loop iteration (the block), which temporary memory grows
+   with, close to affinely. The largest block that fits is found by prediction
+   (`predict`, `Search.first_within`): from the blocks compiled so far (at first,
+   full vmap alone) the largest block predicted to fit is compiled; the prediction
+   is refined until a block fits and the next larger one is known, or predicted,
+   not to. Every block the search chooses was compiled and fits. The boundary
+   candidate (and those with the same block in the same ladder) gets its costs,
+   and the cheapest by estimated time (`TimeModel.seconds`) wins.
 3. On CPU, temporaries above the fresh threshold (glibc's malloc hands blocks that
    big out as fresh `mmap`s) are page-faulted in again on *every* call. So when the
-   largest fitting block of a ladder is above the threshold, a second binary search
-   finds its largest block below it, which is costed too.
+   largest fitting block of a ladder (or full vmap) is above the threshold, the
+   same search finds its largest block below it, and that one is costed instead:
+   by the time model, its reuse of the heap saves more than the loop trips it adds.
 4. With `Planner(measure=True)`, up to `MAX_MEASURED` candidates that fit (among
    every block that fits in the ladders searched: the model's best estimates, and
    an even spread over the rest, `measured_pool`) are run on fresh inputs of the
@@ -32,8 +37,10 @@ The search is bounded:
    measured within `KEEP_WITHIN` of it: the model cannot see what the chunk shape
    does to XLA:CPU's code, and timings of near-equal nests shift with the load.
 
-With `shard=`, the plan is of the local nest of one device (`localize`): the sharded
-dims keep their strategy, at their local sizes, and the budget is per device.
+Every candidate compiled outside measured mode is compiled for its analyses only
+(`_costing.ANALYSIS_OPTIONS`). With `shard=`, the plan is of the local nest of one
+device (`localize`): the sharded dims keep their strategy, at their local sizes,
+and the budget is per device.
 """
 
 import dataclasses

@@ -1377,3 +1377,97 @@ def test_progress_logs_and_shows_a_bar(caplog, capsys):
     else:
         assert slow.bar is not None and slow.bar.n == 2
     assert capsys.readouterr().out == ""  # the bar goes to stderr
+
+
+#
+# The price of planning.
+#
+
+
+def test_analysis_compiles_report_what_the_default_compile_does(getkey):
+    # Candidates that are only analysed are compiled without LLVM's optimisations:
+    # XLA's memory and cost analyses must be those of the default compile.
+    a, b = _sumexp_args(getkey, t=12, bsize=10, k=16)
+    f = _sumexp_wrapper()
+    call = resolve(f._fun, f._options, (a, b), {})
+    specs = _costing.Compiler(call, call.mapped_sizes, TimeModel()).specs
+    for scan, vmap in [((), ("T", "B")), ((("T", 4),), ("B",)), ((("B", 3),), ("T",))]:
+        nest = NestSpec(scan, vmap)
+        lowered = jax.jit(lambda v: run(call.problem(), nest, Build(), v)).lower(specs)
+        default, cheap = lowered.compile(), lowered.compile(_costing.ANALYSIS_OPTIONS)
+        for x in (default, cheap):
+            assert x.memory_analysis().temp_size_in_bytes >= 0
+        assert (
+            default.memory_analysis().temp_size_in_bytes
+            == cheap.memory_analysis().temp_size_in_bytes
+        )
+        assert _costing.xla_costs(default) == _costing.xla_costs(cheap)
+
+
+def _exhaustive(call, budget):
+    """Every candidate of the planner's search space compiled and costed, by an
+    independent loop: the fitting one with the lowest estimate."""
+    sizes = call.mapped_sizes
+    compiler = _costing.Compiler(call, sizes, TimeModel())
+    orders = _candidates.dim_orders(call, sizes)
+    layout = orders[0]
+    cands = {((), layout): _candidates.candidate((), layout, sizes, "full vmap")}
+    for order in orders:
+        for c in _candidates.ladder(order, layout, sizes):
+            cands.setdefault(c.key, c)
+    evaluated = [compiler.evaluate(c, budget) for c in cands.values()]
+    fitting = [c for c in evaluated if c.fits]
+    return min(fitting, key=lambda c: c.seconds), compiler.n_compiled
+
+
+@pytest.mark.parametrize("budget_ones", [4, 20, 2**16])
+def test_plan_is_as_good_as_the_exhaustive_search(getkey, budget_ones):
+    # The planner compiles a few candidates; compiling them all picks no better
+    # one by the same time model. Its plan fits the budget, measured independently,
+    # and its compiles are bounded.
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    budget = budget_ones * _ONE
+    planner = _planner_of()
+    f = _sumexp_wrapper(plan=planner, memory_budget=budget)
+    plan = planner.plan(resolve(f._fun, f._options, (a, b), {}))
+    best, n_exhaustive = _exhaustive(resolve(f._fun, f._options, (a, b), {}), budget)
+    assert plan.chosen.seconds <= best.seconds * 1.10, (plan.chosen, best)
+    fixed = _fixed(_sumexp, plan, in_dims=("T B K", "T K"), out_dims="T B")
+    assert _temp_bytes(fixed, a, b) <= budget
+    # Full vmap, then a prediction or two along the ladder, the boundary and its
+    # loop body: a fraction of the exhaustive search's compiles.
+    assert plan.n_compiled <= 5 and 2 * plan.n_compiled <= n_exhaustive
+    assert planner.n_compiles == plan.n_compiled
+
+
+def test_cold_plan_compile_count(getkey):
+    # The number of compiles a cold plan makes is deterministic: here full vmap
+    # (over budget), two blocks of the one ladder to find its boundary, and the
+    # boundary's loop body; nothing else.
+    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
+    planner = _planner_of()
+    f = _sumexp_wrapper(plan=planner, memory_budget=20 * _ONE)
+    plan = explain(f, a, b)
+    compiled = [c for c in plan.candidates if c.temp_bytes is not None]
+    costed = [c for c in plan.candidates if c.seconds is not None]
+    assert plan.n_compiled == len(compiled) + sum(c.trips > 1 for c in costed)
+    assert plan.n_compiled <= 5
+    # The same count on a second cold planner: nothing depends on timing.
+    again = explain(_sumexp_wrapper(plan=_planner_of(), memory_budget=20 * _ONE), a, b)
+    assert again.n_compiled == plan.n_compiled and again.chosen == plan.chosen
+
+
+def test_differentiated_call_plans_only_the_derivative(getkey):
+    a, b = _sumexp_args(getkey, t=8, bsize=6, k=32)
+    planner = _planner_of()
+    f = _sumexp_wrapper(plan=planner, memory_budget=20 * _ONE)
+    got = jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1))(a, b)
+    assert planner.n_plans == 1  # the nest under differentiation only
+    want = jax.grad(
+        lambda a, b: jnp.sum(_sumexp_reference(a, b)), argnums=(0, 1)
+    )(a, b)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    f(a, b)  # the forward nest is planned when it runs
+    assert planner.n_plans == 2
