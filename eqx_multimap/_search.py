@@ -277,8 +277,8 @@ class Search:
         Temporaries shrink with the block along a ladder, close to affinely, so the
         blocks compiled predict the boundary (`predict`): the largest block
         predicted within `limit` is compiled, and the prediction refined, until a
-        step is within `limit` and the next larger one is known, or predicted, to
-        exceed it."""
+        step is within `limit` and the next larger one is known to exceed it, or
+        predicted to when it scans the same dims (only a chunk differs)."""
         lo, hi = start, len(steps)  # the answer is in steps[lo:hi], or None
         points = [(above.block, above.temp_bytes or 0)]
         points += [
@@ -301,9 +301,14 @@ class Search:
             hi = i
             if i == lo:
                 break
-            larger = predict(points, steps[i - 1].block) or 0
-            if larger > limit and steps[i - 1].block > c.block:
-                self.predicted[steps[i - 1].key] = int(larger)
+            # The next larger block need not be compiled if it scans the same
+            # dims (only a chunk differs: temporaries affine in the block) and is
+            # predicted to exceed `limit`.
+            prev = steps[i - 1]
+            larger = predict(points, prev.block) or 0
+            same = [n for n, _ in prev.scan] == [n for n, _ in c.scan]
+            if same and larger > limit and prev.block > c.block:
+                self.predicted[prev.key] = int(larger)
                 break
         return hi if hi < len(steps) else None
 
