@@ -196,19 +196,33 @@ class Search:
         steps = lad.steps
         lad.searched = True
         threshold = self.model.fresh_threshold
-        k = None
+        k, all_fresh = None, False
         if full.fits:
             # Memory grows with the block: if full vmap fits, every step does.
             j: int | None = 0
             if threshold is not None and full.fresh_bytes:
                 k = self.first_within(steps, 0, threshold, full)
+                all_fresh = k is None
         else:
             j = self.first_within(steps, 0, self.budget, full)
             if j is not None and threshold is not None and self.fresh(steps[j]):
                 above = self.memory(steps[j])
                 k = self.first_within(steps, j + 1, threshold, above)
+                all_fresh = k is None
         lad.j, lad.k = j, (None if k == j else k)
         edge = lad.edge
+        floor = self._floor(threshold) if all_fresh else None
+        if edge is not None and floor is not None:
+            # Every block of the ladder that fits allocates afresh per call, and
+            # so cannot beat a candidate already costed.
+            for c in steps:
+                if c.key not in self.known or self.known[c.key].fits:
+                    self.notes[c.key] = (
+                        "not costed: every block of its ladder that fits allocates "
+                        f"afresh per call: est. at least {fmt_seconds(floor)}, "
+                        "slower than a candidate costed"
+                    )
+            edge = None
         if lad.k is not None and j is not None and steps[j].key in self.known:
             self.notes[steps[j].key] = (
                 "fits, not costed: allocates afresh per call; the smaller "
@@ -239,6 +253,28 @@ class Search:
                     f"not compiled: a smaller block than {edge.nest(sizes)}, "
                     "which fits: more loop trips, not needed",
                 )
+
+    def _floor(self, threshold: int | None) -> float | None:
+        """For a ladder whose blocks that fit all allocate afresh per call: a
+        floor on their estimated time (the flops of every candidate, the fewest
+        bytes of any candidate costed, the page faults of `threshold` bytes) if it
+        is above the estimate of a candidate costed, else `None`. Not in measured
+        mode, which estimates the blocks it may time from the ladder's costed
+        boundary."""
+        if self.measure or threshold is None:
+            return None
+        costed = [c for c in self.known.values() if c.fits and c.seconds]
+        if not costed:
+            return None
+        floor = self.model.seconds(
+            min(c.flops or 0.0 for c in costed),
+            min(c.transcendentals or 0.0 for c in costed),
+            min(c.bytes_accessed or 0.0 for c in costed),
+            0,
+            float(threshold),
+        )
+        best = min(c.seconds or 0.0 for c in costed)
+        return floor if floor > best else None
 
     def _note_over(self, steps: list[PlanCandidate], i: int) -> None:
         """Why `steps[i]`, a block larger than the largest that fits, was not
