@@ -223,14 +223,19 @@ class Search:
                         "slower than a candidate costed"
                     )
             edge = None
-        if lad.k is not None and j is not None and steps[j].key in self.known:
-            self.notes[steps[j].key] = (
-                "fits, not costed: allocates afresh per call; the smaller "
-                f"{steps[lad.k].nest(self.sizes)} does not, and was costed"
-            )
-        if edge is not None:  # the boundary block, and its ties
+        edges = [] if edge is None else [edge]
+        if lad.k is not None and j is not None:
+            if self._may_beat(steps[j], steps[lad.k], threshold):
+                edges.append(j)
+            elif steps[j].key in self.known:
+                self.notes[steps[j].key] = (
+                    "fits, not costed: allocates afresh per call, whose page "
+                    "faults take longer than the estimate of the smaller "
+                    f"{steps[lad.k].nest(self.sizes)}, which does not"
+                )
+        for e in edges:  # the boundary blocks, and their ties
             for c in steps:
-                if c.block == steps[edge].block:
+                if c.block == steps[e].block:
                     self.costed(c)
         # Why the others were not compiled.
         sizes = self.sizes
@@ -256,9 +261,9 @@ class Search:
 
     def _floor(self, threshold: int | None) -> float | None:
         """For a ladder whose blocks that fit all allocate afresh per call: a
-        floor on their estimated time (the flops of every candidate, the fewest
-        bytes of any candidate costed, the page faults of `threshold` bytes) if it
-        is above the estimate of a candidate costed, else `None`. Not in measured
+        floor on their estimated time (the compute of every candidate, and the
+        page faults of `threshold` bytes) if it is above the estimate of a
+        candidate costed, else `None`. Not in measured
         mode, which estimates the blocks it may time from the ladder's costed
         boundary."""
         if self.measure or threshold is None:
@@ -269,12 +274,31 @@ class Search:
         floor = self.model.seconds(
             min(c.flops or 0.0 for c in costed),
             min(c.transcendentals or 0.0 for c in costed),
-            min(c.bytes_accessed or 0.0 for c in costed),
+            0.0,
             0,
             float(threshold),
         )
         best = min(c.seconds or 0.0 for c in costed)
         return floor if floor > best else None
+
+    def _may_beat(
+        self, big: PlanCandidate, small: PlanCandidate, threshold: int | None
+    ) -> bool:
+        """Whether `big`, a block that allocates afresh per call, may be faster by
+        the time model than `small`, the ladder's largest block that does not:
+        whether a floor on its estimate (its compute, page faults and loop
+        trips) is below `small`'s. Costing `small` first."""
+        small = self.costed(small)
+        temp = self.known[big.key].temp_bytes if big.key in self.known else None
+        fresh = float(temp if temp is not None else threshold or 0)
+        floor = self.model.seconds(
+            small.flops or 0.0,
+            small.transcendentals or 0.0,
+            0.0,
+            big.trips if big.scan else 0,
+            fresh,
+        )
+        return floor < (small.seconds or 0.0)
 
     def _note_over(self, steps: list[PlanCandidate], i: int) -> None:
         """Why `steps[i]`, a block larger than the largest that fits, was not
