@@ -39,8 +39,9 @@ from ._candidates import block_and_trips, collective_dims, given_dims
 from ._costing import struct
 from ._measure import KEEP_WITHIN, MAX_MEASURED
 from ._plan import Plan, PlanCandidate, ShardDim
+from ._reasons import no_fit_message
 from ._resolve import Call
-from ._search import auto_plan, MAX_COMPILES, no_fit_message, SEARCH_VERSION
+from ._search import auto_plan, MAX_COMPILES, SEARCH_VERSION
 from ._time_model import machine, TimeModel
 
 

@@ -34,8 +34,9 @@ from ._plan_cache import (
     versions,
 )
 from ._progress import Progress
+from ._reasons import NoFit
 from ._resolve import Call
-from ._search import NoFit, Search
+from ._search import Search
 from ._time_model import calibrate, machine, TimeModel
 
 

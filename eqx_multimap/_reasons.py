@@ -1,10 +1,13 @@
-"""Why a plan is what it is: its summary sentence, and a reason per candidate."""
+"""Why a plan is what it is: its summary sentence, a reason per candidate, and the
+error when no candidate fits."""
 
 import dataclasses
 
 from ._budget import over_budget
+from ._candidates import given_dims
 from ._measure import KEEP_WITHIN, MAX_MEASURED
 from ._plan import PlanCandidate
+from ._resolve import Call
 from ._time_model import fmt_bytes, fmt_seconds, TimeModel
 
 
@@ -136,3 +139,35 @@ def with_reason(
         )
     return dataclasses.replace(c, reason=why)
 
+
+class NoFit(Exception):
+    """No candidate fits the budget: the error's message, the smallest candidate
+    compiled, and how many were."""
+
+    def __init__(self, message: str, smallest: PlanCandidate, n: int):
+        super().__init__(message)
+        self.smallest = smallest
+        self.n = n
+
+
+def no_fit_message(
+    call: Call,
+    budget: int,
+    smallest: PlanCandidate,
+    n: int,
+    sizes: dict[str, int],
+    backward: bool,
+) -> str:
+    """The `SpecError` message when no candidate fits the budget."""
+    what = "the derivative (reverse mode) of " if backward else ""
+    given = ""
+    if given_dims(call):
+        given = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
+    return (
+        f"`{call.fun_name}` with `plan='auto'`: no nest fits "
+        f"`memory_budget={call.options.plan.memory_budget!r}` ({fmt_bytes(budget)} "
+        f"of temporary memory){' under differentiation' if backward else ''}. The "
+        f"smallest of the {n} compiled candidates needs "
+        f"{fmt_bytes(smallest.temp_bytes or 0)} for {what}{smallest.nest(sizes)}. "
+        f"Raise `memory_budget`, or map fewer dims{given}."
+    )

@@ -58,7 +58,7 @@ from ._costing import Compiler
 from ._measure import KEEP_WITHIN, MAX_MEASURED, measured_pool, time_candidates
 from ._plan import dims_of, Plan, PlanCandidate, ShardDim
 from ._progress import Progress
-from ._reasons import summary, with_reason
+from ._reasons import no_fit_message, NoFit, summary, with_reason
 from ._resolve import Call
 from ._time_model import fmt_bytes, fmt_seconds, TimeModel
 
@@ -69,39 +69,6 @@ MAX_COMPILES = 12
 # Bumped whenever the search changes what it chooses: plans on disk from another
 # version are not used.
 SEARCH_VERSION = 4
-
-
-class NoFit(Exception):
-    """No candidate fits the budget: the error's message, the smallest candidate
-    compiled, and how many were."""
-
-    def __init__(self, message: str, smallest: PlanCandidate, n: int):
-        super().__init__(message)
-        self.smallest = smallest
-        self.n = n
-
-
-def no_fit_message(
-    call: Call,
-    budget: int,
-    smallest: PlanCandidate,
-    n: int,
-    sizes: dict[str, int],
-    backward: bool,
-) -> str:
-    """The `SpecError` message when no candidate fits the budget."""
-    what = "the derivative (reverse mode) of " if backward else ""
-    given = ""
-    if given_dims(call):
-        given = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
-    return (
-        f"`{call.fun_name}` with `plan='auto'`: no nest fits "
-        f"`memory_budget={call.options.plan.memory_budget!r}` ({fmt_bytes(budget)} "
-        f"of temporary memory){' under differentiation' if backward else ''}. The "
-        f"smallest of the {n} compiled candidates needs "
-        f"{fmt_bytes(smallest.temp_bytes or 0)} for {what}{smallest.nest(sizes)}. "
-        f"Raise `memory_budget`, or map fewer dims{given}."
-    )
 
 
 @dataclasses.dataclass
