@@ -32,7 +32,11 @@ floor. Reported:
   its time over the best, from the first pass.
 
 Run: `python benchmarks/planner.py --quick` (`--plan measure` for the measured
-mode); without `--quick`, bigger sizes.
+mode); without `--quick`, bigger sizes. `--cold` instead prices planning: a cold
+`plan="auto"` compile (planning included, the time model calibrated beforehand)
+over the compile of the nest it chooses as a fixed nest, forward and under
+`jax.grad`, in CPU seconds of this process (the machine may be shared), on these
+workloads and a Jones-matrix one.
 """
 
 import argparse
@@ -49,7 +53,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from eqx_multimap import explain, filter_multi_vmap, Plan, Planner
+from eqx_multimap import explain, filter_multi_vmap, Plan, Planner, SpecError
 from eqx_multimap.timing import (
     compiled as _compile,
     fmt_bytes as _fmt_bytes,
@@ -199,6 +203,78 @@ def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
         )
     )
     return out
+
+
+def _jones() -> tuple[str, Callable, dict, tuple, None]:
+    t, f, a = 32, 32, 48
+    i, j = np.triu_indices(a, 1)  # B = 1128 baselines
+    k = jax.random.split(jax.random.key(1), 2)
+    g = jax.lax.complex(_normal(k[0], (t, f, a, 2, 2)), _normal(k[1], (t, f, a, 2, 2)))
+    m = jnp.ones((t, f, len(i), 2, 2), jnp.complex64)
+    dims = {"g": "T F A 2 2", "m": "T F B 2 2", "i": "B", "j": "B"}
+
+    def jones(g, m, i, j):
+        return g[i] @ m @ jnp.conj(g[j]).T
+
+    return "jones", jones, dict(in_dims=dims, out_dims="T F B 2 2"), (g, m, i, j), None
+
+
+def _cpu_compile(fn: Callable, args: tuple) -> float:
+    start = time.process_time()
+    _compile(fn, *args)
+    return time.process_time() - start
+
+
+def _loss(fn: Callable, args: tuple) -> Callable:
+    wrt = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact))
+
+    def loss(*a: Any) -> Any:
+        return sum(jnp.sum(jnp.abs(o) ** 2) for o in jax.tree.leaves(fn(*a)))
+
+    return jax.grad(loss, wrt)
+
+
+def cold(quick: bool, only: str | None) -> None:
+    """Print a cold plan's compile over the chosen nest's, forward and under grad."""
+    model = Planner(cache_dir=False).time_model  # calibrated once, not counted
+    ratios: dict[str, list[float]] = {"forward": [], "grad": []}
+    for name, body, kw, args, fraction in [_jones(), *workloads(quick)]:
+        if only is not None and only not in name:
+            continue
+        budget = {}
+        if fraction is not None:
+            full = _compile(filter_multi_vmap(body, **kw), *args)
+            need = full.memory_analysis().temp_size_in_bytes
+            budget = {"memory_budget": max(1024, int(need * fraction))}
+        for mode in ("forward", "grad"):
+            planner = Planner(cache_dir=False, time_model=model)
+            auto = filter_multi_vmap(body, plan=planner, **budget, **kw)
+            wrap = (lambda f: f) if mode == "forward" else (lambda f: _loss(f, args))
+            try:
+                t_auto = _cpu_compile(wrap(auto), args)
+            except SpecError as e:
+                print(f"{name}, {mode}: no nest fits ({str(e)[:60]}...)", flush=True)
+                continue
+            n = planner.n_compiles
+            plan = explain(auto, *args)
+            plan = plan if mode == "forward" else plan.gradient
+            fixed = filter_multi_vmap(
+                body, scan=plan.scan, vmap=plan.vmap, checkpoint=plan.checkpoint, **kw
+            )
+            t_fixed = _cpu_compile(wrap(fixed), args)
+            ratios[mode].append(t_auto / t_fixed)
+            print(
+                f"{name}, {mode}: cold plan='auto' {t_auto:.2f} s / fixed nest "
+                f"{t_fixed:.2f} s = {t_auto / t_fixed:.2f}x; {n} planning compiles; "
+                f"{plan.chosen.nest(dict(plan.sizes))}",
+                flush=True,
+            )
+    for mode, rs in ratios.items():
+        if rs:
+            print(
+                f"cold plan / compile, {mode}: geometric mean {_gmean(rs):.2f}, max "
+                f"{max(rs):.2f}; {sum(r <= 2 for r in rs)} of {len(rs)} within 2x"
+            )
 
 
 def _explain_seconds(fn: Callable, args: tuple) -> tuple[Plan, float]:
@@ -413,6 +489,7 @@ def main() -> None:
     )
     parser.add_argument("--verbose", action="store_true", help="every candidate")
     parser.add_argument("--only", default=None, help="workloads whose name has this")
+    parser.add_argument("--cold", action="store_true", help="price planning instead")
     parser.add_argument(
         "--cache-dir",
         default=None,
@@ -429,6 +506,9 @@ def main() -> None:
         f"second pass at least {confirm} rounds",
         flush=True,
     )
+    if opts.cold:
+        cold(opts.quick, opts.only)
+        return
     with tempfile.TemporaryDirectory(prefix="planner_bench_cache_") as tmp:
         rows = run(
             opts.quick,

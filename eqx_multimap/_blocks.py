@@ -10,7 +10,7 @@ combination of their parts; the blocks' outputs are concatenated along the chunk
 dims.
 
 [`blocks`][] enumerates the blocks of a nest once; `_nest` builds and runs them and
-`_planner` costs them, from the same [`Block`][]s.
+`_costing` costs them, from the same [`Block`][]s.
 """
 
 import dataclasses

@@ -26,13 +26,8 @@ from ._blocks import describe_nest, NestSpec
 from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
-from ._planner import (
-    describe_fixed,
-    Plan,
-    plan_options,
-    PlanMode,
-    Planner,
-)
+from ._plan import Plan
+from ._planner import describe_fixed, plan_options, PlanMode, Planner
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
 from ._shard import parse_shard, shard_repr, ShardPlan, ShardSpec
@@ -59,9 +54,18 @@ def run_call(call: Call) -> Any:
     spec = call.given_nest()
     build = Build(isolate=call.isolate, checkpoint=options.checkpoint)
     diff = None
+    forward: NestSpec | Callable[[], NestSpec] = spec
     if options.plan is not None:
         planner = options.plan.planner
-        spec = planner.plan(call).spec
+
+        def forward_nest() -> NestSpec:
+            # Planned only when the forward nest is traced: a differentiated call
+            # runs `diff`'s nest alone.
+            return planner.plan(call).spec
+
+        forward = forward_nest
+        if options.verbose:
+            spec = forward = forward_nest()
 
         def diff() -> tuple[NestSpec, Build]:
             # Planned only when the call is differentiated.
@@ -76,7 +80,7 @@ def run_call(call: Call) -> Any:
     if options.shard is None:
         if options.verbose:
             print(f"{call.fun_name}: {describe_nest(spec, call.mapped_sizes)}{reduced}")
-        fn = mapped_function(call.problem(), spec, build, diff)
+        fn = mapped_function(call.problem(), forward, build, diff)
         outs = fn(list(call.values))
     else:
         shard = call.shard
@@ -90,7 +94,7 @@ def run_call(call: Call) -> Any:
         padded = [n for n in shard.padded if reduction and n in reduction.dims]
         if padded:
             problem, values, leaf_axes = _mask_padding(problem, values, shard, padded)
-        local = mapped_function(problem, spec, build, diff)
+        local = mapped_function(problem, forward, build, diff)
         ndims = [len(s.shape) + len(call.out_mapped) for s in call.out.shapes]
         outs = shard.run(
             values,

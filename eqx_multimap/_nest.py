@@ -440,7 +440,7 @@ def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leave
 
 def mapped_function(
     problem: Problem,
-    spec: NestSpec,
+    spec: NestSpec | Callable[[], NestSpec],
     build: Build,
     diff: Callable[[], tuple[NestSpec, Build]] | None = None,
 ) -> Callable[[Leaves], Leaves]:
@@ -451,11 +451,17 @@ def mapped_function(
     differentiating the function (`jax.jvp`, and so `jax.grad` and every transform
     built on it) runs that nest instead: a `jax.custom_jvp` whose primal is the
     forward nest and whose tangent rule is the JVP of the nest `diff()` gives, which
-    is planned only when the function is differentiated.
+    is planned only when the function is differentiated. `spec` may then be a
+    function giving the forward nest, called only when the primal is traced: a
+    differentiated call does not plan the forward nest at all.
     """
-    primal = ft.partial(run, problem, spec, build)
     if diff is None:
-        return primal
+        assert isinstance(spec, NestSpec)
+        return ft.partial(run, problem, spec, build)
+
+    def primal(values: Leaves) -> Leaves:
+        nest = spec if isinstance(spec, NestSpec) else spec()
+        return run(problem, nest, build, values)
 
     @jax.custom_jvp
     def f(values: Leaves) -> Leaves:

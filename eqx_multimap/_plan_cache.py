@@ -12,16 +12,37 @@ writer of a key wins, with a whole entry.
 The cache directory is `Planner(cache_dir=...)`, else the environment variable
 `EQX_MULTIMAP_CACHE_DIR` (`off` disables the disk cache), else
 `$XDG_CACHE_HOME/eqx_multimap`, else `~/.cache/eqx_multimap`.
+
+A plan is stored under a key of everything that determines it (`plan_key`: a
+fingerprint of the body and its inputs, the sizes, options, budget, the time model,
+the machine and the versions), as JSON (`plan_json`), and read back checked
+against the call (`plan_from_json`). Nothing is pickled.
 """
 
+import dataclasses
+import datetime
 import hashlib
+import importlib.metadata
 import json
+import math
 import os
+import re
 import tempfile
 import warnings
 from typing import Any
 
+import jax
+import jaxlib
 from jax._src import traceback_util
+
+from ._candidates import block_and_trips, collective_dims, given_dims
+from ._costing import struct
+from ._measure import KEEP_WITHIN, MAX_MEASURED
+from ._plan import Plan, PlanCandidate, ShardDim
+from ._reasons import no_fit_message
+from ._resolve import Call
+from ._search import auto_plan, MAX_COMPILES, SEARCH_VERSION
+from ._time_model import machine, TimeModel
 
 
 traceback_util.register_exclusion(__file__)
@@ -131,3 +152,203 @@ class DiskCache:
                 except OSError:
                     pass
         return path
+
+
+#
+# Plans: their keys, and their values as JSON.
+#
+
+
+def fingerprint(call: Call) -> str:
+    """What determines a call's plan besides its options: the body's jaxpr, and the
+    shapes and dtypes of every input leaf with its mapped axes.
+
+    Stable from process to process (object addresses that a jaxpr may print, e.g.
+    of callbacks, are dropped), so it can key the disk cache."""
+    text = str(call.body.jaxpr.jaxpr) + repr(
+        [
+            (str(struct(v)), sorted(a.items()))
+            for v, a in zip(call.values, call.leaf_axes)
+        ]
+    )
+    text += repr([str(d) for d in call.out.dims])
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def versions() -> dict[str, str]:
+    """The versions of JAX, jaxlib and `eqx_multimap` (part of every key)."""
+    try:
+        ours = importlib.metadata.version("eqx_multimap")
+    except importlib.metadata.PackageNotFoundError:
+        ours = "unknown"
+    return {
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", "unknown"),
+        "eqx_multimap": ours,
+    }
+
+
+def plan_key(
+    call: Call,
+    sizes: dict[str, int],
+    shard: tuple[ShardDim, ...],
+    collective: tuple[str, ...],
+    fingerprint: str,
+    budget: int,
+    backward: bool,
+    model: TimeModel,
+    measure: bool,
+) -> dict[str, Any]:
+    """Everything that determines a plan, as JSON."""
+    return {
+        "body": fingerprint,
+        "sizes": [[n, s] for n, s in sizes.items()],
+        "scan": [[n, c] for n, c in call.options.scan],
+        "vmap": list(call.options.vmap),
+        "shard": [dataclasses.astuple(d) for d in shard],
+        "collective": list(collective),
+        "checkpoint": call.options.checkpoint,
+        "budget": budget,
+        "backward": backward,
+        "measure": measure,
+        "search": [SEARCH_VERSION, MAX_COMPILES, MAX_MEASURED, KEEP_WITHIN],
+        "time_model": model.to_json(),
+        "machine": machine(),
+        "versions": versions(),
+    }
+
+
+_CAND_FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))
+
+
+def _finite(x: Any) -> Any:
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def cand_json(c: PlanCandidate) -> dict[str, Any]:
+    """A candidate as JSON (non-finite numbers as `null`)."""
+    d = {name: _finite(getattr(c, name)) for name in _CAND_FIELDS}
+    d["scan"] = [[n, k] for n, k in c.scan]
+    d["vmap"] = list(c.vmap)
+    return d
+
+
+def plan_json(plan: Plan, how: str) -> dict[str, Any]:
+    """A plan as JSON: its candidates, which was chosen, and how it was made."""
+    return {
+        "plan": {
+            "chosen": plan.candidates.index(plan.chosen),
+            "candidates": [cand_json(c) for c in plan.candidates],
+            "checkpoint": plan.checkpoint,
+            "summary": plan.summary,
+            "measured": plan.measured,
+            "how": how,
+            "created": datetime.datetime.now()
+            .astimezone()
+            .isoformat(timespec="seconds"),
+        }
+    }
+
+
+def _opt(x: Any, kinds: tuple[type, ...]) -> Any:
+    if x is not None and (isinstance(x, bool) or not isinstance(x, kinds)):
+        raise ValueError(f"bad value {x!r}")
+    return x
+
+
+def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
+    """A stored candidate, checked to be a valid nest of this call."""
+    if not isinstance(d, dict) or set(d) != set(_CAND_FIELDS):
+        raise ValueError("a candidate does not have the fields of one")
+    scan = tuple((str(n), None if k is None else int(k)) for n, k in d["scan"])
+    vmap = tuple(str(n) for n in d["vmap"])
+    names = [n for n, _ in scan] + list(vmap)
+    if sorted(names) != sorted(call.mapped):
+        raise ValueError(f"a candidate maps {names}, not the mapped dims")
+    if any(k is not None and not 1 <= k <= sizes[n] for n, k in scan):
+        raise ValueError("a candidate has a chunk out of range")
+    if scan[: len(call.options.scan)] != call.options.scan:
+        raise ValueError("a candidate does not keep the scans given")
+    planned = {n for n, _ in scan[len(call.options.scan) :]}
+    if planned & (set(given_dims(call)) | set(collective_dims(call))):
+        raise ValueError("a candidate scans a dim it must not")
+    block, trips = block_and_trips(scan, vmap, sizes)
+    fits = d["fits"]
+    if fits is not None and not isinstance(fits, bool):
+        raise ValueError("bad `fits`")
+    if not isinstance(d["source"], str) or not isinstance(d["reason"], str):
+        raise ValueError("bad descriptions")
+    num = (int, float)
+    return PlanCandidate(
+        scan=scan,
+        vmap=vmap,
+        block=block,
+        trips=trips,
+        source=d["source"],
+        temp_bytes=_opt(d["temp_bytes"], (int,)),
+        flops=_opt(d["flops"], num),
+        transcendentals=_opt(d["transcendentals"], num),
+        bytes_accessed=_opt(d["bytes_accessed"], num),
+        working_set=_opt(d["working_set"], (int,)),
+        seconds=_opt(d["seconds"], num),
+        fits=fits,
+        fresh_bytes=_opt(d["fresh_bytes"], (int,)),
+        measured=_opt(d["measured"], num),
+        reason=d["reason"],
+    )
+
+
+def plan_from_json(
+    stored: Any,
+    call: Call,
+    sizes: dict[str, int],
+    budget: int,
+    source: str,
+    shard: tuple[ShardDim, ...],
+    backward: bool,
+    model: TimeModel,
+) -> "Plan | str":
+    """A stored plan (or no-fit error message), checked against this call; raises
+    `ValueError` (or `KeyError`, `TypeError`) if it is not a valid one."""
+    if not isinstance(stored, dict):
+        raise ValueError("not a stored plan")
+    if "no_fit" in stored:
+        nf = stored["no_fit"]
+        smallest = _cand_from_json(nf["smallest"], call, sizes)
+        if smallest.temp_bytes is None or smallest.temp_bytes <= budget:
+            raise ValueError("the stored no-fit result is inconsistent")
+        return no_fit_message(call, budget, smallest, int(nf["n"]), sizes, backward)
+    p = stored["plan"]
+    candidates = tuple(_cand_from_json(d, call, sizes) for d in p["candidates"])
+    index = p["chosen"]
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ValueError("bad chosen index")
+    chosen = candidates[index]
+    if not chosen.fits and not any(sizes[n] == 0 for n in call.mapped):
+        raise ValueError("the chosen candidate does not fit the budget")
+    if chosen.temp_bytes is not None and chosen.temp_bytes > budget:
+        raise ValueError("the chosen candidate does not fit the budget")
+    checkpoint, measured = p["checkpoint"], p["measured"]
+    if not isinstance(checkpoint, bool) or not isinstance(measured, bool):
+        raise ValueError("bad flags")
+    for text in (p["summary"], p["how"], p["created"]):
+        if not isinstance(text, str):
+            raise ValueError("bad descriptions")
+    return auto_plan(
+        call,
+        sizes,
+        chosen,
+        candidates,
+        budget,
+        source,
+        shard,
+        backward,
+        n_compiled=0,
+        seconds=0.0,
+        checkpoint=checkpoint,
+        time_model=model,
+        summary=p["summary"],
+        measured=measured,
+        cache=f"{p['how']} on {p['created']}",
+    )

@@ -2,7 +2,7 @@
 
 `shard={"F": "freq"}` partitions dim `F` contiguously over the mesh axis `freq`: each
 device gets one contiguous block of `F`, and runs the ordinary nest on it (see
-`_nest.run_blocks`) with the *local* sizes. The full nest is therefore
+`_nest.run`) with the *local* sizes. The full nest is therefore
 `shard_map(scan(vmap(... fun)))`. A sharded dim is scanned inside each shard if it is
 also in `scan` (so chunked scans split each local block into chunks and an exact
 remainder), and vmapped otherwise.
@@ -12,9 +12,9 @@ Nothing here moves data itself: inputs get `PartitionSpec`s built from their dim
 from `out_dims`, and JAX/XLA do the rest. A pure map therefore compiles with no
 collectives at all.
 
-`shard_map` needs its `out_specs` before it traces the body, so the output layout
-(the dims of each output array) is found first by `jax.eval_shape` of the body on
-*one element*, which is cheap: no `vmap` or `scan` is traced for it.
+`shard_map` needs its `out_specs` before it traces the body: the output layout (the
+dims of each output array) is known by then, since the body was traced once, on
+*one element*, when the call was resolved (`_body.trace_body`).
 """
 
 import dataclasses
@@ -45,6 +45,8 @@ traceback_util.register_exclusion(__file__)
 
 
 ShardSpec = Mapping[str, str | tuple[str, ...]] | None
+"""Dims to shard over a device mesh: `{"F": "freq"}` (dim `F` over the mesh axis
+`freq`), or `{"F": ("x", "y")}` (dim `F` over both axes, `x` major)."""
 
 
 def axes_str(axes: tuple[str, ...]) -> str:
@@ -67,9 +69,6 @@ def describe_split(
         f"{local_size}{pad}"
     )
 
-
-"""Dims to shard over a device mesh: `{"F": "freq"}` (dim `F` over the mesh axis
-`freq`), or `{"F": ("x", "y")}` (dim `F` over both axes, `x` major)."""
 
 AnyMesh = Mesh | AbstractMesh
 Leaves = list[Any]
@@ -354,7 +353,7 @@ class ShardPlan:
                 in_specs=tuple(in_specs),
                 out_specs=out_specs,
                 # The body was traced once, on one element, outside (see
-                # `_resolve._trace_body`): its jaxpr does not carry the varying manual
+                # `_body.trace_body`): its jaxpr does not carry the varying manual
                 # axes that this check needs.
                 check_vma=False,
             )

@@ -29,8 +29,8 @@ from jax._src import traceback_util
 
 from ._timing import (
     compiled as compile_program,
-    fmt_bytes as fmt_bytes,
-    fmt_seconds as fmt_seconds,
+    fmt_bytes,
+    fmt_seconds,
     time_interleaved as _time_interleaved,
 )
 
@@ -236,17 +236,6 @@ def concrete_inputs(specs: Any) -> Any:
 
     with jax.ensure_compile_time_eval():
         return jax.tree.map(make, specs)
-
-
-def time_interleaved(
-    fns: Sequence[Callable[[], Any]],
-    seconds: float,
-    on_round: Callable[[int, int], None] | None = None,
-) -> list[list[float]]:
-    """The planner's measured mode: `_timing.time_interleaved` of the candidates'
-    thunks for about `seconds`, each sample settled, and candidates more than 1.25x
-    slower than the fastest no longer timed from the third round on."""
-    return _time_interleaved(fns, seconds, drop_above=1.25, on_round=on_round)
 
 
 #

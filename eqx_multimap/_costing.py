@@ -1,0 +1,233 @@
+"""Compiling candidate nests and costing them, from XLA's own analyses.
+
+A candidate is lowered and compiled against `jax.ShapeDtypeStruct`s of the
+arguments (no data), every input leaf an explicit argument:
+
+- `compiled.memory_analysis().temp_size_in_bytes` is its temporary memory (under
+  differentiation, that of its reverse-mode derivative);
+- `compiled.cost_analysis()` gives flops and bytes accessed. XLA costs the body of a
+  while loop (a scan) *once*, so the body of each block of the nest is also compiled
+  on its own and its cost added `trips - 1` more times (`Compiler.corrected_cost`);
+- the time model turns these into an estimated time.
+
+Programs that are only analysed, never run, are compiled with `ANALYSIS_OPTIONS`:
+LLVM's optimisations off. Memory and cost analyses are made by XLA on the optimised
+HLO, before LLVM runs, so they are those of the default compile (a test checks it),
+for about half the compile time. Programs that measured mode runs are compiled as
+usual.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._blocks import blocks, NestSpec
+from ._nest import Build, build_levels, loop_body_inputs, run
+from ._plan import PlanCandidate
+from ._resolve import Call
+from ._time_model import concrete_inputs, TimeModel
+
+
+# XLA options for programs that are analysed, never run.
+ANALYSIS_OPTIONS = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+}
+
+
+def struct(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
+    """The `ShapeDtypeStruct` of an array (weak type kept), at `shape` if given."""
+    weak = bool(getattr(jax.typeof(x), "weak_type", False))
+    return jax.ShapeDtypeStruct(
+        np.shape(x) if shape is None else shape, x.dtype, weak_type=weak
+    )
+
+
+class Compiler:
+    """Compiles candidate nests of one resolved call, every input leaf an explicit
+    argument (given as a `ShapeDtypeStruct` at the sizes planned for).
+
+    With `backward`, a candidate's memory is that of its reverse-mode derivative
+    (`jax.vjp` of the nest, every scan body checkpointed), and the program that
+    measured mode runs is that derivative; its estimated cost is still that of its
+    forward nest, which ranks candidates alike."""
+
+    def __init__(
+        self,
+        call: Call,
+        sizes: dict[str, int],
+        model: TimeModel,
+        backward: bool = False,
+        on_compile: Callable[[str], None] | None = None,
+        runs: bool = False,
+    ):
+        self.problem = call.problem(sizes, standalone=True)
+        self.checkpoint = call.options.checkpoint
+        self.isolate = call.isolate
+        self.backward = backward
+        self.model = model
+        self.sizes = sizes
+        self.on_compile = on_compile
+        self.runs = runs
+        self.specs = []
+        for v, axes in zip(call.values, call.leaf_axes):
+            shape = list(np.shape(v))
+            for name, ax in axes.items():
+                shape[ax] = sizes[name]
+            self.specs.append(struct(v, tuple(shape)))
+        self.n_compiled = 0
+        # The compiled program of each candidate compiled for its memory (the
+        # forward nest, or its derivative), by nest: what measured mode runs.
+        self.programs: dict[NestSpec, Any] = {}
+        self._program_args: Any = None
+
+    def compile(
+        self, fn: Callable[[list], Any], specs: Any, what: str = "", runs: bool = False
+    ) -> Any:
+        """Compile `fn` for `specs`; with `runs`, as a program to run, else with
+        `ANALYSIS_OPTIONS` (for its memory and cost analyses only)."""
+        if self.on_compile is not None:
+            self.on_compile(what or "compiling a loop body")
+        self.n_compiled += 1
+        lowered = jax.jit(fn).lower(specs)
+        return lowered.compile(None if runs else ANALYSIS_OPTIONS)
+
+    def build(self, spec: NestSpec) -> Build:
+        """How a candidate is built: under differentiation, every scan body
+        checkpointed (so the backward pass recomputes one block at a time)."""
+        checkpoint = self.checkpoint or (self.backward and bool(spec.scan))
+        return Build(isolate=self.isolate, checkpoint=checkpoint)
+
+    def _program(self, spec: NestSpec) -> tuple[Callable, Any]:
+        """The program whose memory counts (and which measured mode runs): the
+        forward nest, or with `backward` its reverse-mode derivative; and the
+        `ShapeDtypeStruct`s of its one argument."""
+        build = self.build(spec)
+
+        def forward(values: list) -> Any:
+            return run(self.problem, spec, build, values)
+
+        if not self.backward:
+            return forward, self.specs
+        outs = jax.eval_shape(forward, self.specs)
+        diff_in = [i for i, s in enumerate(self.specs) if _inexact(s)]
+        diff_out = [i for i, s in enumerate(outs) if _inexact(s)]
+
+        def gradient(args: list) -> Any:
+            values, cts = args
+
+            def of_inexact(xs: list) -> list:
+                full = list(values)
+                for i, x in zip(diff_in, xs):
+                    full[i] = x
+                out = forward(full)
+                return [out[i] for i in diff_out]
+
+            _, pullback = jax.vjp(of_inexact, [values[i] for i in diff_in])
+            return pullback(cts)
+
+        return gradient, [self.specs, [outs[i] for i in diff_out]]
+
+    def memory(self, cand: PlanCandidate) -> int:
+        """Compile the candidate's program; its temporary memory."""
+        fn, specs = self._program(cand.spec)
+        what = f"compiling {cand.nest(self.sizes)}"
+        compiled = self.compile(fn, specs, what, runs=self.runs)
+        self.programs[cand.spec] = compiled
+        if self._program_args is None:
+            self._program_args = specs
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+
+    def program_inputs(self) -> Any:
+        """Fresh concrete arguments for the compiled programs."""
+        return concrete_inputs(self._program_args)
+
+    def costs(self, cand: PlanCandidate) -> PlanCandidate:
+        """A compiled candidate with its costs and estimated time."""
+        assert cand.temp_bytes is not None
+        if self.backward:
+            build = self.build(cand.spec)
+            compiled = self.compile(
+                lambda values: run(self.problem, cand.spec, build, values),
+                self.specs,
+                f"compiling the forward nest of {cand.nest(self.sizes)}",
+            )
+        else:
+            compiled = self.programs[cand.spec]
+        flops, trans, nbytes, ws = self.corrected_cost(compiled, cand)
+        trips = cand.trips if cand.scan else 0
+        fresh = self.model.fresh(cand.temp_bytes)
+        return dataclasses.replace(
+            cand,
+            flops=flops,
+            transcendentals=trans,
+            bytes_accessed=nbytes,
+            working_set=ws,
+            fresh_bytes=fresh,
+            seconds=self.model.seconds(flops, trans, nbytes, trips, float(fresh)),
+        )
+
+    def evaluate(self, cand: PlanCandidate, budget: int | None) -> PlanCandidate:
+        """Compile `cand`: its temporary memory, and if it fits, its costs."""
+        temp = self.memory(cand)
+        fits = None if budget is None else temp <= budget
+        cand = dataclasses.replace(cand, temp_bytes=temp, fits=fits)
+        return cand if fits is False else self.costs(cand)
+
+    def corrected_cost(
+        self, compiled: Any, cand: PlanCandidate
+    ) -> tuple[float, float, float, int]:
+        """Flops, transcendentals, bytes and working set, loop bodies counted fully.
+
+        XLA's cost analysis counts the body of a while loop once. For each block
+        whose loops run `trips > 1` times, the block's loop body (the vmaps inside
+        its scans) is compiled on its own and its cost added `trips - 1` more times.
+        The working set is the largest memory footprint (arguments, outputs,
+        temporaries) of one body, or of the whole candidate when nothing loops.
+        """
+        total = list(xla_costs(compiled))
+        ws = 0
+        looped = False
+        for block in blocks(cand.spec, self.problem.sizes):
+            if block.trips <= 1:
+                continue
+            looped = True
+            specs, axes = loop_body_inputs(self.specs, self.problem.leaf_axes, block)
+            body = build_levels(self.problem.body, block.vmaps, axes)
+            body_compiled = self.compile(
+                body, specs, f"costing the loop body of {cand.nest(self.sizes)}"
+            )
+            body_costs = xla_costs(body_compiled)
+            for j in range(3):
+                total[j] += (block.trips - 1) * body_costs[j]
+            ws = max(ws, _footprint(body_compiled))
+        if not looped:
+            ws = _footprint(compiled)
+        return total[0], total[1], total[2], ws
+
+
+def _inexact(s: Any) -> bool:
+    return jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)
+
+
+def _footprint(compiled: Any) -> int:
+    ma = compiled.memory_analysis()
+    return int(
+        ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+    )
+
+
+def xla_costs(compiled: Any) -> tuple[float, float, float]:
+    """XLA's flops, transcendentals and bytes accessed of a compiled program."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):  # older JAX: one dict per computation
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    return (
+        float(ca.get("flops", 0.0)),
+        float(ca.get("transcendentals", 0.0)),
+        float(ca.get("bytes accessed", 0.0)),
+    )
