@@ -23,11 +23,23 @@ temporaries of the forward pass, of `jit(grad(sum of f))` and of
 with the forward plan's `scan`/`vmap` (no planning for the backward pass) and of full
 vmap; then the three gradients' times, side by side.
 
-    python benchmarks/reduce.py --quick     # T in {256, 1024, 4096}: under a minute
-    python benchmarks/reduce.py             # T up to 16384
+Section `eager`: what a wrapper keeps alive after it is deleted, as a notebook
+re-running a cell does: each iteration builds a fresh function and its wrapper, calls
+it once on a `(64, 256)` array, deletes both and runs `gc.collect()`. Per program,
+the growth of the resident memory (RSS, after `malloc_trim`) per 100 iterations, the
+median over rounds in which the programs take turns, and the compiles per iteration.
+Each program is the same scan over `T` of a vmap over `F`: `ours, eager` (un-jitted),
+`jax.jit(ours)`, `jax.jit(hand)` (the hand-written `lax.scan(vmap)`) and `hand,
+eager` (that `lax.scan`, un-jitted).
+
+    python benchmarks/reduce.py --quick     # T up to 4096; eager: 1 round of 30
+    python benchmarks/reduce.py             # T up to 16384; eager: 3 rounds of 100
+    python benchmarks/reduce.py --sections eager   # eager alone: about 5 minutes
 """
 
 import argparse
+import ctypes
+import gc
 import os
 import statistics
 import time
@@ -39,6 +51,7 @@ import numpy as np
 from eqx_multimap import explain, filter_multi_vmap, Planner
 from eqx_multimap.timing import (
     compiled,
+    count_compiles,
     fmt_bytes,
     fmt_ratios,
     fresh,
@@ -49,12 +62,15 @@ from eqx_multimap.timing import (
 )
 
 
-SECTIONS = ("reduce", "budget")
+SECTIONS = ("reduce", "budget", "eager")
 MiB = 2**20
-# Per mode (quick or not): the T of `reduce`; n = M = K and the budget of `budget`.
+# Per mode (quick or not): the T of `reduce`; n = M = K and the budget of `budget`;
+# the rounds and the iterations per round of `eager`.
 SIZES = {
-    True: dict(ts=(256, 1024, 4096), n=128, budget=1 * MiB, seconds=2.0),
-    False: dict(ts=(256, 1024, 4096, 16384), n=256, budget=4 * MiB, seconds=4.0),
+    True: dict(ts=(256, 1024, 4096), n=128, budget=1 * MiB, seconds=2.0, eager=(1, 30)),
+    False: dict(
+        ts=(256, 1024, 4096, 16384), n=256, budget=4 * MiB, seconds=4.0, eager=(3, 100)
+    ),
 }
 
 
@@ -113,17 +129,8 @@ def run_reduce(quick: bool, max_rounds: int, log) -> list[str]:
         outs = [np.asarray(c(*args)) for c in comp.values()]
         if not all(np.allclose(o, outs[-1], rtol=1e-4, atol=1e-4) for o in outs):
             raise AssertionError(f"the programs disagree at T={t}")
-        times = dict(
-            zip(
-                PROGRAMS,
-                time_interleaved(
-                    [lambda c=c: c(*args) for c in comp.values()],
-                    seconds,
-                    5,
-                    max_rounds,
-                ),
-            )
-        )
+        thunks = [lambda c=c: c(*args) for c in comp.values()]
+        times = dict(zip(PROGRAMS, time_interleaved(thunks, seconds, 5, max_rounds)))
         temps = {n: temp_bytes(c) for n, c in comp.items()}
         ratios = {f"{a} / {b}": paired_ratios(times[a], times[b]) for a, b in PAIRS}
         same = same_hlo(comp["reduced scan"], comp["hand scan"])
@@ -222,6 +229,74 @@ def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
     ]
 
 
+def element(x):
+    return jnp.tanh(x) * 2.0 + jnp.sin(x)
+
+
+def hand_eager(x):  # a fresh step function on every call
+    return lax.scan(lambda c, xt: (c, jax.vmap(element)(xt)), None, x)[1]
+
+
+def ours(**kwargs):
+    return filter_multi_vmap(fresh(element), in_dims="T F", out_dims="T F", **kwargs)
+
+
+EAGER = {  # each makes a fresh function, as a re-run notebook cell does
+    "ours, eager": lambda: ours(scan="T"),
+    "jax.jit(ours)": lambda: jax.jit(ours(scan="T")),
+    "jax.jit(hand)": lambda: jax.jit(fresh(hand_eager)),
+    "hand, eager": lambda: hand_eager,
+}
+
+
+def rss() -> int:
+    """The process's resident memory in bytes, after `gc` and `malloc_trim`."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_eager(quick: bool, max_rounds: int, log) -> list[str]:
+    del max_rounds
+    rounds, n = SIZES[quick]["eager"]
+    x = jnp.linspace(0.0, 1.0, 64 * 256, dtype=jnp.float32).reshape(64, 256)
+    growth: dict[str, list[float]] = {name: [] for name in EAGER}
+    compiles: dict[str, list[float]] = {name: [] for name in EAGER}
+
+    def calls(make, k: int) -> None:
+        for _ in range(k):
+            jax.block_until_ready(make()(x))
+            gc.collect()
+
+    for make in EAGER.values():
+        calls(make, min(n, 10))  # warm-up: JAX's own one-time allocations
+    for _ in range(rounds):
+        for name, make in EAGER.items():
+            before = rss()
+            with count_compiles() as counts:
+                calls(make, n)
+            growth[name].append((rss() - before) / n * 100)
+            compiles[name].append(counts["compiles"] / n)
+    log(f"\nRSS growth per 100 fresh functions, median of {rounds} round(s) of {n}")
+    log("\n| program | growth per 100 | range | compiles each |\n|---|---:|---|---:|")
+    for name in EAGER:
+        g, c = statistics.median(growth[name]), statistics.median(compiles[name])
+        spread = f"{fmt_bytes(min(growth[name]))} to {fmt_bytes(max(growth[name]))}"
+        log(f"| {name} | {fmt_bytes(g)} | {spread} | {c:g} |")
+    return [
+        "eager: RSS growth per 100 fresh functions (compiles each): "
+        + "; ".join(
+            f"{name} {fmt_bytes(statistics.median(growth[name]))} "
+            f"({statistics.median(compiles[name]):g})"
+            for name in EAGER
+        )
+    ]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -229,22 +304,19 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
     parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
-    parser.add_argument("--sections", default="reduce,budget", help="a subset")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="a subset")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     if not sections or set(sections) - set(SECTIONS):
         parser.error(f"--sections: choose from {', '.join(SECTIONS)}")
     max_rounds = args.repeats or (15 if args.quick else 21)
-    print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} "
-        f"cores), {'quick' if args.quick else 'default'} mode, up to {max_rounds} "
-        "rounds",
-        flush=True,
-    )
+    where = f"{jax.devices()[0].platform} ({os.cpu_count()} cores)"
+    mode = "quick" if args.quick else "default"
+    print(f"jax {jax.__version__} on {where}, {mode} mode, up to {max_rounds} rounds")
     start = time.perf_counter()
     lines = []
     for section in sections:
-        run = run_reduce if section == "reduce" else run_budget
+        run = {"reduce": run_reduce, "budget": run_budget, "eager": run_eager}[section]
         lines += run(args.quick, max_rounds, lambda s: print(s, flush=True))
     print(f"\nSummary (Total: {time.perf_counter() - start:.0f} s)\n")
     print("\n".join(lines))

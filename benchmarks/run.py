@@ -51,6 +51,7 @@ from eqx_multimap import filter_multi_vmap
 from eqx_multimap.timing import (
     compile_seconds,
     compiled,
+    count_compiles,
     fmt_ratios,
     fresh,
     paired_ratios,
@@ -224,41 +225,18 @@ def compile_cell(body, nest, transform, cell, cfg: Config) -> dict:
     return row("compile", body, nest, transform, cell, times)
 
 
-class CountCompiles:
-    """Counts JAX's trace and backend-compile events while active."""
-
-    EVENTS = {
-        "/jax/core/compile/jaxpr_trace_duration": "traces",
-        "/jax/core/compile/backend_compile_duration": "compiles",
-    }
-
-    def __init__(self):
-        self.counts = {"traces": 0, "compiles": 0}
-
-    def _listen(self, event: str, duration: float, **kwargs) -> None:
-        if event in self.EVENTS:
-            self.counts[self.EVENTS[event]] += 1
-
-    def __enter__(self) -> "CountCompiles":
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-
 def eager_cell(body, nest, transform, cell, cfg: Config) -> dict:
     """`eager`: un-jitted calls of one wrapper each (ours, hand, twin), timed."""
     xs = inputs(cell)
     fns = [make() for make in makers(body, nest, transform, cell[0])]
     fns[0](xs)  # the first call of a signature traces and compiles
-    with CountCompiles() as counter:
+    with count_compiles() as counts:
         for _ in range(cfg.eager_calls):
             jax.block_until_ready(fns[0](xs))
     times = time_interleaved(
         [lambda f=f: f(xs) for f in fns], cfg.seconds, 5, cfg.max_rounds
     )
-    extra = dict(counter.counts, calls=cfg.eager_calls)
+    extra = dict(counts, calls=cfg.eager_calls)
     return row("eager", body, nest, transform, cell, times, **extra)
 
 

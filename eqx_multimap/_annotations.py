@@ -11,15 +11,12 @@ core understands:
 - for the return value, an [`OutAnnotation`][] that builds the `out_dims` from the
   body's actual output while it is traced (needed for `eqx.Module` return types).
 
-Hints are read with `typing.get_type_hints(..., include_extras=True)`, lazily at the
-first call (so that forward references and `from __future__ import annotations` work),
-falling back to resolving each string annotation on its own.
+The hints themselves are read by `_hints`, lazily at the first call (so that forward
+references and `from __future__ import annotations` work).
 """
 
 import dataclasses
 import functools as ft
-import inspect
-import sys
 import types
 import typing
 import weakref
@@ -45,20 +42,13 @@ from ._args import (
 from ._check import dtype_matches
 from ._dims import Dims, parse_dims
 from ._errors import ShapeError, SpecError
+from ._hints import checker_inside, class_hints, fun_hints, Unresolved
 
 
 traceback_util.register_exclusion(__file__)
 
 
 _UNION_TYPES: tuple[Any, ...] = (typing.Union, types.UnionType)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unresolved:
-    """A string annotation that could not be evaluated."""
-
-    text: str
-    error: str
 
 
 def _is_array_type(ann: Any) -> bool:
@@ -182,113 +172,6 @@ def _short_array_name(ann: Any) -> str:
 
 
 #
-# Resolving hints.
-#
-
-
-def _closure_ns(fun: Any) -> dict[str, Any]:
-    code = getattr(fun, "__code__", None)
-    cells = getattr(fun, "__closure__", None) or ()
-    out = {}
-    if code is not None:
-        for name, cell in zip(code.co_freevars, cells):
-            try:
-                out[name] = cell.cell_contents
-            except ValueError:  # an empty cell
-                pass
-    return out
-
-
-def _eval_each(raw: Mapping[str, Any], globalns: dict, localns: dict) -> dict:
-    out = {}
-    for name, ann in raw.items():
-        if isinstance(ann, str):
-            try:
-                ann = eval(ann, globalns, localns)
-            except Exception as e:
-                ann = _Unresolved(ann, f"{type(e).__name__}: {e}")
-        out[name] = ann
-    return out
-
-
-def _hint_target(fun: Any) -> Any:
-    """The function whose annotations describe the parameters of `fun`."""
-    if isinstance(fun, ft.partial):
-        return _hint_target(fun.func)
-    try:
-        unwrapped = inspect.unwrap(fun)
-    except ValueError:  # a `__wrapped__` cycle
-        unwrapped = fun
-    if inspect.isroutine(fun) or inspect.isroutine(unwrapped):
-        return fun
-    if isinstance(fun, type):
-        return fun.__init__
-    call = getattr(type(fun), "__call__", None)
-    return fun if call is None else call
-
-
-def _fun_hints(fun: Any) -> tuple[dict[str, Any], bool]:
-    """The resolved hints of `fun`, and whether all of them could be resolved."""
-    target = _hint_target(fun)
-    try:
-        return typing.get_type_hints(target, include_extras=True), True
-    except Exception:
-        pass
-    raw = getattr(target, "__annotations__", None)
-    if not isinstance(raw, Mapping):
-        return {}, True
-    inner = inspect.unwrap(target)
-    globalns = getattr(inner, "__globals__", {})
-    hints = _eval_each(raw, globalns, _closure_ns(inner))
-    return hints, not any(isinstance(h, _Unresolved) for h in hints.values())
-
-
-_class_cache: "weakref.WeakKeyDictionary[type, dict[str, Any]]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _class_hints(cls: type) -> dict[str, Any]:
-    """The resolved field annotations of a class, through its MRO."""
-    try:
-        return _class_cache[cls]
-    except KeyError:
-        pass
-    complete = True
-    try:
-        hints = typing.get_type_hints(cls, include_extras=True)
-    except Exception:
-        hints = {}
-        for base in reversed(cls.__mro__):
-            raw = base.__dict__.get("__annotations__", {})
-            module = sys.modules.get(base.__module__)
-            globalns = dict(vars(module)) if module is not None else {}
-            hints.update(_eval_each(raw, globalns, dict(vars(base))))
-        complete = not any(isinstance(h, _Unresolved) for h in hints.values())
-    if complete:
-        _class_cache[cls] = hints
-    return hints
-
-
-def _checker_inside(fun: Any) -> str | None:
-    """The runtime type checker that `fun` is already wrapped in, if any."""
-    seen = 0
-    f = fun
-    while f is not None and seen < 100:
-        try:
-            globals_name = getattr(f, "__globals__", {}).get("__name__")
-        except Exception:
-            globals_name = None
-        if globals_name == "jaxtyping._decorator":
-            return "jaxtyped"
-        if getattr(f, "__beartype_wrapper", False):
-            return "beartype"
-        f = getattr(f, "__wrapped__", None)
-        seen += 1
-    return None
-
-
-#
 # Building spec trees.
 #
 
@@ -337,7 +220,7 @@ class _Context:
             f"{self.override} (`None` passes it through unchanged)."
         )
 
-    def unresolved(self, ann: _Unresolved, path: str) -> SpecError:
+    def unresolved(self, ann: Unresolved, path: str) -> SpecError:
         return SpecError(
             f"`{self.fun_name}`: cannot resolve the annotation {ann.text!r} of "
             f"{self.label(path)} ({ann.error}). Define the names it uses at module "
@@ -350,7 +233,7 @@ def _spec(ann: Any, value: Any, path: str, ctx: _Context) -> Any:
     if value is None:
         return None
     ann = _strip(ann)
-    if isinstance(ann, _Unresolved):
+    if isinstance(ann, Unresolved):
         raise ctx.unresolved(ann, path)
     members = _union_members(ann)
     if members is not None:
@@ -372,7 +255,7 @@ def _spec(ann: Any, value: Any, path: str, ctx: _Context) -> Any:
             return _value_dims(arrays, ann, value, path, ctx)
         ann = None
     if isinstance(value, eqx.Module):
-        hints = _class_hints(type(value))
+        hints = class_hints(type(value))
 
         def field_annotation(key: Any) -> Any:
             return hints.get(key.name) if isinstance(key, jtu.GetAttrKey) else None
@@ -445,7 +328,7 @@ def _annotation_dims(
     ann = _strip(ann)
     if depth > 20:
         return []
-    if isinstance(ann, _Unresolved):
+    if isinstance(ann, Unresolved):
         raise ctx.unresolved(ann, path)
     members = _union_members(ann)
     if members is not None:
@@ -459,7 +342,7 @@ def _annotation_dims(
     if _is_pytree_type(ann):
         return _annotation_dims(getattr(ann, "leaftype", None), ctx, path, depth)
     if _is_module_type(ann):
-        hints = _class_hints(ann)
+        hints = class_hints(ann)
         return [
             found
             for f in dataclasses.fields(ann)
@@ -631,8 +514,8 @@ def fun_annotations(fun: Callable) -> FunAnnotations:
     cacheable = isinstance(fun, types.FunctionType)
     if cacheable and fun in _fun_cache:
         return _fun_cache[fun]
-    hints, complete = _fun_hints(fun)
-    out = FunAnnotations(hints, _checker_inside(fun))
+    hints, complete = fun_hints(fun)
+    out = FunAnnotations(hints, checker_inside(fun))
     if cacheable and complete:
         _fun_cache[fun] = out
     return out

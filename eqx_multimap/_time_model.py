@@ -30,7 +30,6 @@ from jax._src import traceback_util
 from ._timing import (
     compiled as compile_program,
     fmt_bytes,
-    fmt_seconds,
     time_interleaved as _time_interleaved,
 )
 

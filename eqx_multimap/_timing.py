@@ -9,12 +9,13 @@ their comparison is a *paired* ratio, the median of the per-round ratios
 apart two identical programs land.
 """
 
+import contextlib
 import functools as ft
 import math
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -140,6 +141,36 @@ def compile_seconds(
             compiled(fn, *args)
             out[i].append(clock() - t0)
     return out
+
+
+_COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "traces",
+    "/jax/core/compile/backend_compile_duration": "compiles",
+}
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[dict[str, int]]:
+    """Counts JAX's traces and backend compiles while active.
+
+    ```python
+    with count_compiles() as counts:
+        jax.jit(f)(x)
+    counts  # {"traces": 1, "compiles": 1}
+    ```
+    """
+    counts = {"traces": 0, "compiles": 0}
+
+    def listen(event: str, duration: float, **kwargs: Any) -> None:
+        del duration, kwargs
+        if event in _COMPILE_EVENTS:
+            counts[_COMPILE_EVENTS[event]] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:

@@ -11,6 +11,7 @@ rounds gives the noise floor.
 from ._timing import (
     compile_seconds as compile_seconds,
     compiled as compiled,
+    count_compiles as count_compiles,
     fmt_bytes as fmt_bytes,
     fmt_ratios as fmt_ratios,
     fmt_seconds as fmt_seconds,

@@ -144,3 +144,13 @@ def test_twins_are_separate_executables_with_the_same_hlo():
         timing.same_hlo(a, again)
     assert timing.temp_bytes(a) >= 0
     assert timing.fresh(_program)(x).shape == (4, 3)
+
+
+def test_count_compiles_counts_traces_and_compiles_only_while_active():
+    x = jnp.ones((4, 3), jnp.float32)
+    with timing.count_compiles() as counts:
+        timing.compiled(timing.fresh(_program), x)
+        timing.compiled(timing.fresh(_program), x)
+    assert counts == {"traces": 2, "compiles": 2}
+    timing.compiled(timing.fresh(_program), x)
+    assert counts == {"traces": 2, "compiles": 2}

@@ -1,0 +1,133 @@
+"""Reading the type hints of a function or a class, for `_annotations`.
+
+Hints are read with `typing.get_type_hints(..., include_extras=True)` (lazily, at the
+first call, so that forward references and `from __future__ import annotations`
+work), falling back to evaluating each string annotation on its own, in the
+function's globals and closure or the class's module and namespace. A string that
+cannot be evaluated becomes an `Unresolved`, which `_annotations` reports only if
+the parameter or field it annotates is mapped.
+"""
+
+import dataclasses
+import functools as ft
+import inspect
+import sys
+import typing
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from jax._src import traceback_util
+
+
+traceback_util.register_exclusion(__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unresolved:
+    """A string annotation that could not be evaluated."""
+
+    text: str
+    error: str
+
+
+def _closure_ns(fun: Any) -> dict[str, Any]:
+    code = getattr(fun, "__code__", None)
+    cells = getattr(fun, "__closure__", None) or ()
+    out = {}
+    if code is not None:
+        for name, cell in zip(code.co_freevars, cells):
+            try:
+                out[name] = cell.cell_contents
+            except ValueError:  # an empty cell
+                pass
+    return out
+
+
+def _eval_each(raw: Mapping[str, Any], globalns: dict, localns: dict) -> dict:
+    out = {}
+    for name, ann in raw.items():
+        if isinstance(ann, str):
+            try:
+                ann = eval(ann, globalns, localns)
+            except Exception as e:
+                ann = Unresolved(ann, f"{type(e).__name__}: {e}")
+        out[name] = ann
+    return out
+
+
+def _hint_target(fun: Any) -> Any:
+    """The function whose annotations describe the parameters of `fun`."""
+    if isinstance(fun, ft.partial):
+        return _hint_target(fun.func)
+    try:
+        unwrapped = inspect.unwrap(fun)
+    except ValueError:  # a `__wrapped__` cycle
+        unwrapped = fun
+    if inspect.isroutine(fun) or inspect.isroutine(unwrapped):
+        return fun
+    if isinstance(fun, type):
+        return fun.__init__
+    call = getattr(type(fun), "__call__", None)
+    return fun if call is None else call
+
+
+def fun_hints(fun: Any) -> tuple[dict[str, Any], bool]:
+    """The resolved hints of `fun`, and whether all of them could be resolved."""
+    target = _hint_target(fun)
+    try:
+        return typing.get_type_hints(target, include_extras=True), True
+    except Exception:
+        pass
+    raw = getattr(target, "__annotations__", None)
+    if not isinstance(raw, Mapping):
+        return {}, True
+    inner = inspect.unwrap(target)
+    globalns = getattr(inner, "__globals__", {})
+    hints = _eval_each(raw, globalns, _closure_ns(inner))
+    return hints, not any(isinstance(h, Unresolved) for h in hints.values())
+
+
+_class_cache: "weakref.WeakKeyDictionary[type, dict[str, Any]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def class_hints(cls: type) -> dict[str, Any]:
+    """The resolved field annotations of a class, through its MRO."""
+    try:
+        return _class_cache[cls]
+    except KeyError:
+        pass
+    complete = True
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except Exception:
+        hints = {}
+        for base in reversed(cls.__mro__):
+            raw = base.__dict__.get("__annotations__", {})
+            module = sys.modules.get(base.__module__)
+            globalns = dict(vars(module)) if module is not None else {}
+            hints.update(_eval_each(raw, globalns, dict(vars(base))))
+        complete = not any(isinstance(h, Unresolved) for h in hints.values())
+    if complete:
+        _class_cache[cls] = hints
+    return hints
+
+
+def checker_inside(fun: Any) -> str | None:
+    """The runtime type checker that `fun` is already wrapped in, if any."""
+    seen = 0
+    f = fun
+    while f is not None and seen < 100:
+        try:
+            globals_name = getattr(f, "__globals__", {}).get("__name__")
+        except Exception:
+            globals_name = None
+        if globals_name == "jaxtyping._decorator":
+            return "jaxtyped"
+        if getattr(f, "__beartype_wrapper", False):
+            return "beartype"
+        f = getattr(f, "__wrapped__", None)
+        seen += 1
+    return None
