@@ -313,35 +313,11 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
     )
     check = check_inputs(fun_name, bound.leaves, mapped)
     reduced = options.reduce_names
-    for name in reduced:
-        if name not in check.sizes:
-            known = ", ".join(check.sizes) or "none"
-            raise SpecError(
-                f"`{fun_name}`: `reduce` names dim '{name}', which no array "
-                "argument's dims name. A reduced dim is mapped over the inputs that "
-                f"have it, then combined away. The named dims of the arguments are: "
-                f"{known}."
-            )
-    check_reduce_sizes(fun_name, options.reduce, check.sizes, check.seen)
-    for name in mapped:
-        if name not in check.sizes:
-            known = ", ".join(check.sizes) or "none"
-            raise SpecError(
-                f"`{fun_name}`: {out_spec.source} names dim '{name}', so it is "
-                "mapped, but no array argument's dims name it, so its size is "
-                f"unknown. The named dims of the arguments are: {known}. If the "
-                f"body makes '{name}' itself, declare it `core='{name}'`."
-                + did_you_mean([name], list(check.sizes))
-            )
+    _check_sizes_known(fun_name, options, out_spec.source, mapped, check)
     dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
     values = [bound.leaves[i].value for i in dyn_index]
     leaf_axes = [check.axes[i] for i in dyn_index]
-    element_specs = []
-    for v, axes in zip(values, leaf_axes):
-        assert axes is not None
-        drop = set(axes.values())
-        shape = tuple(s for i, s in enumerate(np.shape(v)) if i not in drop)
-        element_specs.append(struct(v, shape))
+    element_specs = [_element_spec(v, a) for v, a in zip(values, leaf_axes)]
     shard = None if options.shard is None else options.shard.plan(fun_name, check)
     axis_env = [(name, check.sizes[name]) for name in mapped]
     try:
@@ -381,6 +357,46 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         shard=shard,
         reduction=reduction,
     )
+
+
+def _check_sizes_known(
+    fun_name: str,
+    options: Options,
+    out_source: str,
+    mapped: tuple[str, ...],
+    check: InputCheck,
+) -> None:
+    """Every reduced and every mapped dim is named by some array argument (so its
+    size is known), and the reduced dims' sizes suit their reductions."""
+    reduced = options.reduce_names
+    for name in reduced:
+        if name not in check.sizes:
+            known = ", ".join(check.sizes) or "none"
+            raise SpecError(
+                f"`{fun_name}`: `reduce` names dim '{name}', which no array "
+                "argument's dims name. A reduced dim is mapped over the inputs that "
+                f"have it, then combined away. The named dims of the arguments are: "
+                f"{known}."
+            )
+    check_reduce_sizes(fun_name, options.reduce, check.sizes, check.seen)
+    for name in mapped:
+        if name not in check.sizes:
+            known = ", ".join(check.sizes) or "none"
+            raise SpecError(
+                f"`{fun_name}`: {out_source} names dim '{name}', so it is "
+                "mapped, but no array argument's dims name it, so its size is "
+                f"unknown. The named dims of the arguments are: {known}. If the "
+                f"body makes '{name}' itself, declare it `core='{name}'`."
+                + did_you_mean([name], list(check.sizes))
+            )
+
+
+def _element_spec(value: Any, axes: dict | None) -> jax.ShapeDtypeStruct:
+    """One element of a mapped argument: `value` without its mapped axes."""
+    assert axes is not None
+    drop = set(axes.values())
+    shape = tuple(s for i, s in enumerate(np.shape(value)) if i not in drop)
+    return struct(value, shape)
 
 
 _NOTE_MARK = "raised this while tracing its body on one element"
