@@ -286,7 +286,7 @@ def test_budget_covers_the_derivative(scan):
     want = jax.grad(lambda x, y: jnp.sum(ref(x, y)), argnums=(0, 1))(x, y)
     for got, w in zip(jax.jit(grad)(x, y), want):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4)
-    text = str(plan)
+    text = plan.describe(gradient=True)
     assert "under differentiation (reverse mode)" in text
     assert "scan bodies checkpointed" in text
 
