@@ -28,7 +28,18 @@ from eqx_multimap._blocks import NestSpec
 from eqx_multimap._nest import Build, run
 from eqx_multimap._plan_cache import DiskCache
 from eqx_multimap._resolve import Call, resolve
-from eqx_multimap._time_model import calibrate, fmt_bytes
+from eqx_multimap._time_model import calibrate
+from eqx_multimap._timing import fmt_bytes
+
+
+# XLA's memory analysis sizes these small blocks differently before jaxlib 0.10.2
+# (measured on 0.10.0: the derivative's nest is the forward one, and the search
+# compiles up to 8 candidates); these tests pin the search's structure as measured
+# on 0.10.2 and newer.
+_SEARCH_AS_MEASURED = pytest.mark.skipif(
+    tuple(int(p) for p in jax.lib.__version__.split(".")[:3]) < (0, 10, 2),
+    reason="the search's compile counts are pinned for jaxlib >= 0.10.2",
+)
 
 
 def _planner_of(tmp_path=None, **kwargs) -> Planner:
@@ -409,6 +420,7 @@ def _rows(text: str) -> list[str]:
     ]
 
 
+@_SEARCH_AS_MEASURED
 def test_explain_is_concise(getkey):
     # str(plan): the summary and nest, the chosen candidate and at most five
     # compiled runners-up, and one line counting the rest.
@@ -1421,6 +1433,7 @@ def _exhaustive(call, budget, model=None):
     return min(fitting, key=lambda c: c.seconds), compiler.n_compiled
 
 
+@_SEARCH_AS_MEASURED
 @pytest.mark.parametrize(
     "budget_ones, fresh_ones", [(4, None), (20, None), (2**16, None), (4, 6), (20, 6)]
 )
