@@ -6,7 +6,6 @@ or has no full-size accumulation inside its backward loop; compiled temporaries 
 within the budget; repeated un-jitted calls compile once.
 """
 
-import contextlib
 import gc
 import re
 import weakref
@@ -185,38 +184,23 @@ def test_closed_over_values_are_differentiated():
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@contextlib.contextmanager
-def _count_compiles():
-    counts = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            counts.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counts
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_unjitted_calls_compile_once(strategy):
     xs = _rand((9, 4, 8), seed=8)
     f = _ours(_heavy, strategy)
     ref = _hand(_heavy, strategy)(xs)
     np.testing.assert_allclose(f(xs), ref, rtol=1e-5, atol=1e-6)
-    with _count_compiles() as counts:
+    with timing.count_compiles() as counts:
         for _ in range(5):
             out = f(xs)
-    assert counts == []
+    assert counts["compiles"] == 0
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     # A new shape compiles once more, then not again.
     fewer = xs[:5]
-    with _count_compiles() as counts:
+    with timing.count_compiles() as counts:
         f(fewer)
         f(fewer)
-    assert len(counts) == 1
+    assert counts["compiles"] == 1
 
 
 def test_unjitted_calls_keep_nothing_after_the_function():
@@ -233,9 +217,9 @@ def test_unjitted_calls_keep_nothing_after_the_function():
     f = _ours(body, "scan")
     np.testing.assert_allclose(f(xs), ref, rtol=1e-5, atol=1e-6)
     # Another wrapper of the same function runs the same program.
-    with _count_compiles() as counts:
+    with timing.count_compiles() as counts:
         out = _ours(body, "scan")(xs)
-    assert counts == []
+    assert counts["compiles"] == 0
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     del f, body
     gc.collect()
