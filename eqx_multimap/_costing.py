@@ -5,10 +5,14 @@ arguments (no data), every input leaf an explicit argument:
 
 - `compiled.memory_analysis().temp_size_in_bytes` is its temporary memory (under
   differentiation, that of its reverse-mode derivative);
-- `compiled.cost_analysis()` gives flops and bytes accessed. XLA costs the body of a
-  while loop (a scan) *once*, so the body of each block of the nest is also compiled
-  on its own and its cost added `trips - 1` more times (`Compiler.corrected_cost`);
-- the time model turns these into an estimated time.
+- `compiled.cost_analysis()` gives flops and bytes accessed; the time model turns
+  them into an estimated time.
+
+The search compiles full vmap, and costs every other candidate from it
+(`reference`, `_predict`). A fixed nest (`explain` of a nest given in full) is
+costed from its own compile: XLA costs the body of a while loop (a scan) *once*, so
+the body of each block of the nest is also compiled on its own and its cost added
+`trips - 1` more times (`Compiler.corrected_cost`).
 
 Programs that are only analysed, never run, are compiled with `ANALYSIS_OPTIONS`:
 LLVM's optimisations off. Memory and cost analyses are made by XLA on the optimised
@@ -27,6 +31,7 @@ import numpy as np
 from ._blocks import blocks, NestSpec
 from ._nest import Build, build_levels, loop_body_inputs, run
 from ._plan import PlanCandidate
+from ._predict import leaf, Reference
 from ._resolve import Call
 from ._time_model import concrete_inputs, TimeModel
 
@@ -52,8 +57,8 @@ class Compiler:
 
     With `backward`, a candidate's memory is that of its reverse-mode derivative
     (`jax.vjp` of the nest, every scan body checkpointed), and the program that
-    measured mode runs is that derivative; its estimated cost is still that of its
-    forward nest, which ranks candidates alike."""
+    measured mode runs is that derivative; so are the costs the search predicts
+    (`reference`). `evaluate` compiles and costs a forward nest (a fixed nest)."""
 
     def __init__(
         self,
@@ -83,6 +88,9 @@ class Compiler:
         # forward nest, or its derivative), by nest: what measured mode runs.
         self.programs: dict[NestSpec, Any] = {}
         self._program_args: Any = None
+        # The outputs whose blocks a loop iteration holds: every output, or
+        # differentiated, the cotangent of every inexact one (index, struct).
+        self._outs: list[tuple[int, Any]] | None = None
 
     def compile(
         self, fn: Callable[[list], Any], specs: Any, what: str = "", runs: bool = False
@@ -115,6 +123,7 @@ class Compiler:
         outs = jax.eval_shape(forward, self.specs)
         diff_in = [i for i, s in enumerate(self.specs) if _inexact(s)]
         diff_out = [i for i, s in enumerate(outs) if _inexact(s)]
+        self._outs = [(i, outs[i]) for i in diff_out]
 
         def gradient(args: list) -> Any:
             values, cts = args
@@ -145,19 +154,63 @@ class Compiler:
         """Fresh concrete arguments for the compiled programs."""
         return concrete_inputs(self._program_args)
 
-    def costs(self, cand: PlanCandidate) -> PlanCandidate:
-        """A compiled candidate with its costs and estimated time."""
-        assert cand.temp_bytes is not None
-        if self.backward:
-            build = self.build(cand.spec)
-            compiled = self.compile(
-                lambda values: run(self.problem, cand.spec, build, values),
-                self.specs,
-                f"compiling the forward nest of {cand.nest(self.sizes)}",
-            )
+    def reference(self, full: PlanCandidate) -> Reference:
+        """What the search predicts every candidate from: full vmap (`full`,
+        compiled for its memory), its costs, and the leaves (see `_predict`)."""
+        assert full.temp_bytes is not None
+        compiled = self.programs[full.spec]
+        if full.scan:  # given scans: XLA costs their loop body once
+            if self.backward:
+                build = self.build(full.spec)
+                compiled = self.compile(
+                    lambda values: run(self.problem, full.spec, build, values),
+                    self.specs,
+                    f"compiling the forward nest of {full.nest(self.sizes)}",
+                )
+            flops, trans, nbytes, _ = self.corrected_cost(compiled, full)
         else:
-            compiled = self.programs[cand.spec]
-        flops, trans, nbytes, ws = self.corrected_cost(compiled, cand)
+            flops, trans, nbytes = xla_costs(compiled)
+        if self._outs is None:
+            self._outs = list(enumerate(compiled.out_info))
+        mapped = lambda names: tuple(n for n in names if n in self.sizes)  # noqa: E731
+        inputs = tuple(
+            leaf(s.shape, s.dtype, tuple(sorted(axes, key=axes.__getitem__)))
+            for s, axes in zip(self.specs, self.problem.leaf_axes)
+        )
+        outputs = tuple(
+            leaf(s.shape, s.dtype, mapped(self.problem.out_dims[i].names))
+            for i, s in self._outs
+        )
+        return Reference(
+            block=full.block,
+            temp=full.temp_bytes,
+            flops=flops,
+            transcendentals=trans,
+            nbytes=nbytes,
+            trips=full.trips if full.scan else 1,
+            scan=full.scan,
+            sizes=self.sizes,
+            inputs=inputs,
+            outputs=outputs,
+        )
+
+    def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
+        """A candidate with its costs predicted from `ref`, and its estimated time
+        (its temporaries, compiled or predicted, set)."""
+        flops, trans, nbytes = ref.costs(cand)
+        return self._with_costs(cand, flops, trans, nbytes, ref.working_set(cand))
+
+    def costs(self, cand: PlanCandidate) -> PlanCandidate:
+        """A compiled candidate of the forward nest (a fixed nest) with its costs,
+        from its own compile, and estimated time."""
+        assert not self.backward
+        compiled = self.programs[cand.spec]
+        return self._with_costs(cand, *self.corrected_cost(compiled, cand))
+
+    def _with_costs(
+        self, cand: PlanCandidate, flops: float, trans: float, nbytes: float, ws: int
+    ) -> PlanCandidate:
+        assert cand.temp_bytes is not None
         trips = cand.trips if cand.scan else 0
         fresh = self.model.fresh(cand.temp_bytes)
         return dataclasses.replace(

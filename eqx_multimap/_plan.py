@@ -67,7 +67,9 @@ class PlanCandidate:
     costed. `fits` is `None` when there is no budget (a fixed nest) or the
     candidate was not compiled. `measured` is its median time per call when the
     planner ran it (`Planner(measure=True)`), and `reason` says why it was, or was
-    not, chosen.
+    not, chosen. `predicted` is whether `temp_bytes` was predicted from full vmap's
+    instead of compiled: for a block chosen below the fresh threshold, far within
+    the budget.
     """
 
     scan: ScanNest
@@ -85,6 +87,7 @@ class PlanCandidate:
     fresh_bytes: int | None = None
     measured: float | None = None
     reason: str = ""
+    predicted: bool = False
 
     @property
     def spec(self) -> NestSpec:
@@ -295,19 +298,21 @@ class Plan:
         over budget), and a line counting the rest; with `all=True`, every
         candidate considered, compiled or not, in the order of their blocks.
         """
-        n_cand = sum(c.temp_bytes is not None for c in self.candidates)
+        n_cand = sum(
+            c.temp_bytes is not None and not c.predicted for c in self.candidates
+        )
         n_timed = sum(c.measured is not None for c in self.candidates)
         timed = f", {n_timed} measured" if self.measured else ""
         lines = [
             f"candidates: {self.n_candidates} considered, {n_cand} compiled{timed} "
-            f"({self.n_compiled} compiles including loop bodies, "
+            f"({plural(self.n_compiled, 'compile')}, "
             f"{self.seconds:.2f} s)"
         ]
         shown = list(self.candidates) if all else self._runners_up()
         lines.extend(self._rows(shown))
         rest = [c for c in self.candidates if c not in shown]
         if rest:
-            compiled = sum(c.temp_bytes is not None for c in rest)
+            compiled = sum(c.temp_bytes is not None and not c.predicted for c in rest)
             lines.append(
                 f"... and {plural(len(rest), 'more candidate')} ({compiled} "
                 f"compiled, {len(rest) - compiled} not): "
@@ -350,7 +355,9 @@ class Plan:
             row = (
                 mark,
                 c.nest(sizes),
-                "-" if c.temp_bytes is None else fmt_bytes(c.temp_bytes),
+                "-"
+                if c.temp_bytes is None
+                else ("~" if c.predicted else "") + fmt_bytes(c.temp_bytes),
                 _fmt_num(c.flops),
                 _fmt_num(c.bytes_accessed),
                 "-" if c.working_set is None else fmt_bytes(c.working_set),

@@ -38,11 +38,11 @@ from jax._src import traceback_util
 from ._candidates import block_and_trips, collective_dims, given_dims
 from ._costing import struct
 from ._measure import KEEP_WITHIN, MAX_MEASURED
-from ._plan import Plan, PlanCandidate, ShardDim
+from ._plan import Plan, PlanCandidate
 from ._reasons import no_fit_message
 from ._resolve import Call
-from ._search import auto_plan, MAX_COMPILES, SEARCH_VERSION
-from ._time_model import machine, TimeModel
+from ._search import auto_plan, MAX_COMPILES, Request, SEARCH_VERSION
+from ._time_model import machine
 
 
 traceback_util.register_exclusion(__file__)
@@ -190,30 +190,24 @@ def versions() -> dict[str, str]:
 
 
 def plan_key(
-    call: Call,
-    sizes: dict[str, int],
-    shard: tuple[ShardDim, ...],
-    collective: tuple[str, ...],
-    fingerprint: str,
-    budget: int,
-    backward: bool,
-    model: TimeModel,
-    measure: bool,
+    request: Request, collective: tuple[str, ...], fingerprint: str
 ) -> dict[str, Any]:
-    """Everything that determines a plan, as JSON."""
+    """Everything that determines a plan, as JSON: the request, the dims the body
+    uses in collectives, and the body's fingerprint."""
+    call = request.call
     return {
         "body": fingerprint,
-        "sizes": [[n, s] for n, s in sizes.items()],
+        "sizes": [[n, s] for n, s in request.sizes.items()],
         "scan": [[n, c] for n, c in call.options.scan],
         "vmap": list(call.options.vmap),
-        "shard": [dataclasses.astuple(d) for d in shard],
+        "shard": [dataclasses.astuple(d) for d in request.shard],
         "collective": list(collective),
         "checkpoint": call.options.checkpoint,
-        "budget": budget,
-        "backward": backward,
-        "measure": measure,
+        "budget": request.budget,
+        "backward": request.backward,
+        "measure": request.measure,
         "search": [SEARCH_VERSION, MAX_COMPILES, MAX_MEASURED, KEEP_WITHIN],
-        "time_model": model.to_json(),
+        "time_model": request.model.to_json(),
         "machine": machine(),
         "versions": versions(),
     }
@@ -296,21 +290,14 @@ def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
         fresh_bytes=_opt(d["fresh_bytes"], (int,)),
         measured=_opt(d["measured"], num),
         reason=d["reason"],
+        predicted=d["predicted"] is True,
     )
 
 
-def plan_from_json(
-    stored: Any,
-    call: Call,
-    sizes: dict[str, int],
-    budget: int,
-    source: str,
-    shard: tuple[ShardDim, ...],
-    backward: bool,
-    model: TimeModel,
-) -> "Plan | str":
-    """A stored plan (or no-fit error message), checked against this call; raises
-    `ValueError` (or `KeyError`, `TypeError`) if it is not a valid one."""
+def plan_from_json(stored: Any, request: Request) -> "Plan | str":
+    """A stored plan (or no-fit error message), checked against the request;
+    raises `ValueError` (or `KeyError`, `TypeError`) if it is not a valid one."""
+    call, sizes, budget = request.call, request.sizes, request.budget
     if not isinstance(stored, dict):
         raise ValueError("not a stored plan")
     if "no_fit" in stored:
@@ -318,7 +305,9 @@ def plan_from_json(
         smallest = _cand_from_json(nf["smallest"], call, sizes)
         if smallest.temp_bytes is None or smallest.temp_bytes <= budget:
             raise ValueError("the stored no-fit result is inconsistent")
-        return no_fit_message(call, budget, smallest, int(nf["n"]), sizes, backward)
+        return no_fit_message(
+            call, budget, smallest, int(nf["n"]), sizes, request.backward
+        )
     p = stored["plan"]
     candidates = tuple(_cand_from_json(d, call, sizes) for d in p["candidates"])
     index = p["chosen"]
@@ -336,18 +325,13 @@ def plan_from_json(
         if not isinstance(text, str):
             raise ValueError("bad descriptions")
     return auto_plan(
-        call,
-        sizes,
+        request,
         chosen,
         candidates,
-        budget,
-        source,
-        shard,
-        backward,
         n_compiled=0,
         seconds=0.0,
         checkpoint=checkpoint,
-        time_model=model,
+        time_model=request.model,
         summary=p["summary"],
         measured=measured,
         cache=f"{p['how']} on {p['created']}",

@@ -22,7 +22,7 @@ from ._budget import check_budget, MemoryBudget, resolve_budget
 from ._candidates import candidate, collective_dims, localize
 from ._costing import Compiler
 from ._errors import SpecError
-from ._plan import dims_of, Plan, ShardDim
+from ._plan import dims_of, Plan
 from ._plan_cache import (
     cand_json,
     default_cache_dir,
@@ -36,7 +36,7 @@ from ._plan_cache import (
 from ._progress import Progress
 from ._reasons import NoFit
 from ._resolve import Call
-from ._search import Search
+from ._search import Request, Search
 from ._time_model import calibrate, machine, TimeModel
 
 
@@ -238,24 +238,14 @@ class Planner:
                 raise SpecError(cached)
             return cached
         start = time.perf_counter()
-        model = self.time_model
+        request = Request(
+            call, sizes, shard, budget, source, backward, self.time_model, self.measure
+        )
         disk = self._disk_cache()
         disk_key = None
         if disk is not None:
-            disk_key = plan_key(
-                call,
-                sizes,
-                shard,
-                collective,
-                body,
-                budget,
-                backward,
-                model,
-                self.measure,
-            )
-            found = self._read(
-                disk, disk_key, call, sizes, budget, source, shard, backward, model
-            )
+            disk_key = plan_key(request, collective, body)
+            found = self._read(disk, disk_key, request)
             if isinstance(found, str):  # no nest fits, as found before
                 self._store(key, found)
                 raise SpecError(found)
@@ -267,24 +257,13 @@ class Planner:
                 if options.verbose:
                     print(found)
                 return found
-        plan = self._plan_now(
-            call, sizes, budget, source, shard, backward, model, disk, disk_key, key
-        )
+        plan = self._plan_now(request, disk, disk_key, key)
         if options.verbose:
             print(plan)
         return plan
 
     def _read(
-        self,
-        disk: DiskCache,
-        disk_key: dict[str, Any],
-        call: Call,
-        sizes: dict[str, int],
-        budget: int,
-        source: str,
-        shard: tuple[ShardDim, ...],
-        backward: bool,
-        model: TimeModel,
+        self, disk: DiskCache, disk_key: dict[str, Any], request: Request
     ) -> "Plan | str | None":
         """The plan (or no-fit message) stored on disk for this call, if valid."""
         stored = disk.read("plans", disk_key)
@@ -292,9 +271,7 @@ class Planner:
             return None
         path = disk.path("plans", disk_key)
         try:
-            found = plan_from_json(
-                stored, call, sizes, budget, source, shard, backward, model
-            )
+            found = plan_from_json(stored, request)
         except (ValueError, KeyError, TypeError, IndexError) as e:
             disk.invalid(path, f"its plan is not valid here ({e})")
             return None
@@ -308,24 +285,20 @@ class Planner:
 
     def _plan_now(
         self,
-        call: Call,
-        sizes: dict[str, int],
-        budget: int,
-        source: str,
-        shard: tuple[ShardDim, ...],
-        backward: bool,
-        model: TimeModel,
+        request: Request,
         disk: DiskCache | None,
         disk_key: dict[str, Any] | None,
         key: Any,
     ) -> Plan:
         """Search for the plan, and keep it (or the no-fit error) in the caches."""
-        what = f"{call.fun_name}: planning" + (" (backward)" if backward else "")
+        call = request.call
+        what = f"{call.fun_name}: planning"
+        what += " (backward)" if request.backward else ""
         progress = Progress(what, call.options.plan.verbose)
-        search = Search(call, sizes, budget, model, backward, self.measure, progress)
+        search = Search(request, progress)
         self.n_plans += 1
         try:
-            plan = search.run(source, shard)
+            plan = search.run()
         except NoFit as e:
             message = str(e)
             if disk is not None and disk_key is not None:

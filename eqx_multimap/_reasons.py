@@ -111,6 +111,11 @@ def with_reason(
             why = "chosen: the only candidate that fits and was costed"
         else:
             why = "chosen: fastest by the estimate"
+        if c.predicted:
+            why += (
+                "; its temporaries predicted from full vmap's, not compiled: far "
+                "within the budget"
+            )
         return dataclasses.replace(c, reason=why)
     if c.temp_bytes is None:
         return dataclasses.replace(c, reason=note or "not compiled")

@@ -11,31 +11,32 @@ The search is bounded:
 
 1. Full vmap (of the planned dims) is compiled first and chosen if it fits, unless
    its temporaries are allocated afresh on every call (see 3.) or the planner
-   measures.
+   measures. Every other candidate is predicted from it (`_predict`): its costs
+   (the same flops; bytes plus the inputs re-read on every loop trip), and its
+   temporaries, until compiled.
 2. Otherwise the candidates form ladders, one per order of the dims (the output's
-   layout, the inputs' layout, by size): scan a prefix of the dims of size > 1, the
-   outer ones one element at a time and the last one in chunks from a small
-   geometric set (about `n/2, n/4, ...`, moved to a nearby divisor of `n` when there
-   is one, so that no remainder block is needed). A ladder is sorted by the number
-   of elements of one loop iteration (the block), which temporary memory grows
-   with, close to affinely. The largest block that fits is found by prediction
-   (`predict`, `Search.first_within`): from the blocks compiled so far (at first,
-   full vmap alone) the largest block predicted to fit is compiled; the prediction
-   is refined until a block fits and the next larger one is known, or predicted,
-   not to. Every block the search chooses was compiled and fits. The boundary
-   candidate (and those with the same block in the same ladder) gets its costs,
-   and the cheapest by estimated time (`TimeModel.seconds`) wins.
+   layout, the inputs' layout, by size; see `_candidates`), sorted by the number of
+   elements of one loop iteration (the block), which temporary memory grows
+   with. The largest block that fits is found by prediction (`Search.first_within`):
+   the largest block predicted to fit is compiled, and the prediction corrected by
+   it, until a block fits and the next larger one is known, or predicted, not to.
+   Every block chosen for the budget was compiled and fits. The boundary candidate
+   (and those with the same block in the same ladder) is costed, and the cheapest
+   by estimated time (`TimeModel.seconds`) wins. The first ladder is always
+   searched; another only if one of its blocks, predicted, may be materially
+   faster than the best so far (`MATERIAL`).
 3. On CPU, temporaries above the fresh threshold (glibc's malloc hands blocks that
    big out as fresh `mmap`s) are page-faulted in again on *every* call. So when the
    largest fitting block of a ladder (or full vmap) is above the threshold, the
    same search finds its largest block below it, and that one is costed instead:
    by the time model, its reuse of the heap saves more than the loop trips it adds.
+   The threshold is a matter of speed: a block predicted below it and far within
+   the budget (`SAFE_FRACTION`) is taken as predicted, not compiled.
 4. With `Planner(measure=True)`, up to `MAX_MEASURED` candidates that fit (among
    every block that fits in the ladders searched: the model's best estimates, and
-   an even spread over the rest, `measured_pool`) are run on fresh inputs of the
-   call's shapes, side by side, and the fastest wins unless the model's own choice
-   measured within `KEEP_WITHIN` of it: the model cannot see what the chunk shape
-   does to XLA:CPU's code, and timings of near-equal nests shift with the load.
+   an even spread over the rest, `measured_pool`) are compiled and run side by
+   side, and the fastest wins unless the model's own choice measured within
+   `KEEP_WITHIN` of it (see `_measure`).
 
 Every candidate compiled outside measured mode is compiled for its analyses only
 (`_costing.ANALYSIS_OPTIONS`). With `shard=`, the plan is of the local nest of one
@@ -57,6 +58,7 @@ from ._candidates import (
 from ._costing import Compiler
 from ._measure import KEEP_WITHIN, MAX_MEASURED, measured_pool, time_candidates
 from ._plan import dims_of, Plan, PlanCandidate, ShardDim
+from ._predict import corrected, Reference
 from ._progress import Progress
 from ._reasons import no_fit_message, NoFit, summary, with_reason
 from ._resolve import Call
@@ -64,12 +66,42 @@ from ._time_model import TimeModel
 from ._timing import fmt_bytes, fmt_seconds
 
 
-# Once planning has compiled this many programs (candidates and loop bodies), it
-# searches no further ladders.
+# Once planning has compiled this many programs, it searches no further ladders.
 MAX_COMPILES = 12
+# The largest block of a ladder below the fresh threshold is not compiled, only
+# predicted (`_predict`), when its prediction is at most this fraction of the
+# budget: the threshold is a matter of speed, and a prediction that far within the
+# budget cannot break it (predictions are within 0.35-3x of XLA's figure on the
+# benchmarks' workloads).
+SAFE_FRACTION = 1 / 8
+# The search compiles first the largest block predicted within this fraction of a
+# limit: predictions near it err either way by several percent, and a block over
+# the limit costs a compile that tells nothing about the next smaller one.
+PREDICTED_WITHIN = 0.9
+# Another ladder is searched only if one of its blocks may be estimated this much
+# faster than the best candidate costed: smaller differences are within the time
+# model's error, and not worth a compile.
+MATERIAL = 1.05
 # Bumped whenever the search changes what it chooses: plans on disk from another
 # version are not used.
-SEARCH_VERSION = 4
+SEARCH_VERSION = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one plan is for: a resolved call; its mapped sizes as one device sees
+    them and its sharded dims (`localize`); the memory budget and where it came
+    from; whether the nest is differentiated; the time model; whether the planner
+    measures."""
+
+    call: Call
+    sizes: dict[str, int]
+    shard: tuple[ShardDim, ...]
+    budget: int
+    source: str
+    backward: bool
+    model: TimeModel
+    measure: bool = False
 
 
 @dataclasses.dataclass
@@ -88,48 +120,32 @@ class Ladder:
         return self.k if self.k is not None else self.j
 
 
-def predict(points: list[tuple[int, int]], block: int) -> float | None:
-    """The temporary bytes of a block of a ladder, from the line through the two
-    compiled blocks nearest it (`(block, bytes)` pairs): temporaries grow close to
-    affinely with the block along one ladder. With one block compiled,
-    proportionally to the block; `None` with none."""
-    distinct = sorted(dict(points).items(), key=lambda p: abs(p[0] - block))
-    if not distinct:
-        return None
-    if len(distinct) == 1:
-        ((b0, t0),) = distinct
-        return t0 * block / max(b0, 1)
-    (b0, t0), (b1, t1) = distinct[:2]
-    return t0 + (t1 - t0) * (block - b0) / (b1 - b0)
-
-
 class Search:
     """One planning run: compiles candidates (each at most once), remembers what it
     learnt about each, and says why each was or was not chosen."""
 
-    def __init__(
-        self,
-        call: Call,
-        sizes: dict[str, int],
-        budget: int,
-        model: TimeModel,
-        backward: bool,
-        measure: bool,
-        progress: Progress,
-    ):
-        self.call = call
-        self.sizes = sizes
-        self.budget = budget
-        self.model = model
-        self.measure = measure
+    def __init__(self, request: Request, progress: Progress):
+        self.request = request
+        self.call = request.call
+        self.sizes = request.sizes
+        self.budget = request.budget
+        self.model = request.model
+        self.measure = request.measure
         self.progress = progress
         self.compiler = Compiler(
-            call, sizes, model, backward, progress.step, runs=measure
+            self.call,
+            self.sizes,
+            self.model,
+            request.backward,
+            progress.step,
+            runs=self.measure,
         )
         self.known: dict[tuple, PlanCandidate] = {}  # by key: compiled ones
         self.notes: dict[tuple, str] = {}  # by key: why an uncompiled one was not
         # By key: temporaries predicted above a limit, for blocks not compiled.
         self.predicted: dict[tuple, int] = {}
+        # Full vmap's figures, once compiled: what the others are predicted from.
+        self.ref: Reference | None = None
 
     def memory(self, c: PlanCandidate) -> PlanCandidate:
         if c.key not in self.known:
@@ -142,8 +158,16 @@ class Search:
     def costed(self, c: PlanCandidate) -> PlanCandidate:
         c = self.memory(c)
         if c.fits and c.seconds is None:
-            self.known[c.key] = self.compiler.costs(c)
+            assert self.ref is not None
+            self.known[c.key] = self.compiler.predicted_costs(c, self.ref)
         return self.known[c.key]
+
+    def prediction(self, steps: list[PlanCandidate], c: PlanCandidate) -> float:
+        """The temporaries of `c`, a step of `steps`, predicted from full vmap's and
+        corrected by the steps compiled (`_predict.corrected`)."""
+        assert self.ref is not None
+        compiled = [self.known[s.key] for s in steps if s.key in self.known]
+        return corrected(self.ref, c, compiled)
 
     def fits(self, c: PlanCandidate) -> bool:
         return bool(self.memory(c).fits)
@@ -169,13 +193,12 @@ class Search:
             # Memory grows with the block: if full vmap fits, every step does.
             j: int | None = 0
             if threshold is not None and full.fresh_bytes:
-                k = self.first_within(steps, 0, threshold, full)
+                k = self.first_within(steps, 0, threshold, soft=True)
                 all_fresh = k is None
         else:
-            j = self.first_within(steps, 0, self.budget, full)
+            j = self.first_within(steps, 0, self.budget)
             if j is not None and threshold is not None and self.fresh(steps[j]):
-                above = self.memory(steps[j])
-                k = self.first_within(steps, j + 1, threshold, above)
+                k = self.first_within(steps, j + 1, threshold, soft=True)
                 all_fresh = k is None
         lad.j, lad.k = j, (None if k == j else k)
         edge = lad.edge
@@ -193,7 +216,7 @@ class Search:
             edge = None
         edges = [] if edge is None else [edge]
         if lad.k is not None and j is not None:
-            if self._may_beat(steps[j], steps[lad.k], threshold):
+            if self._may_beat(steps, steps[j], steps[lad.k]):
                 edges.append(j)
             elif steps[j].key in self.known:
                 self.notes[steps[j].key] = (
@@ -229,44 +252,35 @@ class Search:
 
     def _floor(self, threshold: int | None) -> float | None:
         """For a ladder whose blocks that fit all allocate afresh per call: a
-        floor on their estimated time (the compute of every candidate, and the
-        page faults of `threshold` bytes) if it is above the estimate of a
-        candidate costed, else `None`. Not in measured
-        mode, which estimates the blocks it may time from the ladder's costed
-        boundary."""
-        if self.measure or threshold is None:
+        floor on their estimated time (full vmap's compute, which every candidate
+        does, and the page faults of `threshold` bytes) if it is above the
+        estimate of a candidate costed, else `None`. Not in measured mode, which
+        estimates the blocks it may time."""
+        costed = [c.seconds for c in self.known.values() if c.fits and c.seconds]
+        if self.measure or threshold is None or not costed or self.ref is None:
             return None
-        costed = [c for c in self.known.values() if c.fits and c.seconds]
-        if not costed:
-            return None
-        floor = self.model.seconds(
-            min(c.flops or 0.0 for c in costed),
-            min(c.transcendentals or 0.0 for c in costed),
-            0.0,
-            0,
-            float(threshold),
-        )
-        best = min(c.seconds or 0.0 for c in costed)
-        return floor if floor > best else None
+        ref = self.ref
+        floor = self.model.seconds(ref.flops, ref.transcendentals, 0.0, 0, threshold)
+        return floor if floor > min(costed) else None
 
     def _may_beat(
-        self, big: PlanCandidate, small: PlanCandidate, threshold: int | None
+        self, steps: list[PlanCandidate], big: PlanCandidate, small: PlanCandidate
     ) -> bool:
-        """Whether `big`, a block that allocates afresh per call, may be faster by
-        the time model than `small`, the ladder's largest block that does not:
-        whether a floor on its estimate (its compute, page faults and loop
-        trips) is below `small`'s. Costing `small` first."""
+        """Whether `big`, a block of `steps` that allocates afresh per call (its
+        temporaries compiled, or predicted, above the threshold), may be faster by
+        the time model than `small`, the ladder's largest block that does not.
+        Costing `small` first."""
         small = self.costed(small)
-        temp = self.known[big.key].temp_bytes if big.key in self.known else None
-        fresh = float(temp if temp is not None else threshold or 0)
-        floor = self.model.seconds(
-            small.flops or 0.0,
-            small.transcendentals or 0.0,
-            0.0,
-            big.trips if big.scan else 0,
-            fresh,
-        )
-        return floor < (small.seconds or 0.0)
+        assert self.ref is not None
+        known = self.known.get(big.key)
+        if known is not None and known.temp_bytes is not None:
+            temp = known.temp_bytes
+        else:
+            threshold = self.model.fresh_threshold or 0
+            temp = max(int(self.prediction(steps, big)), threshold)
+        guess = dataclasses.replace(big, temp_bytes=temp)
+        seconds = self.compiler.predicted_costs(guess, self.ref).seconds or 0.0
+        return seconds < (small.seconds or 0.0)
 
     def _note_over(self, steps: list[PlanCandidate], i: int) -> None:
         """Why `steps[i]`, a block larger than the largest that fits, was not
@@ -293,47 +307,39 @@ class Search:
                 return
 
     def first_within(
-        self,
-        steps: list[PlanCandidate],
-        start: int,
-        limit: int,
-        above: PlanCandidate,
+        self, steps: list[PlanCandidate], start: int, limit: int, soft: bool = False
     ) -> int | None:
         """The first step from `start` (the largest block) whose temporaries are at
-        most `limit`; `above`, a larger block, is known to exceed it.
+        most `limit`; the step before `start`, if any, exceeds it.
 
-        Temporaries shrink with the block along a ladder, close to affinely, so the
-        blocks compiled predict the boundary (`predict`): the largest block
-        predicted within `limit` is compiled, and the prediction refined, until a
-        step is within `limit` and the next larger one is known to exceed it, or
-        predicted to when it scans the same dims (only a chunk differs)."""
+        The largest block predicted within `limit` (`prediction`, with a margin:
+        `PREDICTED_WITHIN`) is compiled, and
+        the prediction corrected by it, until a step is within `limit` and the next
+        larger one is known to exceed it, or predicted to when it scans the same
+        dims (only a chunk differs: temporaries affine in the block). With `soft`
+        (`limit` is the fresh threshold), a block predicted within it and far
+        within the budget (`SAFE_FRACTION`) is taken as predicted, uncompiled,
+        unless the planner measures (it runs what it compiles)."""
         lo, hi = start, len(steps)  # the answer is in steps[lo:hi], or None
-        points = [(above.block, above.temp_bytes or 0)]
-        points += [
-            (c.block, self.known[c.key].temp_bytes or 0)
-            for c in steps
-            if c.key in self.known
-        ]
         while lo < hi:
-            within = [
-                i
-                for i in range(lo, hi)
-                if (predict(points, steps[i].block) or 0) <= limit
-            ]
+            guesses = {i: self.prediction(steps, steps[i]) for i in range(lo, hi)}
+            within = [i for i, t in guesses.items() if t <= limit * PREDICTED_WITHIN]
             i = within[0] if within else hi - 1
+            safe = self.budget * SAFE_FRACTION
+            if soft and within and not self.measure and guesses[i] <= safe:
+                self.known[steps[i].key] = dataclasses.replace(
+                    steps[i], temp_bytes=int(guesses[i]), fits=True, predicted=True
+                )
+                return i
             c = self.memory(steps[i])
-            points.append((c.block, c.temp_bytes or 0))
             if (c.temp_bytes or 0) > limit:
                 lo = i + 1
                 continue
             hi = i
             if i == lo:
                 break
-            # The next larger block need not be compiled if it scans the same
-            # dims (only a chunk differs: temporaries affine in the block) and is
-            # predicted to exceed `limit`.
             prev = steps[i - 1]
-            larger = predict(points, prev.block) or 0
+            larger = self.prediction(steps, prev)
             same = [n for n, _ in prev.scan] == [n for n, _ in c.scan]
             if same and larger > limit and prev.block > c.block:
                 self.predicted[prev.key] = int(larger)
@@ -342,23 +348,38 @@ class Search:
 
     def estimate(self, c: PlanCandidate, lad: Ladder) -> float:
         """The estimated time of a candidate of a searched ladder that fits: its
-        own if costed, else from the costs of its ladder's boundary (the same
-        arithmetic), with its own trips and temporaries."""
+        own if costed, else predicted (its temporaries too, if not compiled)."""
         known = self.known.get(c.key, c)
         if known.seconds is not None:
             return known.seconds
-        assert lad.edge is not None
-        edge = self.known[lad.steps[lad.edge].key]
-        if known.temp_bytes is not None:
-            temp = known.temp_bytes
-        else:
-            temp = int((edge.temp_bytes or 0) * c.block / max(edge.block, 1))
-        return self.model.seconds(
-            edge.flops or 0.0,
-            edge.transcendentals or 0.0,
-            edge.bytes_accessed or 0.0,
-            c.trips if c.scan else 0,
-            float(self.model.fresh(temp)),
+        assert self.ref is not None
+        if known.temp_bytes is None:
+            temp = int(self.prediction(lad.steps, c))
+            known = dataclasses.replace(known, temp_bytes=temp)
+        return self.compiler.predicted_costs(known, self.ref).seconds or 0.0
+
+    def cannot_win(self, lad: Ladder) -> str | None:
+        """Why no block of the ladder can be materially faster (`MATERIAL`), by the
+        time model, than the best candidate costed (its temporaries predicted);
+        `None` if one may."""
+        assert self.ref is not None
+        costed = [c for c in self.known.values() if c.fits and c.seconds]
+        if not costed:
+            return None
+        best = min(costed, key=lambda c: c.seconds or 0.0)
+        for c in lad.steps:
+            temp = int(self.prediction(lad.steps, c))
+            if temp > self.budget:
+                continue
+            guess = dataclasses.replace(c, temp_bytes=temp)
+            seconds = self.compiler.predicted_costs(guess, self.ref).seconds or 0.0
+            if seconds * MATERIAL < (best.seconds or 0.0):
+                return None
+        return (
+            "not compiled: no block of its ladder predicted to fit is est. "
+            f"{MATERIAL - 1:.0%} faster than {best.nest(self.sizes)} (its loop "
+            "trips, and the temporaries it would allocate afresh per call, "
+            "predicted from full vmap's)"
         )
 
     def time(self, cands: list[PlanCandidate]) -> dict[tuple, float]:
@@ -368,7 +389,7 @@ class Search:
         args = self.compiler.program_inputs()
         return time_candidates(cands, programs, args, self.progress.step)
 
-    def run(self, source: str, shard: tuple[ShardDim, ...]) -> Plan:
+    def run(self) -> Plan:
         """Plan the call: the chosen nest, and every candidate with its reason.
         Raises `NoFit` if no candidate fits the budget."""
         start = time.perf_counter()
@@ -402,14 +423,9 @@ class Search:
         )
         chosen = next(c for c in candidates if c.key == chosen.key)
         return auto_plan(
-            self.call,
-            sizes,
+            self.request,
             chosen,
             candidates,
-            self.budget,
-            source,
-            shard,
-            self.compiler.backward,
             n_compiled=self.compiler.n_compiled,
             seconds=time.perf_counter() - start,
             checkpoint=self.compiler.build(chosen.spec).checkpoint,
@@ -456,6 +472,7 @@ class Search:
     ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
         """Search the ladders: the chosen candidate, those compared, their measured
         times (measured mode), and the summary."""
+        self.ref = self.compiler.reference(self.memory(full))
         f = self.costed(full)
         # Full vmap is kept if it fits, allocates nothing afresh per call, and the
         # planner does not measure.
@@ -468,6 +485,11 @@ class Search:
                         "compiles)"
                     )
                 continue  # the first ladder is always searched
+            why = self.cannot_win(lad) if i > 0 else None
+            if why is not None:
+                for c in lad.steps:
+                    self.note(c, why)
+                continue
             self.search(lad, f)
         if not go:
             why = (
@@ -553,17 +575,13 @@ class Search:
 
 
 def auto_plan(
-    call: Call,
-    sizes: dict[str, int],
+    request: Request,
     chosen: PlanCandidate,
     candidates: tuple[PlanCandidate, ...],
-    budget: int,
-    source: str,
-    shard: tuple[ShardDim, ...],
-    backward: bool,
     **fields: Any,
 ) -> Plan:
     """The `Plan` of `plan="auto"`: planned now, or read from the disk cache."""
+    call, sizes = request.call, request.sizes
     return Plan(
         fun_name=call.fun_name,
         auto=True,
@@ -571,10 +589,10 @@ def auto_plan(
         dims=dims_of(chosen, sizes),
         chosen=chosen,
         candidates=candidates,
-        budget_bytes=budget,
-        budget_source=source,
-        shard=shard,
-        backward=backward,
+        budget_bytes=request.budget,
+        budget_source=request.source,
+        shard=request.shard,
+        backward=request.backward,
         given=given_dims(call),
         collective=collective_dims(call),
         **fields,
