@@ -74,10 +74,6 @@ MAX_COMPILES = 12
 # budget cannot break it (predictions are within 0.35-3x of XLA's figure on the
 # benchmarks' workloads).
 SAFE_FRACTION = 1 / 8
-# The search compiles first the largest block predicted within this fraction of a
-# limit: predictions near it err either way by several percent, and a block over
-# the limit costs a compile that tells nothing about the next smaller one.
-PREDICTED_WITHIN = 0.9
 # Another ladder is searched only if one of its blocks may be estimated this much
 # faster than the best candidate costed: smaller differences are within the time
 # model's error, and not worth a compile.
@@ -312,8 +308,7 @@ class Search:
         """The first step from `start` (the largest block) whose temporaries are at
         most `limit`; the step before `start`, if any, exceeds it.
 
-        The largest block predicted within `limit` (`prediction`, with a margin:
-        `PREDICTED_WITHIN`) is compiled, and
+        The largest block predicted within `limit` (`prediction`) is compiled, and
         the prediction corrected by it, until a step is within `limit` and the next
         larger one is known to exceed it, or predicted to when it scans the same
         dims (only a chunk differs: temporaries affine in the block). With `soft`
@@ -323,7 +318,7 @@ class Search:
         lo, hi = start, len(steps)  # the answer is in steps[lo:hi], or None
         while lo < hi:
             guesses = {i: self.prediction(steps, steps[i]) for i in range(lo, hi)}
-            within = [i for i, t in guesses.items() if t <= limit * PREDICTED_WITHIN]
+            within = [i for i, t in guesses.items() if t <= limit]
             i = within[0] if within else hi - 1
             safe = self.budget * SAFE_FRACTION
             if soft and within and not self.measure and guesses[i] <= safe:
@@ -361,10 +356,11 @@ class Search:
     def cannot_win(self, lad: Ladder) -> str | None:
         """Why no block of the ladder can be materially faster (`MATERIAL`), by the
         time model, than the best candidate costed (its temporaries predicted);
-        `None` if one may."""
+        `None` if one may, or if the planner measures (it may find what the model
+        does not see)."""
         assert self.ref is not None
         costed = [c for c in self.known.values() if c.fits and c.seconds]
-        if not costed:
+        if not costed or self.measure:
             return None
         best = min(costed, key=lambda c: c.seconds or 0.0)
         for c in lad.steps:
