@@ -22,8 +22,6 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
-
 from ._plan import PlanCandidate
 
 
@@ -36,7 +34,8 @@ class Leaf:
 
 
 def leaf(shape: Any, dtype: Any, dims: tuple[str, ...]) -> Leaf:
-    return Leaf(math.prod(shape) * np.dtype(dtype).itemsize, dims)
+    # `itemsize`, not `np.dtype(dtype)`: typed PRNG keys' dtypes are JAX's own.
+    return Leaf(math.prod(shape) * int(getattr(dtype, "itemsize", 0) or 0), dims)
 
 
 @dataclasses.dataclass(frozen=True)

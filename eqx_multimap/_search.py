@@ -297,8 +297,8 @@ class Search:
                     c,
                     f"not compiled: {what} is predicted to need "
                     f"{fmt_bytes(self.predicted[s.key])} > {fmt_bytes(self.budget)} "
-                    "(from the blocks of its ladder compiled: temporaries grow "
-                    "about linearly with the block)",
+                    "(from full vmap's, corrected by the blocks of its ladder "
+                    "compiled)",
                 )
                 return
 

@@ -906,6 +906,24 @@ def test_a_block_far_within_the_budget_is_predicted_not_compiled(
     )
 
 
+def test_typed_keys_are_planned(getkey, small_threshold):
+    # Typed PRNG keys have JAX's own dtypes: the predictions read their bytes too.
+    keys = jax.random.split(jax.random.key(0), 16)
+    x = jax.random.normal(getkey(), (16, 12, 32))
+
+    def body(k, x):
+        return jnp.sum(jnp.tanh(jnp.outer(x, x) + jax.random.normal(k, (32, 32))))
+
+    kw = dict(in_dims=("T", "T B K"), out_dims="T B")
+    f = filter_multi_vmap(body, plan=small_threshold, memory_budget=2**30, **kw)
+    plan = explain(f, keys, x)
+    assert plan.chosen.scan  # full vmap's temporaries are above the threshold
+    want = np.stack(
+        [np.stack([body(keys[t], x[t, b]) for b in range(12)]) for t in range(16)]
+    )
+    np.testing.assert_allclose(f(keys, x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_full_vmap_below_threshold_is_not_compared(getkey, small_threshold):
     # Every element's temporaries are tiny: full vmap is below the threshold, and it
     # is chosen without costing any scan.
