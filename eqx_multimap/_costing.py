@@ -172,14 +172,15 @@ class Compiler:
             flops, trans, nbytes = xla_costs(compiled)
         if self._outs is None:
             self._outs = list(enumerate(compiled.out_info))
-        mapped = lambda names: tuple(n for n in names if n in self.sizes)  # noqa: E731
         inputs = tuple(
-            leaf(s.shape, s.dtype, tuple(sorted(axes, key=axes.__getitem__)))
+            leaf(s.shape, s.dtype, axes)
             for s, axes in zip(self.specs, self.problem.leaf_axes)
         )
+        # An output's mapped dims, in their order (their axes approximately).
+        mapped = lambda dims: [n for n in dims.names if n in self.sizes]  # noqa: E731
         outputs = tuple(
-            leaf(s.shape, s.dtype, mapped(self.problem.out_dims[i].names))
-            for i, s in self._outs
+            leaf(s.shape, s.dtype, {n: a for a, n in enumerate(mapped(dims))})
+            for s, dims in ((s, self.problem.out_dims[i]) for i, s in self._outs)
         )
         return Reference(
             block=full.block,

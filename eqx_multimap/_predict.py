@@ -4,14 +4,13 @@ Full vmap (of the planned dims) is compiled first. From its temporaries and cost
 and the shapes of the inputs and outputs, [`Reference`][] predicts every other
 candidate of the call:
 
-- **temporaries**: one loop iteration holds the body's temporaries for its block
-  (full vmap's, scaled by the block), the slices of the scanned inputs, and its block
-  of every output (or, differentiated, of every cotangent); an output whose scanned
-  dims do not lead it is transposed once, whole. On `benchmarks/planner.py`'s
-  workloads this is within 0.7-1.5x of XLA's figure for most blocks; it
-  over-estimates small blocks of scans over inner dims, whose slices XLA does not
-  copy. The search uses it to choose which blocks to compile, and corrects it by
-  the blocks compiled (`corrected`).
+- **temporaries**: the body's temporaries for one loop iteration's block (full
+  vmap's, scaled by the block); at each scan level, the slice of one iteration of
+  every input it slices (and a transposed copy of what it scans, when its dim is
+  not that array's leading axis) and one iteration's block of every output (or,
+  differentiated, of every cotangent); and a transposed copy of each output whose
+  scanned dims do not lead it. The search uses this to choose which blocks to
+  compile, and corrects it by those compiled (`corrected`).
 - **costs**: every candidate runs the body on every element, so its flops and
   transcendentals are full vmap's. Its bytes are full vmap's plus the inputs it
   re-reads on every loop trip: those that no scanned dim slices. Loop trips are
@@ -27,15 +26,24 @@ from ._plan import PlanCandidate
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """An input leaf or output leaf: its bytes and its mapped dims, in axis order."""
+    """An input leaf or output leaf: its bytes, and the axis of each of its mapped
+    dims, in axis order."""
 
     nbytes: int
-    dims: tuple[str, ...]
+    axes: tuple[tuple[str, int], ...]
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
 
 
-def leaf(shape: Any, dtype: Any, dims: tuple[str, ...]) -> Leaf:
+def leaf(shape: Any, dtype: Any, axes: dict[str, int]) -> Leaf:
     # `itemsize`, not `np.dtype(dtype)`: typed PRNG keys' dtypes are JAX's own.
-    return Leaf(math.prod(shape) * int(getattr(dtype, "itemsize", 0) or 0), dims)
+    nbytes = math.prod(shape) * int(getattr(dtype, "itemsize", 0) or 0)
+    return Leaf(nbytes, tuple(sorted(axes.items(), key=lambda kv: kv[1])))
+
+
+ScanNest = tuple[tuple[str, int | None], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,37 +57,58 @@ class Reference:
     transcendentals: float
     nbytes: float
     trips: int
-    scan: tuple[tuple[str, int | None], ...]
+    scan: ScanNest
     sizes: dict[str, int]
     inputs: tuple[Leaf, ...]
     outputs: tuple[Leaf, ...]
 
-    def _fraction(self, c: PlanCandidate, dims: tuple[str, ...]) -> float:
-        """The part of a leaf with `dims` that one loop iteration of `c` covers."""
-        chunks = dict(c.scan)
+    def _fraction(self, scan: ScanNest, dims: tuple[str, ...]) -> float:
+        """The part of a leaf with `dims` that one iteration of the scans `scan`
+        (outermost first) covers."""
         return float(
             math.prod(
-                (chunks[n] or 1) / max(self.sizes[n], 1) for n in dims if n in chunks
+                (k or 1) / max(self.sizes[n], 1) for n, k in scan if n in dims
             )
         )
 
+    def _input_copies(self, scan: ScanNest, x: Leaf) -> float:
+        """The bytes a nest of scans copies out of an input leaf: at each scan level
+        that slices it, the slice of one iteration, and, when the level's dim is
+        not the leading axis of what it scans, a transposed copy of that."""
+        total, gone, axes = 0.0, set(), dict(x.axes)
+        for level, (name, chunk) in enumerate(scan):
+            if name not in axes:
+                continue
+            if any(a not in gone for a in range(axes[name])):
+                total += x.nbytes * self._fraction(scan[:level], x.dims)
+            total += x.nbytes * self._fraction(scan[: level + 1], x.dims)
+            if chunk is None:
+                gone.add(axes[name])
+        return total
+
+    def _output_blocks(self, scan: ScanNest, y: Leaf) -> float:
+        """The bytes of an output leaf that a nest of scans holds: one iteration's
+        block at each level, and a transposed copy of the whole when the scanned
+        dims do not lead it."""
+        total = sum(
+            y.nbytes * self._fraction(scan[: level + 1], y.dims)
+            for level in range(len(scan))
+        )
+        in_y = [n for n, _ in scan if n in y.dims]
+        if list(y.dims[: len(in_y)]) != in_y:
+            total += y.nbytes  # the stacked blocks, transposed once
+        return total
+
     def temp_bytes(self, c: PlanCandidate) -> int:
         """The temporaries of `c`, predicted (see the module's docstring)."""
+        body = self.temp * c.block / max(self.block, 1)
         if c.scan == self.scan:
-            return int(self.temp * c.block / max(self.block, 1))
-        scanned = [n for n, _ in c.scan]
-        total = self.temp * c.block / max(self.block, 1)
-        for x in self.inputs:
-            if any(n in x.dims for n in scanned):
-                total += x.nbytes * self._fraction(c, x.dims)
-        for y in self.outputs:
-            total += y.nbytes * self._fraction(c, y.dims)
-            in_y = [n for n in scanned if n in y.dims]
-            if list(y.dims[: len(in_y)]) != in_y:
-                total += y.nbytes  # the stacked blocks, transposed once
+            return int(body)
+        total = body + sum(self._input_copies(c.scan, x) for x in self.inputs)
+        total += sum(self._output_blocks(c.scan, y) for y in self.outputs)
         return int(total)
 
-    def shared_bytes(self, scan: tuple[tuple[str, int | None], ...]) -> int:
+    def shared_bytes(self, scan: ScanNest) -> int:
         """The bytes of the inputs that no dim of `scan` slices: every loop trip
         reads them whole."""
         scanned = {n for n, _ in scan}
@@ -94,12 +123,8 @@ class Reference:
     def working_set(self, c: PlanCandidate) -> int:
         """The bytes one loop iteration of `c` touches: its temporaries, its inputs
         (slices, and the inputs read whole) and its block of every output."""
-        scanned = [n for n, _ in c.scan]
-        inputs = sum(
-            x.nbytes * (self._fraction(c, x.dims) if set(scanned) & set(x.dims) else 1)
-            for x in self.inputs
-        )
-        outputs = sum(y.nbytes * self._fraction(c, y.dims) for y in self.outputs)
+        inputs = sum(x.nbytes * self._fraction(c.scan, x.dims) for x in self.inputs)
+        outputs = sum(y.nbytes * self._fraction(c.scan, y.dims) for y in self.outputs)
         body = self.temp * c.block / max(self.block, 1)
         return int(body + inputs + outputs)
 
