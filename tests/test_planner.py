@@ -1593,6 +1593,43 @@ def test_cold_plan_compile_count(getkey):
     assert again.n_compiled == plan.n_compiled and again.chosen == plan.chosen
 
 
+def _mixed(x, y):
+    return jnp.tanh(x[:, None] * x[None, :] * y) @ x  # x: (K,), y: ()
+
+
+def test_other_ladders_are_searched_only_if_materially_faster(getkey):
+    # The first ladder (the output's layout, R Q P) is searched; the others (the
+    # inputs' P Q R, by size Q R P) can save a few loop trips at most, which the
+    # time model rates below 5%: they are not compiled, and their rows say why.
+    # The measured mode searches them all: it may see what the model does not.
+    x = jax.random.normal(getkey(), (3, 40, 7, 32)) * 0.1
+    y = jax.random.normal(getkey(), (7, 3))
+    kw = dict(in_dims=("P Q R K", "R P"), out_dims="R Q P K", core="K")
+    full = _temp_bytes(filter_multi_vmap(_mixed, **kw), x, y)
+    budget = full // 10
+    want = np.array(
+        [
+            [[_mixed(x[p, q, r], y[r, p]) for p in range(3)] for q in range(40)]
+            for r in range(7)
+        ]
+    )
+    plans = {}
+    for measure in (False, True):
+        planner = _planner_of(measure=measure)
+        f = filter_multi_vmap(_mixed, plan=planner, memory_budget=budget, **kw)
+        plans[measure] = plan = explain(f, x, y)
+        assert plan.chosen.temp_bytes <= budget
+        fixed = _fixed(_mixed, plan, **kw)
+        assert _temp_bytes(fixed, x, y) <= budget
+        np.testing.assert_allclose(f(x, y), want, rtol=1e-5, atol=1e-5)
+    pruned = [c for c in plans[False].candidates if "5% faster" in c.reason]
+    assert pruned and all(c.temp_bytes is None for c in pruned)
+    assert {c.scan[0][0] for c in pruned} == {"P", "Q"}  # the other two ladders
+    assert plans[False].chosen.scan[0][0] == "R" and plans[False].n_compiled <= 3
+    assert not any("5% faster" in c.reason for c in plans[True].candidates)
+    assert plans[True].n_compiled > plans[False].n_compiled
+
+
 def test_differentiated_call_plans_only_the_derivative(getkey):
     a, b = _sumexp_args(getkey, t=8, bsize=6, k=32)
     planner = _planner_of()
