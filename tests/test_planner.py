@@ -38,7 +38,8 @@ from eqx_multimap._timing import fmt_bytes
 # on 0.10.2 and newer.
 _SEARCH_AS_MEASURED = pytest.mark.skipif(
     tuple(int(p) for p in jax.lib.__version__.split(".")[:3]) < (0, 10, 2),
-    reason="the search's compile counts are pinned for jaxlib >= 0.10.2",
+    reason="the search's compile counts, and the XLA memory figures its predictions "
+    "are checked against, are pinned for jaxlib >= 0.10.2",
 )
 
 
@@ -877,6 +878,7 @@ def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
     np.testing.assert_allclose(out, _sumexp_reference(a, b), rtol=2e-5, atol=2e-5)
 
 
+@_SEARCH_AS_MEASURED
 def test_a_block_far_within_the_budget_is_predicted_not_compiled(
     getkey, small_threshold
 ):
@@ -1577,6 +1579,7 @@ def test_plan_is_as_good_as_the_exhaustive_search_when_memory_is_not_linear(getk
     assert _temp_bytes(fixed, q, k, v) <= budget
 
 
+@_SEARCH_AS_MEASURED
 def test_cold_plan_compile_count(getkey):
     # The number of compiles a cold plan makes is deterministic: here full vmap
     # (over budget) and the block of the one ladder predicted from it to fit;
@@ -1593,7 +1596,7 @@ def test_cold_plan_compile_count(getkey):
     assert again.n_compiled == plan.n_compiled and again.chosen == plan.chosen
 
 
-def _mixed(x, y):
+def _mixed_sizes(x, y):
     return jnp.tanh(x[:, None] * x[None, :] * y) @ x  # x: (K,), y: ()
 
 
@@ -1605,21 +1608,26 @@ def test_other_ladders_are_searched_only_if_materially_faster(getkey):
     x = jax.random.normal(getkey(), (3, 40, 7, 32)) * 0.1
     y = jax.random.normal(getkey(), (7, 3))
     kw = dict(in_dims=("P Q R K", "R P"), out_dims="R Q P K", core="K")
-    full = _temp_bytes(filter_multi_vmap(_mixed, **kw), x, y)
+    full = _temp_bytes(filter_multi_vmap(_mixed_sizes, **kw), x, y)
     budget = full // 10
     want = np.array(
         [
-            [[_mixed(x[p, q, r], y[r, p]) for p in range(3)] for q in range(40)]
+            [
+                [_mixed_sizes(x[p, q, r], y[r, p]) for p in range(3)]
+                for q in range(40)
+            ]
             for r in range(7)
         ]
     )
     plans = {}
     for measure in (False, True):
         planner = _planner_of(measure=measure)
-        f = filter_multi_vmap(_mixed, plan=planner, memory_budget=budget, **kw)
+        f = filter_multi_vmap(
+            _mixed_sizes, plan=planner, memory_budget=budget, **kw
+        )
         plans[measure] = plan = explain(f, x, y)
         assert plan.chosen.temp_bytes <= budget
-        fixed = _fixed(_mixed, plan, **kw)
+        fixed = _fixed(_mixed_sizes, plan, **kw)
         assert _temp_bytes(fixed, x, y) <= budget
         np.testing.assert_allclose(f(x, y), want, rtol=1e-5, atol=1e-5)
     pruned = [c for c in plans[False].candidates if "5% faster" in c.reason]
