@@ -99,9 +99,14 @@ class Reference:
             total += y.nbytes  # the stacked blocks, transposed once
         return total
 
+    def _body(self, c: PlanCandidate) -> float:
+        """The body's temporaries for one loop iteration of `c`: full vmap's,
+        scaled to its block."""
+        return self.temp * c.block / max(self.block, 1)
+
     def temp_bytes(self, c: PlanCandidate) -> int:
         """The temporaries of `c`, predicted (see the module's docstring)."""
-        body = self.temp * c.block / max(self.block, 1)
+        body = self._body(c)
         if c.scan == self.scan:
             return int(body)
         total = body + sum(self._input_copies(c.scan, x) for x in self.inputs)
@@ -125,8 +130,7 @@ class Reference:
         (slices, and the inputs read whole) and its block of every output."""
         inputs = sum(x.nbytes * self._fraction(c.scan, x.dims) for x in self.inputs)
         outputs = sum(y.nbytes * self._fraction(c.scan, y.dims) for y in self.outputs)
-        body = self.temp * c.block / max(self.block, 1)
-        return int(body + inputs + outputs)
+        return int(self._body(c) + inputs + outputs)
 
 
 def corrected(

@@ -136,7 +136,8 @@ class Search:
             progress.step,
             runs=self.measure,
         )
-        self.known: dict[tuple, PlanCandidate] = {}  # by key: compiled ones
+        # By key: the candidates compiled, or taken as predicted (`predicted`).
+        self.known: dict[tuple, PlanCandidate] = {}
         self.notes: dict[tuple, str] = {}  # by key: why an uncompiled one was not
         # By key: temporaries predicted above a limit, for blocks not compiled.
         self.predicted: dict[tuple, int] = {}
@@ -162,8 +163,16 @@ class Search:
         """The temporaries of `c`, a step of `steps`, predicted from full vmap's and
         corrected by the steps compiled (`_predict.corrected`)."""
         assert self.ref is not None
-        compiled = [self.known[s.key] for s in steps if s.key in self.known]
+        known = (self.known.get(s.key) for s in steps)
+        compiled = [k for k in known if k is not None and not k.predicted]
         return corrected(self.ref, c, compiled)
+
+    def seconds_at(self, c: PlanCandidate, temp: int) -> float:
+        """The estimated time of `c` with `temp` bytes of temporaries, its costs
+        predicted from full vmap's."""
+        assert self.ref is not None
+        guess = dataclasses.replace(c, temp_bytes=temp)
+        return self.compiler.predicted_costs(guess, self.ref).seconds or 0.0
 
     def fits(self, c: PlanCandidate) -> bool:
         return bool(self.memory(c).fits)
@@ -267,16 +276,13 @@ class Search:
         the time model than `small`, the ladder's largest block that does not.
         Costing `small` first."""
         small = self.costed(small)
-        assert self.ref is not None
         known = self.known.get(big.key)
         if known is not None and known.temp_bytes is not None:
             temp = known.temp_bytes
         else:
             threshold = self.model.fresh_threshold or 0
             temp = max(int(self.prediction(steps, big)), threshold)
-        guess = dataclasses.replace(big, temp_bytes=temp)
-        seconds = self.compiler.predicted_costs(guess, self.ref).seconds or 0.0
-        return seconds < (small.seconds or 0.0)
+        return self.seconds_at(big, temp) < (small.seconds or 0.0)
 
     def _note_over(self, steps: list[PlanCandidate], i: int) -> None:
         """Why `steps[i]`, a block larger than the largest that fits, was not
@@ -347,11 +353,10 @@ class Search:
         known = self.known.get(c.key, c)
         if known.seconds is not None:
             return known.seconds
-        assert self.ref is not None
-        if known.temp_bytes is None:
+        temp = known.temp_bytes
+        if temp is None:
             temp = int(self.prediction(lad.steps, c))
-            known = dataclasses.replace(known, temp_bytes=temp)
-        return self.compiler.predicted_costs(known, self.ref).seconds or 0.0
+        return self.seconds_at(c, temp)
 
     def cannot_win(self, lad: Ladder) -> str | None:
         """Why no block of the ladder can be materially faster (`MATERIAL`), by the
@@ -367,9 +372,7 @@ class Search:
             temp = int(self.prediction(lad.steps, c))
             if temp > self.budget:
                 continue
-            guess = dataclasses.replace(c, temp_bytes=temp)
-            seconds = self.compiler.predicted_costs(guess, self.ref).seconds or 0.0
-            if seconds * MATERIAL < (best.seconds or 0.0):
+            if self.seconds_at(c, temp) * MATERIAL < (best.seconds or 0.0):
                 return None
         return (
             "not compiled: no block of its ladder predicted to fit is est. "
