@@ -41,7 +41,8 @@ from ._measure import KEEP_WITHIN, MAX_MEASURED
 from ._plan import Plan, PlanCandidate
 from ._reasons import no_fit_message
 from ._resolve import Call
-from ._search import auto_plan, MAX_COMPILES, Request, SEARCH_VERSION
+from ._request import auto_plan, Request
+from ._search import MAX_COMPILES, SEARCH_VERSION
 from ._time_model import machine
 
 

@@ -22,7 +22,7 @@ from ._budget import check_budget, MemoryBudget, resolve_budget
 from ._candidates import candidate, collective_dims, localize
 from ._costing import Compiler
 from ._errors import SpecError
-from ._plan import dims_of, Plan
+from ._plan import Plan
 from ._plan_cache import (
     cand_json,
     default_cache_dir,
@@ -36,7 +36,8 @@ from ._plan_cache import (
 from ._progress import Progress
 from ._reasons import NoFit
 from ._resolve import Call
-from ._search import Request, Search
+from ._request import plan_for, Request
+from ._search import Search
 from ._time_model import calibrate, machine, TimeModel
 
 
@@ -310,7 +311,8 @@ class Planner:
         finally:
             self.n_compiles += search.compiler.n_compiled
             progress.close()
-        how = f"planned in {plan.seconds:.2f} s with {plan.n_compiled} compiles"
+        n = plan.n_compiled
+        how = f"planned in {plan.seconds:.2f} s with {n} compile{'' if n == 1 else 's'}"
         if disk is None or disk_key is None:
             cache = f"off: {how}, kept in memory only"
         else:
@@ -351,13 +353,12 @@ def describe_fixed(call: Call) -> Plan:
     if all(sizes[n] > 0 for n in call.mapped):
         cand = compiler.evaluate(cand, None)
     cand = dataclasses.replace(cand, reason="the nest the strategies give")
-    return Plan(
-        fun_name=call.fun_name,
+    return plan_for(
+        call,
+        sizes,
+        cand,
+        (cand,),
         auto=False,
-        sizes=tuple({**call.sizes, **sizes}.items()),
-        dims=dims_of(cand, sizes),
-        chosen=cand,
-        candidates=(cand,),
         budget_bytes=None,
         budget_source="",
         n_compiled=compiler.n_compiled,

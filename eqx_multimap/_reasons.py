@@ -72,6 +72,12 @@ def summary(
             f"it is the largest block that fits{reuses}, and the only candidate "
             "costed (smaller blocks loop more)"
         )
+        if chosen.predicted:
+            how = (
+                f"it is the largest block predicted far within its limits{reuses} "
+                "(larger ones that fit are est. at most 5% faster: not worth a "
+                "compile), and the only candidate costed"
+            )
         if measure_note:
             how += f" ({measure_note})"
     else:
@@ -112,10 +118,8 @@ def with_reason(
         else:
             why = "chosen: fastest by the estimate"
         if c.predicted:
-            why += (
-                "; its temporaries predicted from full vmap's, not compiled: far "
-                "within the budget"
-            )
+            far = note or "far within the budget"
+            why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
         return dataclasses.replace(c, reason=why)
     if c.temp_bytes is None:
         return dataclasses.replace(c, reason=note or "not compiled")

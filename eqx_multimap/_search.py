@@ -20,7 +20,10 @@ The search is bounded:
    with. The largest block that fits is found by prediction (`Search.first_within`):
    the largest block predicted to fit is compiled, and the prediction corrected by
    it, until a block fits and the next larger one is known, or predicted, not to.
-   Every block chosen for the budget was compiled and fits. The boundary candidate
+   A compile is spent only where it may matter: a block predicted far within the
+   budget (`SAFE_FRACTION`), and est. at most `MATERIAL` slower than the largest
+   predicted to fit, is taken as predicted (`Search.take_predicted`); every other
+   block chosen for the budget was compiled and fits. The boundary candidate
    (and those with the same block in the same ladder) is costed, and the cheapest
    by estimated time (`TimeModel.seconds`) wins. The first ladder is always
    searched; another only if one of its blocks, predicted, may be materially
@@ -30,8 +33,8 @@ The search is bounded:
    largest fitting block of a ladder (or full vmap) is above the threshold, the
    same search finds its largest block below it, and that one is costed instead:
    by the time model, its reuse of the heap saves more than the loop trips it adds.
-   The threshold is a matter of speed: a block predicted below it and far within
-   the budget (`SAFE_FRACTION`) is taken as predicted, not compiled.
+   The threshold is a matter of speed only (a larger block fits the budget), so
+   the same rule takes a block predicted within half of it (`THRESHOLD_MARGIN`).
 4. With `Planner(measure=True)`, up to `MAX_MEASURED` candidates that fit (among
    every block that fits in the ladders searched: the model's best estimates, and
    an even spread over the rest, `measured_pool`) are compiled and run side by
@@ -46,7 +49,6 @@ and the budget is per device.
 
 import dataclasses
 import time
-from typing import Any
 
 from ._candidates import (
     candidate,
@@ -57,47 +59,31 @@ from ._candidates import (
 )
 from ._costing import Compiler
 from ._measure import KEEP_WITHIN, MAX_MEASURED, measured_pool, time_candidates
-from ._plan import dims_of, Plan, PlanCandidate, ShardDim
+from ._plan import Plan, PlanCandidate
 from ._predict import corrected, Reference
 from ._progress import Progress
 from ._reasons import no_fit_message, NoFit, summary, with_reason
-from ._resolve import Call
-from ._time_model import TimeModel
+from ._request import auto_plan, Request
 from ._timing import fmt_bytes, fmt_seconds
 
 
 # Once planning has compiled this many programs, it searches no further ladders.
 MAX_COMPILES = 12
-# The largest block of a ladder below the fresh threshold is not compiled, only
-# predicted (`_predict`), when its prediction is at most this fraction of the
-# budget: the threshold is a matter of speed, and a prediction that far within the
-# budget cannot break it (predictions are within 0.35-3x of XLA's figure on the
-# benchmarks' workloads).
+# A block is not compiled, only predicted (`_predict`), when its prediction is at
+# most this fraction of the budget (a prediction that far within the budget cannot
+# break it: predictions are within 0.35-3x of XLA's figure on the benchmarks'
+# workloads), or of the fresh threshold (a matter of speed only: predictions are
+# within 0.5-2x for 270 of 274 candidates), and it is est. at most `MATERIAL`
+# slower than the largest block predicted to fit (`Search.take_predicted`).
 SAFE_FRACTION = 1 / 8
+THRESHOLD_MARGIN = 1 / 2
 # Another ladder is searched only if one of its blocks may be estimated this much
 # faster than the best candidate costed: smaller differences are within the time
 # model's error, and not worth a compile.
 MATERIAL = 1.05
 # Bumped whenever the search changes what it chooses: plans on disk from another
 # version are not used.
-SEARCH_VERSION = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """What one plan is for: a resolved call; its mapped sizes as one device sees
-    them and its sharded dims (`localize`); the memory budget and where it came
-    from; whether the nest is differentiated; the time model; whether the planner
-    measures."""
-
-    call: Call
-    sizes: dict[str, int]
-    shard: tuple[ShardDim, ...]
-    budget: int
-    source: str
-    backward: bool
-    model: TimeModel
-    measure: bool = False
+SEARCH_VERSION = 6
 
 
 @dataclasses.dataclass
@@ -317,21 +303,18 @@ class Search:
         The largest block predicted within `limit` (`prediction`) is compiled, and
         the prediction corrected by it, until a step is within `limit` and the next
         larger one is known to exceed it, or predicted to when it scans the same
-        dims (only a chunk differs: temporaries affine in the block). With `soft`
-        (`limit` is the fresh threshold), a block predicted within it and far
-        within the budget (`SAFE_FRACTION`) is taken as predicted, uncompiled,
-        unless the planner measures (it runs what it compiles)."""
+        dims (only a chunk differs: temporaries affine in the block); unless a block
+        predicted far within `limit` is taken as predicted (`take_predicted`).
+        `soft`: `limit` is the fresh threshold, and every block from `start` on
+        fits the budget (a larger one does)."""
         lo, hi = start, len(steps)  # the answer is in steps[lo:hi], or None
         while lo < hi:
             guesses = {i: self.prediction(steps, steps[i]) for i in range(lo, hi)}
             within = [i for i, t in guesses.items() if t <= limit]
+            taken = self.take_predicted(steps, within, guesses, soft)
+            if taken is not None:
+                return taken
             i = within[0] if within else hi - 1
-            safe = self.budget * SAFE_FRACTION
-            if soft and within and not self.measure and guesses[i] <= safe:
-                self.known[steps[i].key] = dataclasses.replace(
-                    steps[i], temp_bytes=int(guesses[i]), fits=True, predicted=True
-                )
-                return i
             c = self.memory(steps[i])
             if (c.temp_bytes or 0) > limit:
                 lo = i + 1
@@ -346,6 +329,43 @@ class Search:
                 self.predicted[prev.key] = int(larger)
                 break
         return hi if hi < len(steps) else None
+
+    def take_predicted(
+        self,
+        steps: list[PlanCandidate],
+        within: list[int],
+        guesses: dict[int, float],
+        soft: bool,
+    ) -> int | None:
+        """The largest block of `within` (the steps predicted within the limit,
+        largest first) predicted *far* within it, taken as predicted, uncompiled, if
+        its estimate is at most `MATERIAL` slower than the largest's: a compile is
+        worth a material difference only. Far within: `SAFE_FRACTION` of the budget
+        (a promise, left to no guess that could break it), or with `soft`, a
+        fraction of the fresh threshold (`THRESHOLD_MARGIN`: only speed is at
+        stake). `None` if none, or if the planner measures (it runs what it
+        compiles)."""
+        threshold = self.model.fresh_threshold or 0
+        safe = threshold * THRESHOLD_MARGIN if soft else self.budget * SAFE_FRACTION
+        s = next((i for i in within if guesses[i] <= safe), None)
+        if s is None or self.measure:
+            return None
+        top, c = within[0], steps[s]
+        est = self.seconds_at(c, int(guesses[s]))
+        if est > MATERIAL * self.seconds_at(steps[top], int(guesses[top])):
+            return None
+        for i in within[: within.index(s)]:
+            self.note(
+                steps[i],
+                f"not compiled: predicted to fit, est. at most {MATERIAL - 1:.0%} "
+                f"faster than {c.nest(self.sizes)}, which needs no compile",
+            )
+        what = "the fresh threshold" if soft else "the budget"
+        self.notes[c.key] = f"far within {what}"
+        self.known[c.key] = dataclasses.replace(
+            c, temp_bytes=int(guesses[s]), fits=True, predicted=True
+        )
+        return s
 
     def estimate(self, c: PlanCandidate, lad: Ladder) -> float:
         """The estimated time of a candidate of a searched ladder that fits: its
@@ -571,29 +591,3 @@ class Search:
         fastest = min(timed_cands, key=lambda c: timed[c.key])
         kept = timed[model_choice.key] <= KEEP_WITHIN * timed[fastest.key]
         return (model_choice if kept else fastest), timed_cands, timed, ""
-
-
-def auto_plan(
-    request: Request,
-    chosen: PlanCandidate,
-    candidates: tuple[PlanCandidate, ...],
-    **fields: Any,
-) -> Plan:
-    """The `Plan` of `plan="auto"`: planned now, or read from the disk cache."""
-    call, sizes = request.call, request.sizes
-    return Plan(
-        fun_name=call.fun_name,
-        auto=True,
-        sizes=tuple({**call.sizes, **sizes}.items()),
-        dims=dims_of(chosen, sizes),
-        chosen=chosen,
-        candidates=candidates,
-        budget_bytes=request.budget,
-        budget_source=request.source,
-        shard=request.shard,
-        backward=request.backward,
-        given=given_dims(call),
-        collective=collective_dims(call),
-        **fields,
-    )
-
