@@ -35,8 +35,9 @@ Run: `python benchmarks/planner.py --quick` (`--plan measure` for the measured
 mode); without `--quick`, bigger sizes. `--cold` instead prices planning: a cold
 `plan="auto"` compile (planning included, the time model calibrated beforehand)
 over the compile of the nest it chooses as a fixed nest, forward and under
-`jax.grad`, in CPU seconds of this process (the machine may be shared), on these
-workloads and a Jones-matrix one.
+`jax.grad`, in CPU seconds of this process (the machine may be shared): medians of 3
+interleaved rounds, each with a fresh planner and fresh functions (the first round
+pays the first use of a body for both), on these workloads and a Jones one.
 """
 
 import argparse
@@ -57,6 +58,7 @@ from eqx_multimap import explain, filter_multi_vmap, Plan, Planner, SpecError
 from eqx_multimap.timing import (
     compiled as _compile,
     fmt_bytes as _fmt_bytes,
+    fresh,
     normalised_hlo,
     paired_ratios,
     time_interleaved,
@@ -234,8 +236,15 @@ def _loss(fn: Callable, args: tuple) -> Callable:
     return jax.grad(loss, wrt)
 
 
-def cold(quick: bool, only: str | None) -> None:
-    """Print a cold plan's compile over the chosen nest's, forward and under grad."""
+def _budget(body: Callable, kw: dict, args: tuple, fraction: float) -> tuple[int, int]:
+    """A workload's budget, and full vmap's temporaries (of which it is `fraction`)."""
+    full = _compile(filter_multi_vmap(body, **kw), *args)
+    need = full.memory_analysis().temp_size_in_bytes
+    return max(1024, int(need * fraction)), need
+
+
+def cold(quick: bool, only: str | None, rounds: int = 3) -> None:
+    """Print cold plans' compile times over the chosen nests' (see the docstring)."""
     model = Planner(cache_dir=False).time_model  # calibrated once, not counted
     ratios: dict[str, list[float]] = {"forward": [], "grad": []}
     for name, body, kw, args, fraction in [_jones(), *workloads(quick)]:
@@ -243,32 +252,32 @@ def cold(quick: bool, only: str | None) -> None:
             continue
         budget = {}
         if fraction is not None:
-            full = _compile(filter_multi_vmap(body, **kw), *args)
-            need = full.memory_analysis().temp_size_in_bytes
-            budget = {"memory_budget": max(1024, int(need * fraction))}
+            budget = {"memory_budget": _budget(body, kw, args, fraction)[0]}
         for mode in ("forward", "grad"):
-            planner = Planner(cache_dir=False, time_model=model)
-            auto = filter_multi_vmap(body, plan=planner, **budget, **kw)
-            wrap = (lambda f: f) if mode == "forward" else (lambda f: _loss(f, args))
-            try:
-                t_auto = _cpu_compile(wrap(auto), args)
-            except SpecError as e:
-                print(f"{name}, {mode}: no nest fits ({str(e)[:60]}...)", flush=True)
-                continue
-            n = planner.n_compiles
-            plan = explain(auto, *args)
-            plan = plan if mode == "forward" else plan.gradient
-            fixed = filter_multi_vmap(
-                body, scan=plan.scan, vmap=plan.vmap, checkpoint=plan.checkpoint, **kw
-            )
-            t_fixed = _cpu_compile(wrap(fixed), args)
-            ratios[mode].append(t_auto / t_fixed)
-            print(
-                f"{name}, {mode}: cold plan='auto' {t_auto:.2f} s / fixed nest "
-                f"{t_fixed:.2f} s = {t_auto / t_fixed:.2f}x; {n} planning compiles; "
-                f"{plan.chosen.nest(dict(plan.sizes))}",
-                flush=True,
-            )
+            wrap = fresh if mode == "forward" else (lambda f: _loss(f, args))
+            times: dict[str, list[float]] = {"auto": [], "fixed": []}
+            for _ in range(rounds):
+                planner = Planner(cache_dir=False, time_model=model)
+                auto = filter_multi_vmap(body, plan=planner, **budget, **kw)
+                try:
+                    times["auto"].append(_cpu_compile(wrap(auto), args))
+                except SpecError as e:
+                    print(f"{name}, {mode}: no nest fits ({str(e)[:60]}...)")
+                    break
+                n, plan = planner.n_compiles, explain(auto, *args)
+                plan = plan if mode == "forward" else plan.gradient
+                nest = dict(scan=plan.scan, vmap=plan.vmap, checkpoint=plan.checkpoint)
+                fixed = filter_multi_vmap(body, **nest, **kw)
+                times["fixed"].append(_cpu_compile(wrap(fixed), args))
+            if times["fixed"]:
+                t_auto, t_fixed = (statistics.median(t) for t in times.values())
+                ratios[mode].append(t_auto / t_fixed)
+                print(
+                    f"{name}, {mode}: cold plan='auto' {t_auto:.2f} s / fixed nest "
+                    f"{t_fixed:.2f} s = {t_auto / t_fixed:.2f}x; {n} planning "
+                    f"compiles; {plan.chosen.nest(dict(plan.sizes))}",
+                    flush=True,
+                )
     for mode, rs in ratios.items():
         if rs:
             print(
@@ -302,9 +311,7 @@ def run(
     for name, body, kw, args, fraction in workloads(quick):
         if only is not None and only not in name:
             continue
-        full = filter_multi_vmap(body, **kw)
-        full_temp = _compile(full, *args).memory_analysis().temp_size_in_bytes
-        budget = max(1024, int(full_temp * fraction))
+        budget, full_temp = _budget(body, kw, args, fraction)
         auto = filter_multi_vmap(body, plan=planner, memory_budget=budget, **kw)
         # Planning latency: `explain` plans the map and its derivative.
         plan, cold = _explain_seconds(auto, args)
@@ -483,18 +490,12 @@ def main() -> None:
         default="auto",
         help="the planner: the time model ('auto'), or Planner(measure=True)",
     )
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument(
-        "--confirm", type=int, default=None, help="rounds of the second pass"
-    )
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--confirm", type=int, help="rounds of the second pass")
     parser.add_argument("--verbose", action="store_true", help="every candidate")
-    parser.add_argument("--only", default=None, help="workloads whose name has this")
+    parser.add_argument("--only", help="workloads whose name has this")
     parser.add_argument("--cold", action="store_true", help="price planning instead")
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        help="the planner's disk cache (default: a fresh temporary directory)",
-    )
+    parser.add_argument("--cache-dir", help="the planner's disk cache (default: new)")
     opts = parser.parse_args()
     repeats = opts.repeats or (7 if opts.quick else 21)
     confirm = opts.confirm or (15 if opts.quick else 31)
@@ -510,14 +511,9 @@ def main() -> None:
         cold(opts.quick, opts.only)
         return
     with tempfile.TemporaryDirectory(prefix="planner_bench_cache_") as tmp:
+        measure, cache = opts.plan == "measure", opts.cache_dir or tmp
         rows = run(
-            opts.quick,
-            repeats,
-            confirm,
-            opts.verbose,
-            opts.only,
-            opts.plan == "measure",
-            opts.cache_dir or tmp,
+            opts.quick, repeats, confirm, opts.verbose, opts.only, measure, cache
         )
     print()
     print(table(rows))
