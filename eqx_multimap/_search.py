@@ -83,7 +83,7 @@ THRESHOLD_MARGIN = 1 / 2
 MATERIAL = 1.05
 # Bumped whenever the search changes what it chooses: plans on disk from another
 # version are not used.
-SEARCH_VERSION = 6
+SEARCH_VERSION = 7
 
 
 @dataclasses.dataclass
@@ -338,20 +338,25 @@ class Search:
         soft: bool,
     ) -> int | None:
         """The largest block of `within` (the steps predicted within the limit,
-        largest first) predicted *far* within it, taken as predicted, uncompiled, if
+        largest first) predicted *far* within it (from full vmap's figures, and
+        corrected by the blocks compiled), taken as predicted, uncompiled, if
         its estimate is at most `MATERIAL` slower than the largest's: a compile is
         worth a material difference only. Far within: `SAFE_FRACTION` of the budget
         (a promise, left to no guess that could break it), or with `soft`, a
         fraction of the fresh threshold (`THRESHOLD_MARGIN`: only speed is at
         stake). `None` if none, or if the planner measures (it runs what it
         compiles)."""
+        assert self.ref is not None
         threshold = self.model.fresh_threshold or 0
         safe = threshold * THRESHOLD_MARGIN if soft else self.budget * SAFE_FRACTION
-        s = next((i for i in within if guesses[i] <= safe), None)
+        # Uncorrected too: a correction scales by a neighbour's ratio, which a
+        # fusion XLA makes at one block and not at the next breaks.
+        guess = {i: max(guesses[i], self.ref.temp_bytes(steps[i])) for i in within}
+        s = next((i for i in within if guess[i] <= safe), None)
         if s is None or self.measure:
             return None
         top, c = within[0], steps[s]
-        est = self.seconds_at(c, int(guesses[s]))
+        est = self.seconds_at(c, int(guess[s]))
         if est > MATERIAL * self.seconds_at(steps[top], int(guesses[top])):
             return None
         for i in within[: within.index(s)]:
@@ -363,7 +368,7 @@ class Search:
         what = "the fresh threshold" if soft else "the budget"
         self.notes[c.key] = f"far within {what}"
         self.known[c.key] = dataclasses.replace(
-            c, temp_bytes=int(guesses[s]), fits=True, predicted=True
+            c, temp_bytes=int(guess[s]), fits=True, predicted=True
         )
         return s
 
