@@ -35,9 +35,9 @@ Run: `python benchmarks/planner.py --quick` (`--plan measure` for the measured
 mode); without `--quick`, bigger sizes. `--cold` instead prices planning: a cold
 `plan="auto"` compile (planning included, the time model calibrated beforehand)
 over the compile of the nest it chooses as a fixed nest, forward and under
-`jax.grad`, in CPU seconds of this process (the machine may be shared): medians of 3
-interleaved rounds, each with a fresh planner and fresh functions (the first round
-pays the first use of a body for both), on these workloads and a Jones one.
+`jax.grad`, in CPU seconds of this process (the machine may be shared): medians of
+interleaved rounds (3; up to 25 while the cold compiles total under 1 s), each with
+fresh planner and functions, on these workloads and a Jones one.
 """
 
 import argparse
@@ -256,7 +256,8 @@ def cold(quick: bool, only: str | None, rounds: int = 3) -> None:
         for mode in ("forward", "grad"):
             wrap = fresh if mode == "forward" else (lambda f: _loss(f, args))
             times: dict[str, list[float]] = {"auto": [], "fixed": []}
-            for _ in range(rounds):
+            # Compiles of a few ms scatter by a few ms: more rounds for them.
+            while len(times["auto"]) < max(rounds, 25 * (sum(times["auto"]) < 1)):
                 planner = Planner(cache_dir=False, time_model=model)
                 auto = filter_multi_vmap(body, plan=planner, **budget, **kw)
                 try:
@@ -272,10 +273,11 @@ def cold(quick: bool, only: str | None, rounds: int = 3) -> None:
             if times["fixed"]:
                 t_auto, t_fixed = (statistics.median(t) for t in times.values())
                 ratios[mode].append(t_auto / t_fixed)
+                compiles = f"{n} planning compile{'' if n == 1 else 's'}"
                 print(
-                    f"{name}, {mode}: cold plan='auto' {t_auto:.2f} s / fixed nest "
-                    f"{t_fixed:.2f} s = {t_auto / t_fixed:.2f}x; {n} planning "
-                    f"compiles; {plan.chosen.nest(dict(plan.sizes))}",
+                    f"{name}, {mode}: cold plan='auto' {t_auto:.3f} s / fixed nest "
+                    f"{t_fixed:.3f} s = {t_auto / t_fixed:.2f}x ({len(times['auto'])} "
+                    f"rounds); {compiles}; {plan.chosen.nest(dict(plan.sizes))}",
                     flush=True,
                 )
     for mode, rs in ratios.items():

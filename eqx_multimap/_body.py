@@ -58,10 +58,12 @@ class Body:
     compiles one device's nest on its own.
     """
 
-    jaxpr: Any
-    hoisted: tuple[Any, ...]
+    # Not in its repr: JAX takes the repr of a callable without `__code__` for its
+    # debug info, once per transform, and a jaxpr's text takes a while to build.
+    jaxpr: Any = dataclasses.field(repr=False)
+    hoisted: tuple[Any, ...] = dataclasses.field(repr=False)
     n_args: int
-    standalone_jaxpr: Any = None
+    standalone_jaxpr: Any = dataclasses.field(default=None, repr=False)
 
     def __call__(self, leaves: list[Any]) -> list[Any]:
         return jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *leaves)

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from ._blocks import blocks, NestSpec
+from ._body import struct
 from ._nest import Build, build_levels, loop_body_inputs, run
 from ._plan import PlanCandidate
 from ._predict import leaf, Reference
@@ -58,14 +59,6 @@ def analysed(lowered: Any) -> Any:
         if "No such compile option" not in str(e):
             raise
         return lowered.compile(ANALYSIS_OPTIONS)
-
-
-def struct(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
-    """The `ShapeDtypeStruct` of an array (weak type kept), at `shape` if given."""
-    weak = bool(getattr(jax.typeof(x), "weak_type", False))
-    return jax.ShapeDtypeStruct(
-        np.shape(x) if shape is None else shape, x.dtype, weak_type=weak
-    )
 
 
 class Compiler:

@@ -36,7 +36,7 @@ import jaxlib
 from jax._src import traceback_util
 
 from ._candidates import block_and_trips, collective_dims, given_dims
-from ._costing import struct
+from ._body import struct
 from ._measure import KEEP_WITHIN, MAX_MEASURED
 from ._plan import Plan, PlanCandidate
 from ._reasons import no_fit_message
