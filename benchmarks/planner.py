@@ -257,7 +257,7 @@ def cold(quick: bool, only: str | None, rounds: int = 3) -> None:
             wrap = fresh if mode == "forward" else (lambda f: _loss(f, args))
             times: dict[str, list[float]] = {"auto": [], "fixed": []}
             # Compiles of a few ms scatter by a few ms: more rounds for them.
-            while len(times["auto"]) < max(rounds, 25 * (sum(times["auto"]) < 1)):
+            while len(times["auto"]) < (25 if sum(times["auto"]) < 1 else rounds):
                 planner = Planner(cache_dir=False, time_model=model)
                 auto = filter_multi_vmap(body, plan=planner, **budget, **kw)
                 try:

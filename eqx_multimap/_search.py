@@ -351,12 +351,12 @@ class Search:
         safe = threshold * THRESHOLD_MARGIN if soft else self.budget * SAFE_FRACTION
         # Uncorrected too: a correction scales by a neighbour's ratio, which a
         # fusion XLA makes at one block and not at the next breaks.
-        guess = {i: max(guesses[i], self.ref.temp_bytes(steps[i])) for i in within}
-        s = next((i for i in within if guess[i] <= safe), None)
+        cautious = {i: max(guesses[i], self.ref.temp_bytes(steps[i])) for i in within}
+        s = next((i for i in within if cautious[i] <= safe), None)
         if s is None or self.measure:
             return None
         top, c = within[0], steps[s]
-        est = self.seconds_at(c, int(guess[s]))
+        est = self.seconds_at(c, int(cautious[s]))
         if est > MATERIAL * self.seconds_at(steps[top], int(guesses[top])):
             return None
         for i in within[: within.index(s)]:
@@ -368,7 +368,7 @@ class Search:
         what = "the fresh threshold" if soft else "the budget"
         self.notes[c.key] = f"far within {what}"
         self.known[c.key] = dataclasses.replace(
-            c, temp_bytes=int(guess[s]), fits=True, predicted=True
+            c, temp_bytes=int(cautious[s]), fits=True, predicted=True
         )
         return s
 
