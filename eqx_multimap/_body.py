@@ -29,6 +29,7 @@ import jax.extend.core
 import jax.lax as lax
 import numpy as np
 from jax._src import traceback_util
+from jax.experimental import checkify
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._args import BoundCall, is_array
@@ -55,7 +56,9 @@ class Body:
 
     With `shard=`, `jaxpr` was traced for inside `jax.shard_map` (the mesh's axes
     manual), and `standalone` is the body traced outside, from which the planner
-    compiles one device's nest on its own.
+    compiles one device's nest on its own. The planner compiles outside
+    `checkify.checkify`: a standalone body that calls `checkify.check` computes
+    its checks functionally (`unchecked`), and drops their error.
     """
 
     # Not in its repr: JAX takes the repr of a callable without `__code__` for its
@@ -64,15 +67,26 @@ class Body:
     hoisted: tuple[Any, ...] = dataclasses.field(repr=False)
     n_args: int
     standalone_jaxpr: Any = dataclasses.field(default=None, repr=False)
+    unchecked: bool = False
 
     def __call__(self, leaves: list[Any]) -> list[Any]:
-        return jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *leaves)
+        closed = self.jaxpr
+        if not self.unchecked:
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
+
+        def run(leaves: list[Any]) -> list[Any]:
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
+
+        _, out = checkify.checkify(run, errors=checkify.user_checks)(leaves)
+        return out
 
     @property
     def standalone(self) -> "Body":
-        if self.standalone_jaxpr is None:
+        closed = self.jaxpr if self.standalone_jaxpr is None else self.standalone_jaxpr
+        unchecked = _has_checks(closed.jaxpr)
+        if self.standalone_jaxpr is None and not unchecked:
             return self
-        return Body(self.standalone_jaxpr, self.hoisted, self.n_args)
+        return Body(closed, self.hoisted, self.n_args, unchecked=unchecked)
 
 
 def _rebind(
@@ -165,6 +179,14 @@ def _sub_jaxprs(eqn: Any) -> list[Any]:
     and a collective that only they use is not seen here (JAX then reports the
     unbound axis name)."""
     return [j for value in eqn.params.values() for j in _jaxprs_in(value)]
+
+
+def _has_checks(jaxpr: Any) -> bool:
+    """Whether `jaxpr` (or a jaxpr in it) calls `checkify.check`."""
+    return any(
+        eqn.primitive.name == "check" or any(map(_has_checks, _sub_jaxprs(eqn)))
+        for eqn in jaxpr.eqns
+    )
 
 
 def collectives(jaxpr: Any) -> list[tuple[str, tuple[str, ...]]]:
