@@ -10,6 +10,7 @@ output.
 
 import dataclasses
 import functools as ft
+import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload, TypeVar
@@ -186,27 +187,26 @@ class _Static(eqx.Module):
 
 
 class _EagerRunner:
-    """The un-jitted calls of one function, each compiled once per call signature
+    """The un-jitted calls of a function, each compiled once per call signature
     (arrays traced, everything else static, as `equinox.filter_jit` does), so that
     repeated calls neither re-trace nor re-compile.
 
-    A `jax.jit` of its own per function, which holds the function weakly: what it
-    compiled is released with the function, as `jax.jit(fun)`'s is. (One shared
-    `filter_jit` kept every wrapper a notebook had built alive, with its programs.)
+    A plain Python function has a `jax.jit` of its own, which holds the function
+    weakly, in `_RUNNERS` under the function: what it compiled is released with the
+    function, as `jax.jit(fun)`'s is. Any other callable (a module, a partial, a
+    builtin) goes through one shared runner, whose compile cache holds the static
+    parts of the callable, as `equinox.filter_jit`'s does.
     """
 
-    def __init__(self, fun: Callable):
-        fun_ref: Callable[[], Any]
-        try:
-            fun_ref = weakref.ref(fun)
-        except TypeError:  # a builtin, say: it lives as long as the process
-            fun_ref = lambda: fun
-        self._fun_ref = fun_ref
+    def __init__(self, fun: types.FunctionType | None):
+        fun_ref = None if fun is None else weakref.ref(fun)
+        self._own = fun_ref is not None
 
         def run(dynamic: tuple, static: tuple) -> tuple[Any, _Static]:
             dynamic_fun, dynamic_args = dynamic
-            options, leaves, treedef = static
-            static_fun = eqx.filter(fun_ref(), eqx.is_array, inverse=True)
+            static_fun, options, leaves, treedef = static
+            if fun_ref is not None:
+                static_fun = fun_ref()
             traced_fun = eqx.combine(dynamic_fun, static_fun)
             static_args = jtu.tree_unflatten(treedef, leaves)
             args, kwargs = eqx.combine(dynamic_args, static_args)
@@ -217,31 +217,33 @@ class _EagerRunner:
 
         self._jitted = jax.jit(run, static_argnums=1)
 
-    def __call__(self, options: Options, args: tuple, kwargs: dict) -> Any:
-        # The function's own static parts are not static arguments: the compile
-        # cache would hold them, and with them the function.
-        dynamic_fun = eqx.filter(self._fun_ref(), eqx.is_array)
+    def __call__(self, fun: Callable, options: Options, args: tuple, kwargs: dict):
+        # A function of its own is not a static argument: the compile cache would
+        # hold it, and so keep itself alive in `_RUNNERS`.
+        dynamic_fun, static_fun = eqx.partition(fun, eqx.is_array)
         dynamic_args, static_args = eqx.partition((args, kwargs), eqx.is_array)
         leaves, treedef = jtu.tree_flatten(static_args)
-        static = (options, tuple(leaves), treedef)
+        static = (None if self._own else static_fun, options, tuple(leaves), treedef)
         dynamic_out, static_out = self._jitted((dynamic_fun, dynamic_args), static)
         return eqx.combine(dynamic_out, static_out.value)
 
 
-_eager_runners: dict[int, _EagerRunner] = {}
-"""The runner of each function called un-jitted, by `id`; each entry removed when its
-function is collected (or kept, with the function, if it has no weak reference)."""
+_RUNNERS: "weakref.WeakKeyDictionary[Callable, _EagerRunner]" = (
+    weakref.WeakKeyDictionary()
+)
+"""The runner of each plain function called un-jitted, released with it."""
+
+_SHARED_RUNNER = _EagerRunner(None)
+"""The runner of every other callable."""
 
 
 def _eager_runner(fun: Callable) -> _EagerRunner:
-    key = id(fun)
-    runner = _eager_runners.get(key)
+    if type(fun) is not types.FunctionType:
+        return _SHARED_RUNNER
+    runner = _RUNNERS.get(fun)
     if runner is None:
-        runner = _eager_runners[key] = _EagerRunner(fun)
-        try:
-            weakref.finalize(fun, _eager_runners.pop, key, None)
-        except TypeError:
-            pass
+        # Two threads may both build one: the last kept is as good as the first.
+        runner = _RUNNERS.setdefault(fun, _EagerRunner(fun))
     return runner
 
 
@@ -269,7 +271,7 @@ class _MultiVmapWrapper(eqx.Module):
             and _static_hashable((self, args, kwargs))
         )
         if eager:
-            return _eager_runner(self._fun)(self._options, args, kwargs)
+            return _eager_runner(self._fun)(self._fun, self._options, args, kwargs)
         return self._traced_call(args, kwargs)
 
     def _traced_call(self, args: tuple, kwargs: dict) -> Any:
@@ -314,7 +316,7 @@ def _describe_wrapper(fun: Callable, options: Options) -> str:
         if options.shard.pad:
             parts.append("pad=True")
     if options.plan is not None:
-        parts.append(f"plan={options.plan.planner!r}")
+        parts.append(f"plan={options.plan.mode}")
         if options.plan.memory_budget is not None:
             parts.append(f"memory_budget={options.plan.memory_budget!r}")
     if options.checkpoint:

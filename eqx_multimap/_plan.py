@@ -131,8 +131,10 @@ class Plan:
     - `given`: the mapped dims whose strategy was given (`scan=`, `vmap=`,
         `shard=`), which the planner kept; `collective`: the dims the body uses in
         collectives, which it never scans.
-    - `cache`: where the plan came from: planned now (and stored on disk, or not),
-        or read from the disk cache.
+    - `cache`: where the plan came from: planned now (and written to the disk
+        cache, or not), from this process's cache (planned, or read from disk, by
+        an earlier call), or from the disk cache; `cache_path`: its file in the
+        disk cache, if it has one.
     - `shard`: with `shard=`, one `ShardDim` per sharded dim. The nest is then
         `shard_map` outermost, and `sizes`, `dims`, the candidates and the budget
         are *per device* (the local nest on one device's block).
@@ -163,7 +165,9 @@ class Plan:
     measured: bool = False
     given: tuple[str, ...] = ()
     collective: tuple[str, ...] = ()
-    cache: str = ""
+    # Where a plan came from is not part of what it is.
+    cache: str = dataclasses.field(default="", compare=False)
+    cache_path: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def spec(self) -> NestSpec:
@@ -266,7 +270,7 @@ class Plan:
                 f"used in collectives, never scanned: {', '.join(self.collective)}"
             )
         if self.cache:
-            lines.append(f"plan cache: {self.cache}")
+            lines.append(f"this plan: {self.cache}")
         return lines
 
     def _dims_table(self) -> list[str]:

@@ -16,9 +16,16 @@ The cache directory is `Planner(cache_dir=...)`, else the environment variable
 A plan is stored under a key of everything that determines it (`plan_key`: a
 fingerprint of the body and its inputs, the sizes, options, budget, the time model,
 the machine and the versions), as JSON (`plan_json`), and read back checked
-against the call (`plan_from_json`). Nothing is pickled.
+against the call (`plan_from_json`). Nothing is pickled. A calibrated time model
+is in the key by what it was calibrated for (the machine, and the model's terms),
+not by its measured constants, so that calibrating again keeps the plans.
+
+A calibration is stored once per machine and versions (`calibration_key`); the
+processes that share the directory take its file lock (`DiskCache.lock`) to
+calibrate, so that one measures and the others wait for its result.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -29,6 +36,7 @@ import os
 import re
 import tempfile
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -45,6 +53,11 @@ from ._request import auto_plan, Request
 from ._search import MAX_COMPILES, SEARCH_VERSION
 from ._time_model import machine
 
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: the cache is then not locked
+    fcntl = None
 
 traceback_util.register_exclusion(__file__)
 
@@ -117,6 +130,30 @@ class DiskCache:
             return None
         return record["value"]
 
+    @contextlib.contextmanager
+    def lock(self, kind: str) -> Iterator[None]:
+        """Hold the directory's lock for `kind` against other processes (and
+        threads): an exclusive `flock` on `<kind>.lock`, waited for. Where it
+        cannot be taken (no `fcntl`, a read-only directory), nothing is locked."""
+        path = os.path.join(self.root, f"v{FORMAT_VERSION}", f"{kind}.lock")
+        if fcntl is None:
+            yield
+            return
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                pass
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
     def invalid(self, path: str, problem: str) -> None:
         _warn(f"ignoring {path}: {problem}. Planning again, and overwriting it.")
 
@@ -177,6 +214,11 @@ def fingerprint(call: Call) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def calibration_key() -> dict[str, Any]:
+    """What a calibration is stored under: the machine and the versions."""
+    return {"machine": machine(), "versions": versions(), "calibration": 1}
+
+
 def versions() -> dict[str, str]:
     """The versions of JAX, jaxlib and `eqx_multimap` (part of every key)."""
     try:
@@ -208,7 +250,9 @@ def plan_key(
         "backward": request.backward,
         "measure": request.measure,
         "search": [SEARCH_VERSION, MAX_COMPILES, MAX_MEASURED, KEEP_WITHIN],
-        "time_model": request.model.to_json(),
+        "time_model": (
+            request.model.to_json() if request.model_key is None else request.model_key
+        ),
         "machine": machine(),
         "versions": versions(),
     }
@@ -335,5 +379,5 @@ def plan_from_json(stored: Any, request: Request) -> "Plan | str":
         time_model=request.model,
         summary=p["summary"],
         measured=measured,
-        cache=f"{p['how']} on {p['created']}",
+        cache=f"{p['how']}, on {p['created']}",
     )

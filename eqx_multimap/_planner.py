@@ -12,18 +12,22 @@ import collections as co
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import Any, Literal
 
 import jax
+import numpy as np
 from jax._src import traceback_util
 
+from ._blocks import plural
 from ._budget import check_budget, MemoryBudget, resolve_budget
 from ._candidates import candidate, collective_dims, localize
 from ._costing import Compiler
 from ._errors import SpecError
 from ._plan import Plan
 from ._plan_cache import (
+    calibration_key,
     cand_json,
     default_cache_dir,
     DiskCache,
@@ -31,14 +35,13 @@ from ._plan_cache import (
     plan_from_json,
     plan_json,
     plan_key,
-    versions,
 )
 from ._progress import Progress
 from ._reasons import NoFit
 from ._resolve import Call
 from ._request import plan_for, Request
 from ._search import Search
-from ._time_model import calibrate, machine, TimeModel
+from ._time_model import calibrate, TimeModel
 
 
 traceback_util.register_exclusion(__file__)
@@ -55,15 +58,31 @@ MAX_CACHE = 256
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
-    """A wrapper's planning options: its planner and memory budget. Not a pytree."""
+    """A wrapper's planning options: values only, never plans. Not a pytree.
 
-    planner: "Planner"
+    - `given`: the wrapper's own `Planner` (`plan=Planner(...)`), or `None` for
+        `plan="auto"`: the default planner of the process that runs the call (so
+        that a copied or unpickled wrapper uses the one of the process it lands in).
+    - `memory_budget`, `verbose`: as given.
+    """
+
+    given: "Planner | None"
     memory_budget: MemoryBudget
     verbose: bool = False
 
+    @property
+    def planner(self) -> "Planner":
+        """The planner that plans this wrapper's calls, in this process."""
+        return default_planner() if self.given is None else self.given
+
+    @property
+    def mode(self) -> str:
+        """`plan=` as the wrapper's repr shows it."""
+        return "'auto'" if self.given is None else repr(self.given)
+
     def __repr__(self) -> str:
         budget = "" if self.memory_budget is None else f", {self.memory_budget!r}"
-        return f"{self.planner!r}{budget}"
+        return f"{self.mode}{budget}"
 
 
 def plan_options(plan: Any, memory_budget: Any, verbose: bool) -> "PlanOptions | None":
@@ -77,15 +96,16 @@ def plan_options(plan: Any, memory_budget: Any, verbose: bool) -> "PlanOptions |
         check_budget(plan, memory_budget)
     if plan is None:
         return None
-    planner = DEFAULT_PLANNER if plan == "auto" else plan
-    return PlanOptions(planner, memory_budget, bool(verbose))
+    given = None if isinstance(plan, str) else plan
+    return PlanOptions(given, memory_budget, bool(verbose))
 
 
 class Planner:
     """Plans nests for `plan="auto"`, and caches the plans, in memory and on disk.
 
-    `plan="auto"` uses one `Planner` shared by the process; pass `plan=Planner(...)`
-    to give a wrapper a planner (and an in-memory cache) of its own.
+    `plan="auto"` uses the default planner of the process that runs the call; pass
+    `plan=Planner(...)` to give a wrapper a planner (and an in-memory cache) of its
+    own.
 
     **Arguments:**
 
@@ -101,9 +121,16 @@ class Planner:
         disables the disk cache), else `$XDG_CACHE_HOME/eqx_multimap`, else
         `~/.cache/eqx_multimap`. `False`: no disk cache.
     - `time_model`: the [`eqx_multimap.TimeModel`][] that ranks candidates.
-        `None` (the default): calibrated on first use for the backend and device
-        kind (a micro-benchmark of about a second, kept in the disk cache).
+        `None` (the default): calibrated on first use for the machine (a
+        micro-benchmark of about a second, kept in the disk cache). Threads and
+        processes that share the disk cache calibrate once: one measures, the
+        others wait for its result.
     - `max_cache`: the most plans kept in memory.
+
+    A planner is its arguments, plus caches: planners with the same arguments are
+    equal, a copy is the planner itself, and a pickled planner carries its
+    arguments only (it plans, or reads its disk cache, again where it lands). It
+    may be used from several threads at once.
 
     The counters `n_plans` (planning runs), `n_compiles` (programs compiled while
     planning), `n_disk_hits` (plans read from disk) and `n_calibrations` are read by
@@ -138,9 +165,10 @@ class Planner:
                 "`eqx_multimap.Planner(time_model=...)` must be an "
                 f"`eqx_multimap.TimeModel` or `None`, but got {time_model!r}."
             )
-        self.measure = measure
-        self.max_cache = max_cache
-        self._cache_dir = cache_dir
+        where = cache_dir if cache_dir in (None, False) else os.fspath(cache_dir)
+        self._config = (measure, where, time_model, max_cache)
+        self._lock = threading.RLock()  # the caches and counters
+        self._calibrating = threading.Lock()
         self._disk: DiskCache | None = None
         self._disk_resolved = False
         self._time_model = time_model
@@ -150,10 +178,34 @@ class Planner:
         self.n_disk_hits = 0
         self.n_calibrations = 0
 
+    @property
+    def measure(self) -> bool:
+        return self._config[0]
+
+    @property
+    def max_cache(self) -> int:
+        return self._config[3]
+
     def __repr__(self) -> str:
-        if self is DEFAULT_PLANNER:
-            return "'auto'"
         return "Planner(measure=True)" if self.measure else "Planner()"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Planner):
+            return NotImplemented
+        return self._config == other._config
+
+    def __hash__(self) -> int:
+        return hash(self._config)
+
+    def __copy__(self) -> "Planner":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "Planner":
+        return self
+
+    def __reduce__(self) -> tuple:
+        measure, cache_dir, time_model, max_cache = self._config
+        return (_new_planner, (measure, cache_dir, time_model, max_cache))
 
     @property
     def cache_dir(self) -> str | None:
@@ -162,32 +214,60 @@ class Planner:
         return None if disk is None else disk.root
 
     def _disk_cache(self) -> DiskCache | None:
-        if not self._disk_resolved:
-            where = self._cache_dir
-            if where is None:
-                where = default_cache_dir()
-            self._disk = None if where in (None, False) else DiskCache(os.fspath(where))
-            self._disk_resolved = True
-        return self._disk
+        with self._lock:
+            if not self._disk_resolved:
+                where = self._config[1]
+                if where is None:
+                    where = default_cache_dir()
+                self._disk = None if where in (None, False) else DiskCache(where)
+                self._disk_resolved = True
+            return self._disk
 
     @property
     def time_model(self) -> TimeModel:
         """The time model: the one given, else calibrated for this machine (read
         from the disk cache, or measured and stored there)."""
-        if self._time_model is None:
-            self._time_model = self._calibrated()
-        return self._time_model
+        model = self._time_model
+        if model is None:
+            with self._calibrating:  # one thread calibrates; the others wait
+                if self._time_model is None:
+                    self._time_model = self._calibrated()
+                model = self._time_model
+        return model
+
+    def _model_key(self) -> Any:
+        """The time model as plan keys hold it: a calibrated model by what it was
+        calibrated for (the machine, which every key holds, and the model's terms),
+        never its measured constants, so that calibrating again does not orphan
+        the plans on disk; a given model by its constants."""
+        given = self._config[2]
+        if given is not None:
+            return given.to_json()
+        return {"calibrated": sorted(f.name for f in dataclasses.fields(TimeModel))}
 
     def _calibrated(self) -> TimeModel:
         disk = self._disk_cache()
-        key = {"machine": machine(), "versions": versions(), "calibration": 1}
-        if disk is not None:
-            stored = disk.read("calibration", key)
-            if stored is not None:
-                try:
-                    return TimeModel.from_json(stored)
-                except ValueError as e:
-                    disk.invalid(disk.path("calibration", key), str(e))
+        key = calibration_key()
+        if disk is None:
+            return self._calibrate(None, key)
+        model = self._stored_model(disk, key)
+        if model is not None:
+            return model
+        # One process calibrates; the others wait for the file lock, then read it.
+        with disk.lock("calibration"):
+            model = self._stored_model(disk, key)
+            return model if model is not None else self._calibrate(disk, key)
+
+    def _stored_model(self, disk: DiskCache, key: dict[str, Any]) -> TimeModel | None:
+        stored = disk.read("calibration", key)
+        if stored is not None:
+            try:
+                return TimeModel.from_json(stored)
+            except ValueError as e:
+                disk.invalid(disk.path("calibration", key), str(e))
+        return None
+
+    def _calibrate(self, disk: DiskCache | None, key: dict[str, Any]) -> TimeModel:
         logger.info("eqx_multimap: calibrating the planner's time model")
         try:
             model = calibrate()
@@ -199,14 +279,16 @@ class Planner:
                 e,
             )
             return TimeModel.for_backend(jax.default_backend())
-        self.n_calibrations += 1
+        with self._lock:
+            self.n_calibrations += 1
         if disk is not None:
             disk.write("calibration", key, model.to_json())
         return model
 
     def clear(self) -> None:
         """Forget every plan cached in memory (the disk cache is kept)."""
-        self._cache.clear()
+        with self._lock:
+            self._cache.clear()
 
     def plan(self, call: Call, backward: bool = False) -> Plan:
         """The (cached) automatic plan for a resolved call.
@@ -221,26 +303,33 @@ class Planner:
         options = call.options.plan
         budget, source = resolve_budget(options.memory_budget)
         sizes, shard = localize(call)
+        # The wrapper's options without the planner: plans sit beside the options,
+        # and nothing in a key refers back to the planner.
+        kept = dataclasses.replace(call.options, plan=None, verbose=False)
+        key = (kept, budget, shard, tuple(sizes.items()), backward)
+        call, sizes = for_every_size(call, sizes)
         collective = collective_dims(call)
         body = fingerprint(call)
-        key = (
-            call.options,
-            budget,
-            shard,
-            tuple(sizes.items()),
-            body,
-            backward,
-            collective,
-        )
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            cached = self._cache[key]
-            if isinstance(cached, str):  # no nest fit this signature
-                raise SpecError(cached)
-            return cached
+        key += (body, collective)
         start = time.perf_counter()
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+        if isinstance(cached, str):  # no nest fit this signature
+            raise SpecError(cached)
+        if cached is not None:
+            return cached
         request = Request(
-            call, sizes, shard, budget, source, backward, self.time_model, self.measure
+            call,
+            sizes,
+            shard,
+            budget,
+            source,
+            backward,
+            self.time_model,
+            self.measure,
+            self._model_key(),
         )
         disk = self._disk_cache()
         disk_key = None
@@ -251,10 +340,11 @@ class Planner:
                 self._store(key, found)
                 raise SpecError(found)
             if found is not None:
-                found = dataclasses.replace(
-                    found, seconds=time.perf_counter() - start
+                found = dataclasses.replace(found, seconds=_since(start))
+                earlier = (
+                    f"read by an earlier call from the disk cache, {found.cache_path}"
                 )
-                self._store(key, found)
+                self._store(key, found, earlier)
                 if options.verbose:
                     print(found)
                 return found
@@ -276,12 +366,14 @@ class Planner:
         except (ValueError, KeyError, TypeError, IndexError) as e:
             disk.invalid(path, f"its plan is not valid here ({e})")
             return None
-        self.n_disk_hits += 1
+        with self._lock:
+            self.n_disk_hits += 1
         if isinstance(found, str):
             return found
         return dataclasses.replace(
             found,
-            cache=f"hit: read from {path} ({found.cache}); nothing compiled now",
+            cache=f"from the disk cache, {path} ({found.cache}); nothing compiled now",
+            cache_path=path,
         )
 
     def _plan_now(
@@ -297,7 +389,8 @@ class Planner:
         what += " (backward)" if request.backward else ""
         progress = Progress(what, call.options.plan.verbose)
         search = Search(request, progress)
-        self.n_plans += 1
+        with self._lock:
+            self.n_plans += 1
         try:
             plan = search.run()
         except NoFit as e:
@@ -309,32 +402,111 @@ class Planner:
             self._store(key, message)
             raise SpecError(message) from None
         finally:
-            self.n_compiles += search.compiler.n_compiled
+            with self._lock:
+                self.n_compiles += search.compiler.n_compiled
             progress.close()
         n = plan.n_compiled
-        how = f"planned in {plan.seconds:.2f} s with {n} compile{'' if n == 1 else 's'}"
+        how = f"{plan.seconds:.2f} s, {plural(n, 'compile')}"
+        path = None
         if disk is None or disk_key is None:
-            cache = f"off: {how}, kept in memory only"
+            where = "no disk cache, kept in this process only"
         else:
-            written = disk.write("plans", disk_key, plan_json(plan, how))
-            path = disk.path("plans", disk_key)
-            cache = (
-                f"miss: {how}, written to {written}"
-                if written is not None
-                else f"miss: {how}; could not write it to {path}"
+            stored = f"planned in {how}"
+            path = disk.write("plans", disk_key, plan_json(plan, stored))
+            where = (
+                f"written to {path}"
+                if path is not None
+                else f"could not write it to {disk.path('plans', disk_key)}"
             )
-        plan = dataclasses.replace(plan, cache=cache)
-        self._store(key, plan)
+        plan = dataclasses.replace(
+            plan, cache=f"planned now ({how}); {where}", cache_path=path
+        )
+        self._store(key, plan, f"planned by an earlier call ({how}); {where}")
         return plan
 
-    def _store(self, key: Any, value: "Plan | str") -> None:
-        self._cache[key] = value
-        if len(self._cache) > self.max_cache:
-            self._cache.popitem(last=False)
+    def _store(self, key: Any, value: "Plan | str", earlier: str = "") -> None:
+        """Keep a plan (or no-fit message) in memory; a plan as a later call finds
+        it: `earlier` says where it came from."""
+        if isinstance(value, Plan):
+            value = dataclasses.replace(
+                value, cache=f"from this process's cache: {earlier}"
+            )
+        with self._lock:
+            self._cache[key] = value
+            if len(self._cache) > self.max_cache:
+                self._cache.popitem(last=False)
 
 
-DEFAULT_PLANNER = Planner()
-"""The planner of `plan="auto"`."""
+SYMBOLIC_STAND_IN = 2
+"""The size a symbolic dim is planned at: it is scanned, so any size will do."""
+
+
+def for_every_size(
+    call: Call, sizes: dict[str, Any]
+) -> tuple[Call, dict[str, int]]:
+    """A call whose mapped dims have symbolic sizes (`jax.export`), as the planner
+    plans it: a plan must hold for every size, so each such dim is scanned (one at
+    a time, unless `scan=` gives its chunks), outermost, and planned at a stand-in
+    size; where the nest cannot do so, a `SpecError` names the dim."""
+    symbolic = [n for n, s in call.sizes.items() if not _concrete(s)]
+    if not symbolic:
+        return call, sizes
+    options = call.options
+    collective = collective_dims(call)
+    for name in symbolic:
+        size = call.sizes[name]
+        why = None
+        if name not in call.mapped:
+            why = "a core dim: the planner compiles the body, which needs its size"
+        elif name in options.shard_names:
+            why = "it is sharded: the planner needs its size per device"
+        elif name in options.vmap:
+            why = "`vmap=` names it: the memory of a vmap grows with its size"
+        elif name in collective:
+            why = "the body uses it in a collective, so it cannot be scanned"
+        if why is not None:
+            raise SpecError(
+                f"`{call.fun_name}`: `plan=...` cannot plan dim '{name}' of symbolic "
+                f"size {size} (as `jax.export` gives it): {why}. A plan must hold "
+                f"for every size of '{name}'. Give '{name}' a concrete size, or drop "
+                "`plan=` and choose its strategies."
+            )
+    scan = options.scan + tuple(
+        (n, None) for n in symbolic if n not in options.scan_names
+    )
+    chunks = dict(scan)
+    call = dataclasses.replace(call, options=dataclasses.replace(options, scan=scan))
+    stand_in = {
+        n: (s if _concrete(s) else chunks[n] or SYMBOLIC_STAND_IN)
+        for n, s in sizes.items()
+    }
+    return call, stand_in
+
+
+def _concrete(size: Any) -> bool:
+    return isinstance(size, (int, np.integer))
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start
+
+
+def _new_planner(
+    measure: bool, cache_dir: Any, time_model: TimeModel | None, max_cache: int
+) -> Planner:
+    """A planner with these arguments and empty caches (a pickled planner, loaded)."""
+    return Planner(
+        measure=measure, cache_dir=cache_dir, time_model=time_model, max_cache=max_cache
+    )
+
+
+_DEFAULT_PLANNER = Planner()
+
+
+def default_planner() -> Planner:
+    """The planner of `plan="auto"` in this process: one `Planner()`, with the
+    default cache directory, created with the module and never replaced."""
+    return _DEFAULT_PLANNER
 
 
 #

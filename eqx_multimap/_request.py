@@ -15,7 +15,8 @@ class Request:
     """What one plan is for: a resolved call; its mapped sizes as one device sees
     them and its sharded dims (`localize`); the memory budget and where it came
     from; whether the nest is differentiated; the time model; whether the planner
-    measures."""
+    measures; and the time model as the disk cache's keys hold it (`None`: its
+    constants)."""
 
     call: Call
     sizes: dict[str, int]
@@ -25,6 +26,7 @@ class Request:
     backward: bool
     model: TimeModel
     measure: bool = False
+    model_key: Any = None
 
 
 def plan_for(

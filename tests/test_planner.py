@@ -375,7 +375,7 @@ def test_explain_table(getkey):
     assert lines[1].startswith(f"Chose {nest}: full vmap needs ")
     assert "> 80.0 KiB budget; " in lines[1]
     assert lines[1] == plan.summary
-    assert "plan cache: off: planned in " in text
+    assert "this plan: planned now (" in text and "no disk cache" in text
     assert f"memory budget: 80.0 KiB of temporary memory (memory_budget={budget})" in (
         text
     )
@@ -1240,9 +1240,10 @@ def test_disk_cache_round_trip(getkey, tmp_path):
     files = _plan_files(tmp_path)
     assert len(files) == 2  # the forward plan and the derivative's
     assert all(p.parent == tmp_path / "v1" / "plans" for p in files)
-    assert plan.cache.startswith("miss: planned in ") and str(files[0].parent) in (
+    assert plan.cache.startswith("planned now (") and str(files[0].parent) in (
         plan.cache
     )
+    assert plan.cache_path is not None and plan.cache_path in map(str, files)
     record = json.loads(files[0].read_text())
     assert record["format"] == "eqx_multimap.plan_cache" and record["version"] == 1
     assert record["kind"] == "plans"
@@ -1258,9 +1259,10 @@ def test_disk_cache_round_trip(getkey, tmp_path):
     again = explain(g, a, b)
     assert second.n_compiles == 0 and second.n_plans == 0
     assert second.n_disk_hits == 2
-    assert again.cache.startswith("hit: read from ") and "nothing compiled now" in (
-        again.cache
+    assert again.cache.startswith("from the disk cache, ") and (
+        "nothing compiled now" in again.cache
     )
+    assert again.cache_path in map(str, files)
     assert again.n_compiled == 0
     for p, q in ((plan, again), (plan.gradient, again.gradient)):
         assert isinstance(p, Plan) and isinstance(q, Plan)
