@@ -37,6 +37,7 @@ from eqx_multimap import filter_multi_vmap, multi_vmap
 _MASKS = [
     (re.compile(r"\d+\.\d\d s\)"), "X.XX s)"),
     (re.compile(r"planned in \d+\.\d\d s"), "planned in X.XX s"),
+    (re.compile(r"\(\d+\.\d\d s, "), "(X.XX s, "),
 ]
 
 _SCALE = """\
