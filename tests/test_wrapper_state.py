@@ -430,7 +430,8 @@ def export_and_run(name, f, spec=spec):
         except ImportError:  # serialising needs `flatbuffers`
             pass
         for n in (5, 8):
-            np.testing.assert_allclose(loaded.call(inputs(n)), reference(inputs(n)), rtol=1e-5)
+            out = loaded.call(inputs(n))
+            np.testing.assert_allclose(out, reference(inputs(n)), rtol=1e-5)
         results[name] = "ok"
     except Exception as e:
         frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
