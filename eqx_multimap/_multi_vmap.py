@@ -10,7 +10,6 @@ output.
 
 import dataclasses
 import functools as ft
-import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload, TypeVar
@@ -191,14 +190,15 @@ class _EagerRunner:
     (arrays traced, everything else static, as `equinox.filter_jit` does), so that
     repeated calls neither re-trace nor re-compile.
 
-    A plain Python function has a `jax.jit` of its own, which holds the function
-    weakly, in `_RUNNERS` under the function: what it compiled is released with the
-    function, as `jax.jit(fun)`'s is. Any other callable (a module, a partial, a
-    builtin) goes through one shared runner, whose compile cache holds the static
-    parts of the callable, as `equinox.filter_jit`'s does.
+    A callable compared by identity (a function, a partial, a jitted function) has
+    a `jax.jit` of its own, which holds the callable weakly, in `_RUNNERS` under
+    it: what it compiled is released with it, as `jax.jit(fun)`'s is. A callable
+    compared by value (an `eqx.Module`, a bound method) goes through one shared
+    runner, whose compile cache holds the static parts of the callable, as
+    `equinox.filter_jit`'s does.
     """
 
-    def __init__(self, fun: types.FunctionType | None):
+    def __init__(self, fun: Callable | None):
         fun_ref = None if fun is None else weakref.ref(fun)
         self._own = fun_ref is not None
 
@@ -206,7 +206,7 @@ class _EagerRunner:
             dynamic_fun, dynamic_args = dynamic
             static_fun, options, leaves, treedef = static
             if fun_ref is not None:
-                static_fun = fun_ref()
+                static_fun = eqx.filter(fun_ref(), eqx.is_array, inverse=True)
             traced_fun = eqx.combine(dynamic_fun, static_fun)
             static_args = jtu.tree_unflatten(treedef, leaves)
             args, kwargs = eqx.combine(dynamic_args, static_args)
@@ -218,8 +218,8 @@ class _EagerRunner:
         self._jitted = jax.jit(run, static_argnums=1)
 
     def __call__(self, fun: Callable, options: Options, args: tuple, kwargs: dict):
-        # A function of its own is not a static argument: the compile cache would
-        # hold it, and so keep itself alive in `_RUNNERS`.
+        # A callable with a runner of its own is not a static argument: the compile
+        # cache would hold it, and so keep it alive in `_RUNNERS`.
         dynamic_fun, static_fun = eqx.partition(fun, eqx.is_array)
         dynamic_args, static_args = eqx.partition((args, kwargs), eqx.is_array)
         leaves, treedef = jtu.tree_flatten(static_args)
@@ -231,19 +231,22 @@ class _EagerRunner:
 _RUNNERS: "weakref.WeakKeyDictionary[Callable, _EagerRunner]" = (
     weakref.WeakKeyDictionary()
 )
-"""The runner of each plain function called un-jitted, released with it."""
+"""The runner of each callable compared by identity, released with it."""
 
 _SHARED_RUNNER = _EagerRunner(None)
 """The runner of every other callable."""
 
 
 def _eager_runner(fun: Callable) -> _EagerRunner:
-    if type(fun) is not types.FunctionType:
+    if type(fun).__hash__ is not object.__hash__:
         return _SHARED_RUNNER
-    runner = _RUNNERS.get(fun)
-    if runner is None:
-        # Two threads may both build one: the last kept is as good as the first.
-        runner = _RUNNERS.setdefault(fun, _EagerRunner(fun))
+    try:
+        runner = _RUNNERS.get(fun)
+        if runner is None:
+            # Two threads may both build one: the one kept is as good as the other.
+            runner = _RUNNERS.setdefault(fun, _EagerRunner(fun))
+    except TypeError:  # not weakly referenceable
+        return _SHARED_RUNNER
     return runner
 
 

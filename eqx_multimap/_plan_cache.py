@@ -56,7 +56,7 @@ from ._time_model import machine
 
 try:
     import fcntl
-except ImportError:  # not on Windows: the cache is then not locked
+except ImportError:  # Windows: the cache is then not locked
     fcntl = None
 
 traceback_util.register_exclusion(__file__)

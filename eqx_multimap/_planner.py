@@ -4,8 +4,10 @@ A plan picks, for the mapped dims of one call signature that no strategy names,
 which to scan, in which order and with which chunk sizes; the rest are vmapped
 (`_search` says how). A [`Planner`][] owns the plan cache (in memory, and on disk:
 `_plan_cache`), the time model (calibrated on first use: `_time_model`) and its
-statistics; `plan="auto"` uses one shared by the process, and `plan=Planner(...)`
-gives a wrapper its own. `describe_fixed` describes a nest that is not planned.
+statistics. A wrapper holds none of them: `plan="auto"` uses the default planner of
+the process that runs the call (`default_planner`), and `plan=Planner(...)` gives
+a wrapper its own. `for_every_size` plans dims of symbolic size (`jax.export`);
+`describe_fixed` describes a nest that is not planned.
 """
 
 import collections as co

@@ -10,6 +10,7 @@ upstream fixes them.
 
 import contextlib
 import copy
+import functools
 import gc
 import json
 import os
@@ -197,16 +198,17 @@ def test_no_module_state_patched():
 
         return fn
 
-    fn = make_fn()
-    f = filter_multi_vmap(fn, in_dims="T", out_dims="T")
     x = jnp.arange(3.0)
-    np.testing.assert_allclose(f(x), np.sin(np.arange(3.0)) * 2, rtol=1e-6)
-    assert fn in _multi_vmap._RUNNERS
-    alive = weakref.ref(fn)
-    del f, fn
-    gc.collect()
-    # Released with the function, with what it compiled.
-    assert alive() is None
+    for build in (make_fn, lambda: functools.partial(make_fn())):
+        fn = build()
+        f = filter_multi_vmap(fn, in_dims="T", out_dims="T")
+        np.testing.assert_allclose(f(x), np.sin(np.arange(3.0)) * 2, rtol=1e-6)
+        assert fn in _multi_vmap._RUNNERS
+        alive = weakref.ref(fn)
+        del f, fn
+        gc.collect()
+        # Released with the function, with what it compiled.
+        assert alive() is None
 
 
 #
