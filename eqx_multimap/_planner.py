@@ -309,7 +309,7 @@ class Planner:
         # and nothing in a key refers back to the planner.
         kept = dataclasses.replace(call.options, plan=None, verbose=False)
         key = (kept, budget, shard, tuple(sizes.items()), backward)
-        call, sizes = for_every_size(call, sizes)
+        call, sizes, note = for_every_size(call, sizes)
         collective = collective_dims(call)
         body = fingerprint(call)
         key += (body, collective)
@@ -321,7 +321,7 @@ class Planner:
         if isinstance(cached, str):  # no nest fit this signature
             raise SpecError(cached)
         if cached is not None:
-            return cached
+            return _noted(cached, note)
         request = Request(
             call,
             sizes,
@@ -347,10 +347,11 @@ class Planner:
                     f"read by an earlier call from the disk cache, {found.cache_path}"
                 )
                 self._store(key, found, earlier)
+                found = _noted(found, note)
                 if options.verbose:
                     print(found)
                 return found
-        plan = self._plan_now(request, disk, disk_key, key)
+        plan = _noted(self._plan_now(request, disk, disk_key, key), note)
         if options.verbose:
             print(plan)
         return plan
@@ -445,14 +446,15 @@ SYMBOLIC_STAND_IN = 2
 
 def for_every_size(
     call: Call, sizes: dict[str, Any]
-) -> tuple[Call, dict[str, int]]:
+) -> tuple[Call, dict[str, int], str]:
     """A call whose mapped dims have symbolic sizes (`jax.export`), as the planner
     plans it: a plan must hold for every size, so each such dim is scanned (one at
     a time, unless `scan=` gives its chunks), outermost, and planned at a stand-in
-    size; where the nest cannot do so, a `SpecError` names the dim."""
+    size; where the nest cannot do so, a `SpecError` names the dim. Also a note
+    for the plan's summary (empty without symbolic sizes)."""
     symbolic = [n for n, s in call.sizes.items() if not _concrete(s)]
     if not symbolic:
-        return call, sizes
+        return call, sizes, ""
     options = call.options
     collective = collective_dims(call)
     for name in symbolic:
@@ -482,7 +484,19 @@ def for_every_size(
         n: (s if _concrete(s) else chunks[n] or SYMBOLIC_STAND_IN)
         for n, s in sizes.items()
     }
-    return call, stand_in
+    dims = ", ".join(
+        f"'{n}' (size {call.sizes[n]}, planned at {stand_in[n]})" for n in symbolic
+    )
+    note = (
+        f"Symbolic sizes: {dims} scanned outermost (one element at a time, or by "
+        "the chunks `scan=` gives), which holds for every size. "
+    )
+    return call, stand_in, note
+
+
+def _noted(plan: Plan, note: str) -> Plan:
+    """`plan`, its summary opening with `note`."""
+    return dataclasses.replace(plan, summary=note + plan.summary) if note else plan
 
 
 def _concrete(size: Any) -> bool:

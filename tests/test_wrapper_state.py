@@ -463,6 +463,7 @@ export_and_run("vmap_auto", wrap(vmap="T", plan="auto"))
 export_and_run("core", wrap(plan="auto"), jax.ShapeDtypeStruct((8, b), jnp.float32))
 plan = explain(wrap(plan=Planner(cache_dir=False, time_model=TimeModel())), spec)
 results["plan_scan"] = [list(s) for s in plan.chosen.scan]
+results["summary"] = plan.summary
 print(json.dumps(results))
 """
 
@@ -529,6 +530,9 @@ def test_plan_for_a_symbolic_dim_holds_for_every_size(symbolic):
     # Scanned one element at a time, outermost: no divisibility, and memory that
     # does not grow with its size.
     assert symbolic["plan_scan"][0] == ["T", None]
+    assert symbolic["summary"].startswith(
+        "Symbolic sizes: 'T' (size t, planned at 2) scanned outermost"
+    )
 
 
 def test_export_symbolic_plan_auto(symbolic):
