@@ -109,7 +109,13 @@ def inputs(n: int = T) -> jax.Array:
 def test_copies_are_equal_and_reuse_the_compile(strategy):
     f = make(body, strategy)
     x = inputs()
-    jitted = eqx.filter_jit(lambda fn, x: fn(x))
+    traces = []
+
+    @eqx.filter_jit
+    def jitted(fn, x):
+        traces.append(fn)
+        return fn(x)
+
     with where(strategy):
         out = f(x)
         np.testing.assert_allclose(out, reference(x), rtol=1e-5)
@@ -121,7 +127,7 @@ def test_copies_are_equal_and_reuse_the_compile(strategy):
             np.testing.assert_array_equal(g(x), out)
             np.testing.assert_array_equal(jitted(g, x), out)
     # The copies reused the first compile.
-    assert jitted._cached._cache_size() == 1
+    assert len(traces) == 1
     if strategy == "auto":
         assert "plan='auto'" in repr(f)
         assert copy.deepcopy(f)._options.plan.planner is default_planner()
@@ -130,7 +136,7 @@ def test_copies_are_equal_and_reuse_the_compile(strategy):
 def test_auto_was_searched():
     # The `auto` strategy above plans under a budget that full vmap exceeds.
     plan = explain(make(body, "auto"), inputs())
-    assert plan.scan and not plan.candidates[0].fits is None
+    assert plan.scan and plan.chosen.fits
     assert any(c.fits is False for c in plan.candidates)
 
 
