@@ -39,6 +39,25 @@ def dtype_matches(x: Any, dims: Dims) -> bool:
     )
 
 
+def fits_dims(x: Any, dims: Dims, n_dropped: int = 0) -> bool:
+    """Whether array `x` meets `dims`: its rank, fixed sizes and dtype. With
+    `n_dropped`, `x` is one element, without that many mapped axes (and only its
+    rank and dtype are checked)."""
+    if not dtype_matches(x, dims):
+        return False
+    shape = np.shape(x)
+    if n_dropped:
+        return isinstance(axes_of(dims, len(shape) + n_dropped), tuple)
+    token_axes = axes_of(dims, len(shape))
+    if isinstance(token_axes, str):
+        return False
+    return all(
+        shape[ax] == tok.size
+        for tok, ax in zip(dims.tokens, token_axes)
+        if isinstance(tok, FixedDim)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Seen:
     size: int
@@ -61,15 +80,22 @@ def bindings_str(sizes: dict[str, int]) -> str:
 
 
 def _inconsistent(
-    fun_name: str, name: str, seen: list[Seen], sizes: dict
+    fun_name: str, name: str, seen: list[Seen], sizes: dict, scope: str | None = None
 ) -> ShapeError:
     by_size: dict[int, list[str]] = {}
     for s in seen:
         by_size.setdefault(s.size, []).append(s.where)
-    lines = [f"`{fun_name}` got inconsistent sizes for dim '{name}':"]
+    if scope is None:
+        lines = [f"`{fun_name}` got inconsistent sizes for dim '{name}':"]
+    else:
+        lines = [
+            f"`{fun_name}` got inconsistent sizes for dim '{name}' within `{scope}` "
+            "(a core dim of a Module's or typed container's fields is checked "
+            "within each instance, as jaxtyping checks its fields):"
+        ]
     for size, wheres in by_size.items():
         lines.append(f"  * size {size}: " + "; ".join(wheres))
-    others = {k: v for k, v in sizes.items() if k != name}
+    others = {k: v for k, v in sizes.items() if k != name and isinstance(k, str)}
     lines.append(bindings_str(others))
     return ShapeError("\n".join(lines))
 
@@ -99,6 +125,7 @@ def check_inputs(
 ) -> InputCheck:
     mapped_set = set(mapped)
     seen: dict[str, list[Seen]] = {}
+    scoped: dict[tuple[str, str], list[Seen]] = {}  # core dims of a Module's fields
     axes: list[dict[str, int] | None] = []
     for leaf in leaves:
         dims = leaf.spec.dims
@@ -136,7 +163,9 @@ def check_inputs(
                     )
             elif isinstance(tok, NamedDim):
                 where = f"`{leaf.path}` axis {ax} ({desc}, dims {dims.source!r})"
-                seen.setdefault(tok.name, []).append(Seen(shape[ax], where))
+                key = dims.size_key(tok.name, mapped_set)
+                seen_in = seen if isinstance(key, str) else scoped
+                seen_in.setdefault(key, []).append(Seen(shape[ax], where))
                 if tok.name in mapped_set:
                     if tok.name in leaf_axes:
                         raise SpecError(
@@ -152,6 +181,9 @@ def check_inputs(
     for name, ss in seen.items():
         if any(s.size != ss[0].size for s in ss):
             raise _inconsistent(fun_name, name, ss, sizes)
+    for (scope, name), ss in scoped.items():
+        if any(s.size != ss[0].size for s in ss):
+            raise _inconsistent(fun_name, name, ss, sizes, scope)
     return InputCheck(sizes, seen, axes)
 
 
@@ -206,8 +238,9 @@ def check_output(
                 )
             continue
         where = f"`{path}` (body output of shape {shape_desc}) axis {ax}"
-        if tok.name in sizes and sizes[tok.name] != size:
-            ss = seen.get(tok.name, []) + [Seen(size, where)]
-            raise _inconsistent(fun_name, tok.name, ss, sizes)
-        sizes.setdefault(tok.name, size)
-        seen.setdefault(tok.name, []).append(Seen(size, where))
+        key = dims.size_key(tok.name, mapped_set)
+        if key in sizes and sizes[key] != size:
+            ss = seen.get(key, []) + [Seen(size, where)]
+            raise _inconsistent(fun_name, tok.name, ss, sizes, dims.scope)
+        sizes.setdefault(key, size)
+        seen.setdefault(key, []).append(Seen(size, where))

@@ -17,6 +17,7 @@ Strings are parsed once, under `functools.lru_cache`, into a frozen [`Dims`][].
 import dataclasses
 import functools as ft
 import re
+from typing import Any
 
 from jax._src import traceback_util
 
@@ -66,12 +67,18 @@ class Dims:
     `dtypes`, when not `None`, is the set of dtype names the array may have (filled
     in from jaxtyping annotations such as `Float[Array, "T F"]`); `dtype_desc` is the
     human-readable name of that set (`"Float"`).
+
+    `scope`, when not `None`, is the path of the `eqx.Module` (or typed container)
+    whose field these dims annotate (`"l1"`): its core dims are checked within that
+    instance only, as jaxtyping checks a dataclass's fields; mapped dims are checked
+    across the whole call.
     """
 
     tokens: tuple[Token, ...]
     source: str
     dtypes: frozenset[str] | None = None
     dtype_desc: str | None = None
+    scope: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -86,6 +93,16 @@ class Dims:
 
     def with_dtypes(self, dtypes: frozenset[str] | None, desc: str | None) -> "Dims":
         return dataclasses.replace(self, dtypes=dtypes, dtype_desc=desc)
+
+    def scoped(self, scope: str | None) -> "Dims":
+        return self if scope == self.scope else dataclasses.replace(self, scope=scope)
+
+    def size_key(self, name: str, mapped: "set[str] | tuple[str, ...]") -> Any:
+        """The key under which the size of dim `name` is bound: the name for a
+        mapped dim or unscoped dims, else `(scope, name)`."""
+        if self.scope is None or name in mapped:
+            return name
+        return (self.scope, name)
 
 
 _INT = re.compile(r"^[0-9]+$")

@@ -27,6 +27,7 @@ The result is a frozen [`Call`][].
 """
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ import jax
 import jax.core
 import jax.extend.core
 import jax.tree_util as jtu
+import jaxtyping
 import numpy as np
 from jax._src import traceback_util
 
@@ -335,6 +337,7 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
                     check,
                     dict(zip(dyn_index, element_specs)),
                 )
+                + _checked_class_note(e)
             )
         raise
     _check_collectives(fun_name, body, options, mapped)
@@ -397,6 +400,25 @@ def _element_spec(value: Any, axes: dict | None) -> jax.ShapeDtypeStruct:
     drop = set(axes.values())
     shape = tuple(s for i, s in enumerate(np.shape(value)) if i not in drop)
     return struct(value, shape)
+
+
+_CHECKED_INIT = re.compile(r"checking the parameters of (\S+)\.__init__")
+
+
+def _checked_class_note(e: Exception) -> str:
+    """For a class checked by `@jaxtyped` when the body builds it: the fix."""
+    found = _CHECKED_INIT.search(str(e))
+    if found is None or not isinstance(e, jaxtyping.TypeCheckError):
+        return ""
+    cls = found.group(1).rsplit(".", 1)[-1]
+    return (
+        f"\n`{cls}` checks its fields when it is built (it is decorated "
+        "`@jaxtyped`), against annotations that describe the whole, batched value, "
+        f"while the body builds `{cls}` from one element. Build it outside: return "
+        f"its fields (say as a `NamedTuple` with the same annotations) and call "
+        f"`{cls}(...)` on the mapped result; or drop `@jaxtyped` from `{cls}`: "
+        "`filter_multi_vmap` checks the dims of a returned Module's fields itself."
+    )
 
 
 _NOTE_MARK = "raised this while tracing its body on one element"

@@ -1,0 +1,330 @@
+"""Annotations mean what jaxtyping says they mean.
+
+Each test compares our verdict (a result, or an error) with jaxtyping's own
+(`beartype.door.is_bearable` under one `jaxtyped` memo, and, for the fields of a
+Module or typed container, under a memo of their own, as jaxtyping's dataclass check
+does), and our values with a plain loop reference.
+"""
+
+# Single-name dims such as `Float[Array, "F"]` read to ruff as forward references.
+# ruff: noqa: F821
+
+import dataclasses
+import types
+import typing
+from typing import Any, NamedTuple, TypedDict
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from beartype import beartype
+from beartype.door import is_bearable
+from eqx_multimap import filter_multi_vmap, ShapeError, SpecError
+from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, PyTree, TypeCheckError
+
+
+def jaxtyping_accepts(*pairs: tuple[Any, Any]) -> bool:
+    """jaxtyping's verdict on `(value, annotation)` pairs, checked in one memo (as
+    the parameters and return value of one `@jaxtyped` function are)."""
+    with jaxtyped("context"):
+        return all(is_bearable(value, ann) for value, ann in pairs)
+
+
+def fields_accepted(obj: Any) -> bool:
+    """jaxtyping's dataclass check: the fields of `obj` against their annotations,
+    in a memo of their own."""
+    hints = typing.get_type_hints(type(obj))
+    if isinstance(obj, dict):
+        return jaxtyping_accepts(*((obj[k], hints[k]) for k in hints))
+    return jaxtyping_accepts(*((getattr(obj, k), hints[k]) for k in hints))
+
+
+def rand(seed: int, *shape: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def loop(body, *xs: jax.Array) -> np.ndarray:
+    """`body` on every row of the leading axis of `xs`, stacked."""
+    return np.stack([np.asarray(body(*(x[i] for x in xs))) for i in range(len(xs[0]))])
+
+
+def assert_close(actual: Any, expected: Any) -> None:
+    assert isinstance(actual, jax.Array)
+    expected = np.asarray(expected)
+    assert actual.shape == expected.shape
+    assert actual.dtype == expected.dtype
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-5)
+
+
+#
+# Typed containers as parameters: their field annotations give the dims.
+#
+
+
+class PairNT(NamedTuple):
+    a: Float[Array, "T F"]
+    b: Float[Array, "F"]
+
+
+class PairTD(TypedDict):
+    a: Float[Array, "T F"]
+    b: Float[Array, "F"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PairDC:
+    a: Float[Array, "T F"]
+    b: Float[Array, "F"]
+
+
+class PairM(eqx.Module):
+    a: Float[Array, "T F"]
+    b: Float[Array, "F"]
+
+
+def _get(p: Any, k: str) -> Any:
+    return p[k] if isinstance(p, dict) else getattr(p, k)
+
+
+@pytest.mark.parametrize("cls", [PairNT, PairTD, PairDC, PairM])
+def test_typed_container_parameter_is_mapped(cls):
+    a, b, x = rand(0, 3, 4), rand(1, 4), rand(2, 3, 4)
+    p = cls(a=a, b=b)
+
+    @filter_multi_vmap
+    def f(p: cls, x: Float[Array, "T F"]) -> Float[Array, "T F"]:
+        # T and F are mapped: one element of each field.
+        assert _get(p, "a").shape == () and _get(p, "b").shape == ()
+        return x * _get(p, "a") + _get(p, "b")
+
+    assert fields_accepted(p) and jaxtyping_accepts((p, cls), (x, Float[Array, "T F"]))
+    out = f(p, x)
+    assert_close(out, np.asarray(x) * np.asarray(a) + np.asarray(b))
+    assert jaxtyping_accepts((x, Float[Array, "T F"]), (out, Float[Array, "T F"]))
+
+
+@pytest.mark.parametrize(
+    "ann", [dict[str, Float[Array, "T F"]], PyTree[Float[Array, "T F"]]]
+)
+def test_dict_and_pytree_parameter(ann):
+    d = {"u": rand(0, 3, 4), "v": rand(1, 3, 4)}
+
+    @filter_multi_vmap
+    def f(d: ann) -> Float[Array, "T F"]:
+        return d["u"] * d["v"]
+
+    assert jaxtyping_accepts((d, ann))
+    assert_close(f(d), np.asarray(d["u"]) * np.asarray(d["v"]))
+    # Function-scoped: `T F` holds across the dict's values. (beartype samples one
+    # item of a dict, so each value is checked in the one memo here.)
+    bad = {"u": rand(0, 3, 4), "v": rand(1, 4, 3)}
+    assert not jaxtyping_accepts(*((v, Float[Array, "T F"]) for v in bad.values()))
+    with pytest.raises(ShapeError, match=r"inconsistent sizes for dim 'T'"):
+        f(bad)
+
+
+#
+# Typed containers in returns, at any depth.
+#
+
+
+class Swapped(NamedTuple):
+    a: Float[Array, "F T"]
+
+
+class OutTD(TypedDict):
+    s: Float[Array, "T F"]
+    t: Float[Array, "F T"]
+
+
+def test_namedtuple_inside_tuple_return_takes_its_field_dims():
+    # Square, so a field read in the wrong order would not change the shape.
+    x = rand(0, 3, 3) + jnp.arange(3.0)[None, :]
+
+    @filter_multi_vmap
+    def f(x: Float[Array, "T F"]) -> tuple[Float[Array, "T F"], Swapped]:
+        return x, Swapped(2 * x)
+
+    y, s = f(x)
+    assert isinstance(s, Swapped)
+    assert_close(y, x)
+    assert_close(s.a, 2 * np.asarray(x).T)
+    ann = tuple[Float[Array, "T F"], Swapped]
+    assert jaxtyping_accepts((x, Float[Array, "T F"]), ((y, s), ann))
+    assert fields_accepted(s)
+
+
+@pytest.mark.parametrize(
+    "ann,body,expected",
+    [
+        (PyTree[Float[Array, "T F"]], lambda x: {"a": x, "b": 2 * x}, None),
+        (dict[str, Float[Array, "T F"]], lambda x: {"a": x, "b": 2 * x}, None),
+        (Swapped, lambda x: Swapped(2 * x), lambda x: Swapped(2 * x.T)),
+        (OutTD, lambda x: {"s": x, "t": 3 * x}, lambda x: {"s": x, "t": 3 * x.T}),
+        (
+            list[tuple[Swapped, Float[Array, "T F"]]],
+            lambda x: [(Swapped(x), x + 1)],
+            lambda x: [(Swapped(x.T), x + 1)],
+        ),
+    ],
+    ids=["pytree-dict", "dict", "namedtuple", "typeddict", "nested"],
+)
+def test_typed_returns(ann, body, expected):
+    x = rand(0, 3, 4)
+
+    @filter_multi_vmap
+    def f(x: Float[Array, "T F"]) -> ann:
+        return body(x)
+
+    out = f(x)
+    want = (expected or body)(x)
+    assert jax.tree.structure(out) == jax.tree.structure(want)
+    for got, w in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+        assert_close(got, w)
+    assert jaxtyping_accepts((x, Float[Array, "T F"]), (out, ann))
+
+
+#
+# Per-instance scoping of a Module's core dims.
+#
+
+
+class Layer(eqx.Module):
+    w: Float[Array, "out inp"]
+
+
+def test_two_layers_of_one_class():
+    w1, w2, x = rand(0, 8, 3), rand(1, 2, 8), rand(2, 5, 3)
+
+    @filter_multi_vmap(core="k")
+    def f(l1: Layer, l2: Layer, x: Float[Array, "B d"]) -> Float[Array, "B k"]:
+        return l2.w @ jnp.tanh(l1.w @ x)
+
+    l1, l2 = Layer(w1), Layer(w2)
+    assert fields_accepted(l1) and fields_accepted(l2)
+    assert jaxtyping_accepts((l1, Layer), (l2, Layer), (x, Float[Array, "B d"]))
+    out = f(l1, l2, x)
+    assert_close(out, loop(lambda r: np.asarray(w2) @ np.tanh(np.asarray(w1) @ r), x))
+
+
+class Tied(eqx.Module):
+    w: Float[Array, "out inp"]
+    b: Float[Array, "out"]
+
+
+def test_mismatch_within_one_instance_names_the_field_path():
+    @filter_multi_vmap
+    def f(layer: Tied, x: Float[Array, "B inp"]) -> Float[Array, "B"]:
+        return jnp.sum(layer.w @ x + layer.b)
+
+    bad = Tied(jnp.ones((2, 3)), jnp.ones(5))
+    assert not fields_accepted(bad)
+    with pytest.raises(ShapeError) as info:
+        f(bad, jnp.ones((4, 3)))
+    msg = str(info.value)
+    assert "dim 'out'" in msg and "within `layer`" in msg
+    assert "`layer.w` axis 0" in msg and "`layer.b` axis 0" in msg
+
+
+def test_mapped_dim_of_a_field_is_global():
+    @filter_multi_vmap
+    def f(p: PairM, x: Float[Array, "T F"]) -> Float[Array, "T F"]:
+        return x * p.a
+
+    with pytest.raises(ShapeError, match=r"inconsistent sizes for dim 'T':"):
+        f(PairM(jnp.ones((5, 4)), jnp.ones(4)), jnp.ones((3, 4)))
+
+
+#
+# What the library cannot read: a clear error.
+#
+
+
+class Opaque:
+    """A pytree class whose children cannot be matched to its annotated fields."""
+
+    a: Float[Array, "T F"]
+
+    def __init__(self, a):
+        self.a = a
+
+
+jax.tree_util.register_pytree_node(
+    Opaque, lambda o: ((o.a,), None), lambda _, c: Opaque(*c)
+)
+
+
+@dataclasses.dataclass
+class NotAPytree:
+    a: Float[Array, "T F"]
+
+
+@pytest.mark.parametrize(
+    "cls,fix", [(Opaque, "Make it an `eqx.Module`"), (NotAPytree, "register_dataclass")]
+)
+def test_unreadable_container_names_the_fix(cls, fix):
+    @filter_multi_vmap
+    def f(p: cls, x: Float[Array, "T F"]) -> Float[Array, "T F"]:
+        return x * p.a
+
+    with pytest.raises(SpecError) as info:
+        f(cls(jnp.ones((3, 4))), jnp.ones((3, 4)))
+    msg = str(info.value)
+    assert f"parameter `p` is a `{cls.__name__}`" in msg
+    assert "mapped dim 'T'" in msg and fix in msg
+    assert "in_dims={'p': ...}" in msg
+
+
+#
+# The remaining cases.
+#
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+def test_prng_key_array_parameter_passes_through(make_key):
+    key, x = make_key(0), rand(0, 3, 4)
+
+    @filter_multi_vmap
+    def f(key: PRNGKeyArray, x: Float[Array, "T F"]) -> Float[Array, "T F"]:
+        return x + jax.random.normal(key, ())
+
+    assert jaxtyping_accepts((key, PRNGKeyArray), (x, Float[Array, "T F"]))
+    assert_close(f(key, x), np.asarray(x) + np.asarray(jax.random.normal(key, ())))
+
+
+def _doubled(x: Float[Array, "T F"]) -> Float[Array, "T F"]:
+    return 2 * x
+
+
+def test_no_type_check_under_and_over():
+    x = rand(0, 3, 4)
+    under = filter_multi_vmap(typing.no_type_check(_copy(_doubled)))
+    assert_close(under(x), 2 * np.asarray(x))
+    over = typing.no_type_check(filter_multi_vmap(_copy(_doubled)))
+    assert_close(over(x), 2 * np.asarray(x))
+
+
+def _copy(fun):
+    """A fresh copy of `fun`, so that `no_type_check` marks only this one."""
+    out = types.FunctionType(fun.__code__, fun.__globals__, fun.__name__)
+    out.__annotations__ = dict(fun.__annotations__)
+    return out
+
+
+def test_returned_class_with_its_own_check_names_the_class_and_fix():
+    @jaxtyped(typechecker=beartype)
+    class Checked(eqx.Module):
+        a: Float[Array, "T F"]
+
+    @filter_multi_vmap
+    def f(x: Float[Array, "T F"]) -> Checked:
+        return Checked(2 * x)
+
+    with pytest.raises(TypeCheckError) as info:
+        f(jnp.ones((3, 4)))
+    note = "\n".join(info.value.__notes__)
+    assert "`Checked` checks its fields when it is built" in note
+    assert "drop `@jaxtyped` from `Checked`" in note
