@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from jax._src import traceback_util
 
-from ._args import InLeaf, is_array
+from ._args import InLeaf, is_array, near_miss
 from ._dims import AnonDim, axes_of, Dims, EllipsisDim, FixedDim, NamedDim
 from ._errors import ShapeError, SpecError
 
@@ -187,6 +187,27 @@ def check_inputs(
     return InputCheck(sizes, seen, axes)
 
 
+def _core_hint(dims: Dims, mapped: tuple[str, ...], seen: dict) -> str:
+    """For an output of the wrong rank: the core dims that exactly one input names
+    (a misspelled mapped dim, say), and a did-you-mean."""
+    lines = []
+    for name, ss in seen.items():
+        if not isinstance(name, str) or name in mapped or name in dims.names:
+            continue
+        args = {s.where.split("`")[1] for s in ss}
+        if len(args) != 1:
+            continue
+        close = [m for m in mapped if near_miss(name, m)]
+        line = (
+            f" `{args.pop()}` names dim '{name}' (size {ss[0].size}), which the "
+            f"output does not name, so '{name}' is a core dim: the body sees it whole."
+        )
+        if close:
+            line += f" Did you mean {close[0]!r} (not {name!r})?"
+        lines.append((not close, line))
+    return "".join(line for _, line in sorted(lines, key=lambda t: t[0]))
+
+
 def check_output(
     fun_name: str,
     path: str,
@@ -223,6 +244,7 @@ def check_output(
             f"`{fun_name}`: the function body returned `{path}` with per-element "
             f"shape {shape_desc}: that shape {token_axes} ({source} "
             f"{dims.source!r} without the mapped dims {' '.join(mapped)})."
+            + _core_hint(dims, mapped, seen)
         )
     for tok, ax in zip(core.tokens, token_axes):
         if isinstance(tok, (AnonDim, EllipsisDim)):

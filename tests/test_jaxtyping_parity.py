@@ -328,3 +328,28 @@ def test_returned_class_with_its_own_check_names_the_class_and_fix():
     note = "\n".join(info.value.__notes__)
     assert "`Checked` checks its fields when it is built" in note
     assert "drop `@jaxtyped` from `Checked`" in note
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_misspelled_dim_is_named(explicit):
+    def body(x, noise):
+        return x + noise
+
+    if explicit:
+        f = filter_multi_vmap(
+            body, in_dims={"x": "T F", "noise": "f"}, out_dims="T F"
+        )
+    else:
+
+        def body_annotated(
+            x: Float[Array, "T F"], noise: Float[Array, "f"]
+        ) -> Float[Array, "T F"]:
+            return x + noise
+
+        f = filter_multi_vmap(body_annotated)
+    with pytest.raises(ShapeError) as info:
+        f(jnp.ones((3, 4)), jnp.ones(4))
+    msg = str(info.value)
+    assert "`noise` names dim 'f' (size 4), which the output does not name" in msg
+    assert "so 'f' is a core dim" in msg
+    assert "Did you mean 'F' (not 'f')?" in msg
