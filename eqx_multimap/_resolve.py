@@ -40,7 +40,14 @@ import numpy as np
 from jax._src import traceback_util
 
 from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
-from ._args import bind_call, BoundCall, broadcast_spec, did_you_mean, near_miss
+from ._args import (
+    bind_call,
+    BoundCall,
+    broadcast_spec,
+    did_you_mean,
+    LeafSpec,
+    near_miss,
+)
 from ._blocks import NestSpec
 from ._body import Body, collectives, inputs_to_isolate, struct, trace_body
 from ._check import check_inputs, check_output, describe, InputCheck
@@ -56,6 +63,7 @@ from ._options import (
 )
 from ._reduce import check_reduce_sizes, make_reduction, Reduction
 from ._shard import ShardPlan
+from ._variadic import Expand, rewrite_inputs, rewrite_output
 
 
 traceback_util.register_exclusion(__file__)
@@ -83,8 +91,12 @@ class OutLayout:
     static: tuple[Any, ...]
     dims: tuple[Dims, ...]
     shapes: tuple[jax.ShapeDtypeStruct, ...]  # of one element
+    # For each array output: how to reshape its flattened variadic dim back.
+    expand: tuple[Expand | None, ...] = ()
 
     def combine(self, outs: Sequence[Any]) -> Any:
+        if self.expand:
+            outs = [o if e is None else e(o) for o, e in zip(outs, self.expand)]
         it_out = iter(outs)
         leaves = [next(it_out) if s is _DYNAMIC else s for s in self.static]
         return jtu.tree_unflatten(self.treedef, leaves)
@@ -236,6 +248,7 @@ def _out_dims(
     mapped: tuple[str, ...],
     check: InputCheck,
     reduced: tuple[str, ...] = (),
+    variadic: dict[Any, tuple[int, ...]] | None = None,
 ) -> OutLayout:
     """Check the body's output (of one element, as `ShapeDtypeStruct`s) against its
     dims; the layout of the output. `mapped` are the mapped dims of the output (all
@@ -249,6 +262,7 @@ def _out_dims(
     sizes = dict(check.sizes)
     seen = {k: list(v) for k, v in check.seen.items()}
     dims_list: list[Dims] = []
+    expand: list[Expand | None] = []
     shapes: list[jax.ShapeDtypeStruct] = []
     static: list[Any] = []
     paths_and_leaves, treedef = jtu.tree_flatten_with_path(out)
@@ -266,6 +280,8 @@ def _out_dims(
         source = out_spec.source
         if leaf_spec.dims is default:
             source = "the default dims of unannotated outputs"
+        flat, how = rewrite_output(leaf_spec.dims, mapped, variadic or {})
+        leaf_spec = LeafSpec(flat, leaf_spec.direct)
         for name in reduced:
             if name in leaf_spec.dims.names:
                 raise SpecError(
@@ -285,9 +301,13 @@ def _out_dims(
             source,
         )
         dims_list.append(leaf_spec.dims)
+        expand.append(how)
         shapes.append(leaf)
         static.append(_DYNAMIC)
-    return OutLayout(treedef, tuple(static), tuple(dims_list), tuple(shapes))
+    expanded = tuple(expand) if any(e is not None for e in expand) else ()
+    return OutLayout(
+        treedef, tuple(static), tuple(dims_list), tuple(shapes), expanded
+    )
 
 
 #
@@ -313,6 +333,7 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         options.in_dims.value,
         annotations.in_dims_hook(fun_name, mapped),
     )
+    bound, variadic = rewrite_inputs(fun_name, bound, mapped)
     check = check_inputs(fun_name, bound.leaves, mapped)
     reduced = options.reduce_names
     _check_sizes_known(fun_name, options, out_spec.source, mapped, check)
@@ -342,7 +363,7 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         raise
     _check_collectives(fun_name, body, options, mapped)
     out_mapped = tuple(n for n in mapped if n not in reduced)
-    layout = _out_dims(fun_name, out_spec, out, out_mapped, check, reduced)
+    layout = _out_dims(fun_name, out_spec, out, out_mapped, check, reduced, variadic)
     reduction = make_reduction(fun_name, options.reduce, layout.shapes, check.sizes)
     sizes = dict(check.sizes)
     return Call(

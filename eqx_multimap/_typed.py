@@ -76,56 +76,15 @@ def _union_members(ann: Any) -> list[Any] | None:
 #
 
 
-def _translate_token(tok: str) -> str:
-    """One jaxtyping dim token as a dims-string token; raises `ValueError(reason)`."""
-    if tok == "...":
-        return tok
-    flags = set()
-    rest = tok
-    while rest:
-        if rest[0] in "#*_?" and rest[0] not in flags:
-            flags.add(rest[0])
-            rest = rest[1:]
-        elif rest.count("=") == 1:
-            # jaxtyping's documentation syntax `rows=3` means just `3`.
-            rest = rest.split("=")[1]
-        else:
-            break
-    if "*" in flags:
-        if "_" in flags:
-            return "..."  # `*_` is jaxtyping's spelling of `...`
-        raise ValueError(
-            f"its dim {tok!r} is variadic (`*name`), which is not supported; use "
-            "`...` for any number of unnamed axes"
-        )
-    if "#" in flags:
-        raise ValueError(
-            f"its dim {tok!r} is broadcastable (`#name`), which is not supported; "
-            "name the dim and pass arrays of the full size"
-        )
-    if "?" in flags:
-        raise ValueError(
-            f"its dim {tok!r} depends on the pytree path (`?name`), which is not "
-            "supported"
-        )
-    if "_" in flags:
-        return "_" + rest
-    if rest.isidentifier() or rest.isdigit():
-        return rest
-    raise ValueError(
-        f"its dim {tok!r} is a symbolic expression, which is not supported; use a "
-        "name or an integer"
-    )
-
-
 @ft.lru_cache(maxsize=1024)
 def _translate(dim_str: str) -> Dims | str:
-    """The `Dims` of a jaxtyping dim string, or the reason it is not supported."""
+    """The `Dims` of a jaxtyping dim string (one syntax with dims strings), or the
+    reason it is not supported."""
     try:
-        tokens = [_translate_token(t) for t in dim_str.split()]
-        return parse_dims(" ".join(tokens))
-    except (ValueError, SpecError) as e:
-        return str(e)
+        return parse_dims(dim_str)
+    except SpecError as e:
+        reason = str(e).split(": ", 1)[-1].rstrip(".")
+        return "its " + reason if reason.startswith("dim ") else reason
 
 
 def _array_dims(array_types: list[Any]) -> Dims | list[Dims] | str:

@@ -555,8 +555,7 @@ def test_mismatched_module_field_sizes_name_the_field_path():
 
 
 UNSUPPORTED = [
-    ("*batch F", "'*batch'", "variadic"),
-    ("#F", "'#F'", "broadcastable"),
+    ("*#batch F", "'*#batch'", "broadcastable variadic"),
     ("F+1", "'F+1'", "symbolic expression"),
     ("?F", "'?F'", "pytree path"),
 ]
