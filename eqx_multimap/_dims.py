@@ -242,8 +242,9 @@ def _parse_token(dims: str, raw: str) -> Token:
 def axes_of(dims: Dims, ndim: int) -> tuple[int, ...] | str:
     """The axis of each token of `dims` in an array of rank `ndim`.
 
-    The ellipsis token (`...`, `*name`) gets `-1` (see `variadic_axes`). Returns a reason string (not an exception) when the
-    rank does not fit, so that the caller can raise one error with full context.
+    The ellipsis token (`...`, `*name`) gets `-1` (see `variadic_axes`). Returns a
+    reason string (not an exception) when the rank does not fit, so that the caller
+    can raise one error with full context.
     """
     n_fixed = sum(not isinstance(t, (EllipsisDim, VariadicDim)) for t in dims.tokens)
     if dims.has_ellipsis:
@@ -268,9 +269,8 @@ def variadic_axes(dims: Dims, ndim: int) -> tuple[int, int]:
     """The first axis and the number of axes of the `...` or `*name` of `dims`, in
     an array of rank `ndim` (which fits, see `axes_of`)."""
     n_fixed = sum(not isinstance(t, (EllipsisDim, VariadicDim)) for t in dims.tokens)
-    start = next(
-        i for i, t in enumerate(dims.tokens) if isinstance(t, (EllipsisDim, VariadicDim))
-    )
+    variadic = (EllipsisDim, VariadicDim)
+    start = next(i for i, t in enumerate(dims.tokens) if isinstance(t, variadic))
     return start, ndim - n_fixed
 
 
