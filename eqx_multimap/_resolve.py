@@ -333,7 +333,8 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         options.in_dims.value,
         annotations.in_dims_hook(fun_name, mapped),
     )
-    bound, variadic = rewrite_inputs(fun_name, bound, mapped)
+    sharded = options.shard is not None
+    bound, variadic = rewrite_inputs(fun_name, bound, mapped, sharded)
     check = check_inputs(fun_name, bound.leaves, mapped)
     reduced = options.reduce_names
     _check_sizes_known(fun_name, options, out_spec.source, mapped, check)

@@ -20,8 +20,10 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import numpy as np
 from jax._src import traceback_util
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from ._args import BoundCall, InLeaf, is_array, LeafSpec
 from ._check import describe
@@ -104,7 +106,7 @@ def _full_sizes(leaves: list[InLeaf]) -> dict[str, set[int]]:
 
 
 def _rewrite(
-    leaf: InLeaf, mapped: set[str], full: dict[str, set[int]]
+    leaf: InLeaf, mapped: set[str], full: dict[str, set[int]], sharded: bool
 ) -> InLeaf:
     """One argument with its mapped variadic dim flattened and its broadcast axes
     of size 1 squeezed (see the module's docstring)."""
@@ -144,14 +146,46 @@ def _rewrite(
     flat = dataclasses.replace(dims, tokens=tuple(tokens))
     value = leaf.value
     if tuple(new_shape) != tuple(shape):
-        value = value.reshape(tuple(new_shape))
+        reshape = _sharded_reshape if sharded else _reshape
+        value = reshape(value, tuple(new_shape))
     return InLeaf(leaf.path, value, LeafSpec(flat, leaf.spec.direct))
 
 
+def _reshape(x: Any, shape: tuple[int, ...]) -> Any:
+    return x.reshape(shape)
+
+
+def _sharded_reshape(x: Any, shape: tuple[int, ...]) -> Any:
+    """`x.reshape(shape)`, whose cotangent, sharded by `shard_map` over an
+    explicitly sharded mesh, is reshaped back with `x`'s own sharding (JAX cannot
+    tell the sharding of the reshape of a sharded axis). Reverse mode only."""
+    old = np.shape(x)
+    primal = _explicit_sharding(x)
+    spec = P() if primal is None else primal.spec
+
+    @jax.custom_vjp
+    def reshape(x):
+        return x.reshape(shape)
+
+    def fwd(x):
+        return reshape(x), None
+
+    def bwd(_, ct):
+        sharding = _explicit_sharding(ct)
+        if sharding is None:
+            return (ct.reshape(old),)
+        out = NamedSharding(sharding.mesh, spec)
+        return (jax.lax.reshape(ct, old, out_sharding=out),)
+
+    reshape.defvjp(fwd, bwd)
+    return reshape(x)
+
+
 def rewrite_inputs(
-    fun_name: str, bound: BoundCall, mapped: tuple[str, ...]
+    fun_name: str, bound: BoundCall, mapped: tuple[str, ...], sharded: bool = False
 ) -> tuple[BoundCall, dict[Any, tuple[int, ...]]]:
-    """The arguments with plain dims only, and the shape of each variadic dim."""
+    """The arguments with plain dims only, and the shape of each variadic dim.
+    `sharded`: the call is sharded (`shard=`)."""
     leaves = bound.leaves
     if not any(_needs_rewrite(leaf.spec.dims) for leaf in leaves):
         return bound, {}
@@ -159,7 +193,7 @@ def rewrite_inputs(
     shapes = _variadic_shapes(fun_name, leaves, mapped_set)
     full = _full_sizes(leaves)
     new = [
-        _rewrite(leaf, mapped_set, full)
+        _rewrite(leaf, mapped_set, full, sharded)
         if is_array(leaf.value) and _needs_rewrite(leaf.spec.dims)
         else leaf
         for leaf in leaves
@@ -185,7 +219,38 @@ class Expand:
             if isinstance(t, NamedDim) and t.name == self.name
         )
         shape = np.shape(out)
-        return out.reshape(shape[:ax] + self.shape + shape[ax + 1 :])
+        new_shape = shape[:ax] + self.shape + shape[ax + 1 :]
+        sharding = _explicit_sharding(out)
+        if sharding is None:
+            return out.reshape(new_shape)
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        expanded = _expanded_spec(spec, ax, self.shape, sharding.mesh)
+        return jax.lax.reshape(
+            out, new_shape, out_sharding=NamedSharding(sharding.mesh, expanded)
+        )
+
+
+def _explicit_sharding(x: Any) -> Any:
+    """The sharding of `x` under an explicitly sharded mesh, else `None`."""
+    try:
+        sharding = jax.typeof(x).sharding
+        explicit = any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
+    except Exception:
+        return None
+    return sharding if explicit else None
+
+
+def _expanded_spec(spec: tuple, ax: int, shape: tuple[int, ...], mesh: Any) -> P:
+    """The spec of a sharded flattened axis `ax` once expanded into `shape`: the
+    same layout if its first axis splits evenly, else those axes replicated."""
+    entry = spec[ax]
+    new: list[Any] = [None] * len(shape)
+    if entry is not None and shape:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        n = math.prod(mesh.shape[name] for name in names)
+        if shape[0] % n == 0:
+            new[0] = entry
+    return P(*spec[:ax], *new, *spec[ax + 1 :])
 
 
 def rewrite_output(

@@ -9,6 +9,7 @@ does), and our values with a plain loop reference.
 # Single-name dims such as `Float[Array, "F"]` read to ruff as forward references.
 # ruff: noqa: F821
 
+import contextlib
 import dataclasses
 import types
 import typing
@@ -353,3 +354,189 @@ def test_misspelled_dim_is_named(explicit):
     assert "`noise` names dim 'f' (size 4), which the output does not name" in msg
     assert "so 'f' is a core dim" in msg
     assert "Did you mean 'F' (not 'f')?" in msg
+
+
+#
+# Variadic and broadcast dims, under every strategy.
+#
+
+
+def _mesh():
+    from jax.sharding import AxisType
+
+    return jax.make_mesh(
+        (4,), ("d",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4]
+    )
+
+
+def _mesh_of(options: dict) -> Any:
+    if "mesh" in options:
+        return jax.set_mesh(options["mesh"])
+    return contextlib.nullcontext()
+
+
+# `batch` has 8 elements: chunks of 3 leave a remainder; 4 devices divide it.
+VARIADIC_STRATEGIES = {
+    "vmap": lambda: {},
+    "scan": lambda: {"scan": "batch"},
+    "chunked": lambda: {"scan": {"batch": 3}},
+    "auto": lambda: {"plan": "auto"},
+    "shard": lambda: {"shard": {"batch": "d"}, "mesh": _mesh()},
+}
+
+
+def _variadic_body(x, y, w):
+    return jnp.tanh(x * w) * y
+
+
+def _variadic_reference(x, y, w):
+    return jnp.tanh(x * w[None, None, :]) * y[..., None]
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
+@pytest.mark.parametrize("strategy", list(VARIADIC_STRATEGIES))
+@pytest.mark.parametrize("explicit", [False, True], ids=["annotated", "in_dims"])
+def test_variadic_dim_is_mapped(strategy, explicit):
+    x, y, w = rand(0, 2, 4, 3), rand(1, 2, 4), rand(2, 3)
+    kw = VARIADIC_STRATEGIES[strategy]()
+    if explicit:
+        f = filter_multi_vmap(
+            _variadic_body,
+            in_dims={"x": "*batch F", "y": "*batch", "w": "F"},
+            out_dims="*batch F",
+            **kw,
+        )
+    else:
+
+        def annotated(
+            x: Float[Array, "*batch F"], y: Float[Array, "*batch"], w: Float[Array, "F"]
+        ) -> Float[Array, "*batch F"]:
+            return _variadic_body(x, y, w)
+
+        f = filter_multi_vmap(annotated, **kw)
+    out = f(x, y, w)
+    want = np.stack(
+        [
+            np.stack([np.tanh(x[i, j] * w) * y[i, j] for j in range(4)])
+            for i in range(2)
+        ]
+    )
+    assert_close(out, want)
+    assert jaxtyping_accepts(
+        (x, Float[Array, "*batch F"]),
+        (y, Float[Array, "*batch"]),
+        (out, Float[Array, "*batch F"]),
+    )
+    loss = lambda g: lambda x, w: jnp.sum(g(x, y, w) ** 2)  # noqa: E731
+    with _mesh_of(kw):  # an explicitly sharded output's cotangent needs it
+        got = jax.grad(loss(f), argnums=(0, 1))(x, w)
+    ref = jax.grad(loss(_variadic_reference), argnums=(0, 1))(x, w)
+    for a, b in zip(got, ref):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("batch", [(), (5,), (2, 1, 3)])
+def test_variadic_dim_of_any_rank(batch):
+    x, y = rand(0, *batch, 3), rand(1, *batch)
+
+    @filter_multi_vmap
+    def f(
+        x: Float[Array, "*batch F"], y: Float[Array, "*batch"]
+    ) -> Float[Array, "F *batch"]:
+        return x * y
+
+    out = f(x, y)
+    assert_close(out, np.moveaxis(np.asarray(x) * np.asarray(y)[..., None], -1, 0))
+
+
+def test_variadic_shapes_must_agree():
+    @filter_multi_vmap
+    def f(
+        x: Float[Array, "*batch F"], y: Float[Array, "*batch"]
+    ) -> Float[Array, "*batch F"]:
+        return x * y
+
+    x, y = jnp.ones((2, 3, 4)), jnp.ones((3, 2))
+    assert not jaxtyping_accepts(
+        (x, Float[Array, "*batch F"]), (y, Float[Array, "*batch"])
+    )
+    with pytest.raises(ShapeError) as info:
+        f(x, y)
+    msg = str(info.value)
+    assert "variadic dim '*batch'" in msg
+    assert "shape (2, 3): `x` axes 0-1" in msg and "shape (3, 2): `y` axes 0-1" in msg
+
+
+def test_variadic_dim_keeps_its_name_in_the_nest(capsys):
+    @filter_multi_vmap(scan={"batch": 3}, verbose=True)
+    def f(x: Float[Array, "*batch F"]) -> Float[Array, "*batch F"]:
+        return 2 * x
+
+    assert_close(f(jnp.ones((2, 4, 3))), 2 * np.ones((2, 4, 3), np.float32))
+    out = capsys.readouterr().out
+    assert "scan(batch: 2 chunks of 3) + vmap(batch remainder=2)" in out
+
+
+BROADCAST_STRATEGIES = {
+    "vmap": lambda: {},
+    "scan": lambda: {"scan": "T"},
+    "chunked": lambda: {"scan": {"T": 2}},
+    "auto": lambda: {"plan": "auto"},
+    "shard": lambda: {"shard": {"F": "d"}, "mesh": _mesh()},
+}
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
+@pytest.mark.parametrize("strategy", list(BROADCAST_STRATEGIES))
+@pytest.mark.parametrize("a_rows", [1, 5])
+def test_broadcast_dim(strategy, a_rows):
+    a, b = rand(0, a_rows, 4), rand(1, 5, 4)
+    kw = BROADCAST_STRATEGIES[strategy]()
+
+    @filter_multi_vmap(**kw)
+    def f(a: Float[Array, "#T F"], b: Float[Array, "T F"]) -> Float[Array, "T F"]:
+        return a * jnp.sin(b)
+
+    assert jaxtyping_accepts((a, Float[Array, "#T F"]), (b, Float[Array, "T F"]))
+    out = f(a, b)
+    assert_close(out, np.asarray(a) * np.sin(np.asarray(b)))
+    loss = lambda g: lambda a, b: jnp.sum(g(a, b) ** 2)  # noqa: E731
+    with _mesh_of(kw):
+        got = jax.grad(loss(f), argnums=(0, 1))(a, b)
+    ref = jax.grad(loss(lambda a, b: a * jnp.sin(b)), argnums=(0, 1))(a, b)
+    for x, y in zip(got, ref):
+        assert_close(x, y)
+
+
+def test_broadcast_dim_of_another_size_is_refused():
+    @filter_multi_vmap
+    def f(a: Float[Array, "#T F"], b: Float[Array, "T F"]) -> Float[Array, "T F"]:
+        return a * b
+
+    a, b = jnp.ones((3, 4)), jnp.ones((5, 4))
+    assert not jaxtyping_accepts((a, Float[Array, "#T F"]), (b, Float[Array, "T F"]))
+    with pytest.raises(ShapeError, match=r"inconsistent sizes for dim 'T'"):
+        f(a, b)
+
+
+def test_core_broadcast_dim_of_size_one_binds_no_size():
+    @filter_multi_vmap
+    def f(a: Float[Array, "T #K"], b: Float[Array, "T K"]) -> Float[Array, "T"]:
+        return jnp.sum(a * b)
+
+    a, b = rand(0, 3, 1), rand(1, 3, 4)
+    assert jaxtyping_accepts((a, Float[Array, "T #K"]), (b, Float[Array, "T K"]))
+    assert_close(f(a, b), np.sum(np.asarray(a) * np.asarray(b), axis=1))
+
+
+@pytest.mark.parametrize(
+    "in_dims,shape",
+    [("T *_", (3, 4, 2)), ("T F=4", (3, 4)), ("T #4", (3, 1)), ("_ T", (2, 3))],
+)
+def test_dims_strings_take_the_annotation_syntax(in_dims, shape):
+    f = filter_multi_vmap(lambda x: x + 1, in_dims=in_dims, out_dims="T ...")
+    x = rand(0, *shape)
+    want = np.asarray(x) + 1
+    if in_dims.startswith("_"):
+        want = np.moveaxis(want, 1, 0)
+    assert_close(f(x), want)
