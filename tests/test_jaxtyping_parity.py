@@ -23,6 +23,7 @@ import pytest
 from beartype import beartype
 from beartype.door import is_bearable
 from eqx_multimap import filter_multi_vmap, ShapeError, SpecError
+from hypothesis import given, settings, strategies as st
 from jaxtyping import Array, Float, jaxtyped, PRNGKeyArray, PyTree, TypeCheckError
 
 
@@ -540,3 +541,105 @@ def test_dims_strings_take_the_annotation_syntax(in_dims, shape):
     if in_dims.startswith("_"):
         want = np.moveaxis(want, 1, 0)
     assert_close(f(x), want)
+
+
+#
+# Random signatures mixing Modules, typed containers, variadic and broadcast dims.
+#
+
+
+class RandM(eqx.Module):
+    a: Float[Array, "*batch #T K"]
+    k: Float[Array, "K"]
+
+
+class RandNT(NamedTuple):
+    a: Float[Array, "*batch #T K"]
+    k: Float[Array, "K"]
+
+
+class RandTD(TypedDict):
+    a: Float[Array, "*batch #T K"]
+    k: Float[Array, "K"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RandDC:
+    a: Float[Array, "*batch #T K"]
+    k: Float[Array, "K"]
+
+
+CONTAINERS = [RandM, RandNT, RandTD, RandDC]
+LAYOUTS = ["*batch T", "T *batch"]
+RANDOM_STRATEGIES = [
+    {},
+    {"scan": "T"},
+    {"scan": {"T": 2}},
+    {"scan": {"batch": 2}},
+    {"scan": "batch", "vmap": "T"},
+]
+
+
+def _canonical(x: np.ndarray, layout: str, n_batch: int) -> np.ndarray:
+    """`x` in the layout `*batch T`."""
+    return x if layout == "*batch T" else np.moveaxis(x, 0, n_batch)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    T=st.integers(1, 4),
+    K=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    x_layout=st.sampled_from(LAYOUTS),
+    out_layout=st.sampled_from(LAYOUTS),
+    kinds=st.tuples(*(st.sampled_from(CONTAINERS) for _ in range(2))),
+    broadcast=st.tuples(st.booleans(), st.booleans()),
+    strategy=st.sampled_from(range(len(RANDOM_STRATEGIES))),
+)
+def test_random_signatures(
+    batch, T, K, x_layout, out_layout, kinds, broadcast, strategy
+):
+    batch = tuple(batch)
+    rng = np.random.default_rng(0)
+    x_shape = batch + (T,) if x_layout == "*batch T" else (T,) + batch
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    containers = []
+    for kind, k, b in zip(kinds, K, broadcast):
+        a = rng.standard_normal(batch + (1 if b else T, k)).astype(np.float32)
+        kk = rng.standard_normal(k).astype(np.float32)
+        containers.append(kind(a=jnp.asarray(a), k=jnp.asarray(kk)))
+    p, q = containers
+    P_, Q_ = kinds
+
+    def body(x, p, q):
+        return x * jnp.sum(_get(p, "a") * _get(p, "k")) + jnp.sum(
+            _get(q, "a") * _get(q, "k")
+        )
+
+    body.__annotations__ = {
+        "x": Float[Array, x_layout],
+        "p": P_,
+        "q": Q_,
+        "return": Float[Array, out_layout],
+    }
+    f = filter_multi_vmap(body, **RANDOM_STRATEGIES[strategy])
+    out = f(jnp.asarray(x), p, q)
+
+    n = len(batch)
+    pa = np.sum(np.asarray(_get(p, "a")) * np.asarray(_get(p, "k")), axis=-1)
+    qa = np.sum(np.asarray(_get(q, "a")) * np.asarray(_get(q, "k")), axis=-1)
+    want = _canonical(x, x_layout, n) * pa + qa
+    if out_layout == "T *batch":
+        want = np.moveaxis(want, n, 0)
+    assert_close(out, want)
+    # jaxtyping's verdict: the arguments and the output in one memo, each
+    # container's fields in their own.
+    assert all(fields_accepted(c) for c in containers)
+    assert jaxtyping_accepts(
+        (jnp.asarray(x), Float[Array, x_layout]),
+        (p, P_),
+        (q, Q_),
+        (out, Float[Array, out_layout]),
+    )
