@@ -168,14 +168,13 @@ def parse_dims(dims: str) -> Dims:
     tokens = [_parse_token(dims, raw) for raw in dims.split()]
     variadic = [str(t) for t in tokens if isinstance(t, (EllipsisDim, VariadicDim))]
     if len(variadic) > 1:
-        what = (
-            "`...` may appear at most once"
-            if set(variadic) == {"..."}
-            else f"{' and '.join(f'`{v}`' for v in variadic)} cannot both appear"
-        )
+        if len(set(variadic)) == 1:
+            what = f"`{variadic[0]}` may appear at most once, since it stands"
+        else:
+            listed = " and ".join(f"`{v}`" for v in dict.fromkeys(variadic))
+            what = f"{listed} cannot both appear, since each stands"
         raise SpecError(
-            f"Invalid dims string {dims!r}: {what}, since it stands for all the "
-            "remaining axes."
+            f"Invalid dims string {dims!r}: {what} for all the remaining axes."
         )
     return Dims(tuple(tokens), dims)
 
