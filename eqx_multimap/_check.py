@@ -72,7 +72,7 @@ class InputCheck:
     axes: list[dict[str, int] | None]
 
 
-def bindings_str(sizes: dict[str, int]) -> str:
+def bindings_str(sizes: dict[str, Any]) -> str:
     if not sizes:
         return "No dim sizes were bound."
     body = ", ".join(f"{k}={v}" for k, v in sizes.items())
@@ -120,9 +120,46 @@ def _check_non_array(fun_name: str, leaf: InLeaf, dims: Dims, mapped: set[str]) 
         )
 
 
+def check_leaf_shape(
+    fun_name: str, leaf: InLeaf, dims: Dims
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """An array argument's rank, dtype and fixed sizes against its dims; its shape
+    and the axis of each token."""
+    shape = np.shape(leaf.value)
+    desc = describe(leaf.value)
+    token_axes = axes_of(dims, len(shape))
+    if isinstance(token_axes, str):
+        raise ShapeError(
+            f"`{fun_name}`: argument `{leaf.path}` of type {desc} {token_axes}."
+        )
+    if not dtype_matches(leaf.value, dims):
+        raise ShapeError(
+            f"`{fun_name}`: argument `{leaf.path}` has dtype "
+            f"{leaf.value.dtype}, but its annotation asks for "
+            f"{dims.dtype_desc}[..., {dims.source!r}]."
+        )
+    for tok, ax in zip(dims.tokens, token_axes):
+        if not isinstance(tok, FixedDim) or shape[ax] == tok.size:
+            continue
+        if tok.broadcast and shape[ax] == 1:
+            continue
+        raise ShapeError(
+            f"`{fun_name}`: argument `{leaf.path}` of type {desc} has size "
+            f"{shape[ax]} at axis {ax}, but its dims {dims.source!r} fix that axis "
+            f"to {tok.size}{' (or 1)' if tok.broadcast else ''}."
+        )
+    return shape, token_axes
+
+
 def check_inputs(
-    fun_name: str, leaves: list[InLeaf], mapped: tuple[str, ...]
+    fun_name: str,
+    leaves: list[InLeaf],
+    mapped: tuple[str, ...],
+    variadic: dict[Any, tuple[int, ...]] | None = None,
 ) -> InputCheck:
+    """The size of every named dim, checked to agree, and the axis of every mapped
+    dim in every array leaf. `variadic`: the shape of each flattened variadic dim,
+    for errors."""
     mapped_set = set(mapped)
     seen: dict[str, list[Seen]] = {}
     scoped: dict[tuple[str, str], list[Seen]] = {}  # core dims of a Module's fields
@@ -139,30 +176,13 @@ def check_inputs(
         if dims is None:
             axes.append({})
             continue
-        shape = np.shape(leaf.value)
-        desc = describe(leaf.value)
-        token_axes = axes_of(dims, len(shape))
-        if isinstance(token_axes, str):
-            raise ShapeError(
-                f"`{fun_name}`: argument `{leaf.path}` of type {desc} {token_axes}."
-            )
-        if not dtype_matches(leaf.value, dims):
-            raise ShapeError(
-                f"`{fun_name}`: argument `{leaf.path}` has dtype "
-                f"{leaf.value.dtype}, but its annotation asks for "
-                f"{dims.dtype_desc}[..., {dims.source!r}]."
-            )
+        shape, token_axes = check_leaf_shape(fun_name, leaf, dims)
+        desc = describe(leaf.value if leaf.shown is None else leaf.shown)
         leaf_axes: dict[str, int] = {}
-        for tok, ax in zip(dims.tokens, token_axes):
-            if isinstance(tok, FixedDim):
-                if shape[ax] != tok.size:
-                    raise ShapeError(
-                        f"`{fun_name}`: argument `{leaf.path}` of type {desc} has "
-                        f"size {shape[ax]} at axis {ax}, but its dims "
-                        f"{dims.source!r} fix that axis to {tok.size}."
-                    )
-            elif isinstance(tok, NamedDim):
-                where = f"`{leaf.path}` axis {ax} ({desc}, dims {dims.source!r})"
+        for i, (tok, ax) in enumerate(zip(dims.tokens, token_axes)):
+            if isinstance(tok, NamedDim):
+                at = ax if leaf.shown_axes is None else leaf.shown_axes[i]
+                where = f"`{leaf.path}` axis {at} ({desc}, dims {dims.source!r})"
                 key = dims.size_key(tok.name, mapped_set)
                 seen_in = seen if isinstance(key, str) else scoped
                 seen_in.setdefault(key, []).append(Seen(shape[ax], where))
@@ -178,12 +198,16 @@ def check_inputs(
     sizes: dict[str, int] = {}
     for name, ss in seen.items():
         sizes[name] = ss[0].size
+    shown: dict[str, Any] = {
+        (f"*{k}" if k in (variadic or {}) else k): (variadic or {}).get(k, v)
+        for k, v in sizes.items()
+    }
     for name, ss in seen.items():
         if any(s.size != ss[0].size for s in ss):
-            raise _inconsistent(fun_name, name, ss, sizes)
+            raise _inconsistent(fun_name, name, ss, shown)
     for (scope, name), ss in scoped.items():
         if any(s.size != ss[0].size for s in ss):
-            raise _inconsistent(fun_name, name, ss, sizes, scope)
+            raise _inconsistent(fun_name, name, ss, shown, scope)
     return InputCheck(sizes, seen, axes)
 
 

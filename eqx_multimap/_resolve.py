@@ -335,7 +335,7 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
     )
     sharded = options.shard is not None
     bound, variadic = rewrite_inputs(fun_name, bound, mapped, sharded)
-    check = check_inputs(fun_name, bound.leaves, mapped)
+    check = check_inputs(fun_name, bound.leaves, mapped, variadic)
     reduced = options.reduce_names
     _check_sizes_known(fun_name, options, out_spec.source, mapped, check)
     dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
@@ -477,7 +477,7 @@ def _body_note(
             how = "`None` dims: not mapped" if dims is None else f"dims {dims.source!r}"
             lines.append(f"  {leaf.path}: {describe(leaf.value)} whole ({how})")
         else:
-            given = describe(leaf.value)
+            given = describe(leaf.value if leaf.shown is None else leaf.shown)
             assert dims is not None
             lines.append(
                 f"  {leaf.path}: {describe(element_specs[i])} per element (given "

@@ -26,7 +26,7 @@ from jax._src import traceback_util
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from ._args import BoundCall, InLeaf, is_array, LeafSpec
-from ._check import describe
+from ._check import check_leaf_shape, describe
 from ._dims import (
     AnonDim,
     axes_of,
@@ -106,22 +106,25 @@ def _full_sizes(leaves: list[InLeaf]) -> dict[str, set[int]]:
 
 
 def _rewrite(
-    leaf: InLeaf, mapped: set[str], full: dict[str, set[int]], sharded: bool
+    fun_name: str,
+    leaf: InLeaf,
+    mapped: set[str],
+    full: dict[str, set[int]],
+    sharded: bool,
 ) -> InLeaf:
     """One argument with its mapped variadic dim flattened and its broadcast axes
     of size 1 squeezed (see the module's docstring)."""
     dims = leaf.spec.dims
     assert dims is not None
-    shape = np.shape(leaf.value)
-    token_axes = axes_of(dims, len(shape))
-    if isinstance(token_axes, str):
-        return leaf  # `check_inputs` raises
+    shape, token_axes = check_leaf_shape(fun_name, leaf, dims)
     tokens: list[Token] = []
     new_shape: list[int] = []
+    shown_axes: list[int] = []
     for tok, ax in zip(dims.tokens, token_axes):
         if isinstance(tok, VariadicDim):
             start, n = variadic_axes(dims, len(shape))
             span = shape[start : start + n]
+            shown_axes.append(start)
             if tok.name in mapped:
                 tokens.append(NamedDim(tok.name))
                 new_shape.append(math.prod(span))
@@ -143,12 +146,14 @@ def _rewrite(
             tok = FixedDim(tok.size)
         tokens.append(tok)
         new_shape.append(size)
+        shown_axes.append(ax)
     flat = dataclasses.replace(dims, tokens=tuple(tokens))
-    value = leaf.value
-    if tuple(new_shape) != tuple(shape):
-        reshape = _sharded_reshape if sharded else _reshape
-        value = reshape(value, tuple(new_shape))
-    return InLeaf(leaf.path, value, LeafSpec(flat, leaf.spec.direct))
+    if tuple(new_shape) == tuple(shape):
+        return InLeaf(leaf.path, leaf.value, LeafSpec(flat, leaf.spec.direct))
+    reshape = _sharded_reshape if sharded else _reshape
+    value = reshape(leaf.value, tuple(new_shape))
+    spec = LeafSpec(flat, leaf.spec.direct)
+    return InLeaf(leaf.path, value, spec, leaf.value, tuple(shown_axes))
 
 
 def _reshape(x: Any, shape: tuple[int, ...]) -> Any:
@@ -193,7 +198,7 @@ def rewrite_inputs(
     shapes = _variadic_shapes(fun_name, leaves, mapped_set)
     full = _full_sizes(leaves)
     new = [
-        _rewrite(leaf, mapped_set, full, sharded)
+        _rewrite(fun_name, leaf, mapped_set, full, sharded)
         if is_array(leaf.value) and _needs_rewrite(leaf.spec.dims)
         else leaf
         for leaf in leaves

@@ -643,3 +643,22 @@ def test_random_signatures(
         (q, Q_),
         (out, Float[Array, out_layout]),
     )
+
+
+def test_errors_show_the_arguments_as_given():
+    @filter_multi_vmap
+    def f(x: Float[Array, "*batch K"], y: Float[Array, "K"]) -> Float[Array, "*batch"]:
+        return jnp.sum(x * y)
+
+    with pytest.raises(ShapeError) as info:
+        f(jnp.ones((2, 4, 3)), jnp.ones(5))
+    msg = str(info.value)
+    assert "`x` axis 2 (float32[2,4,3], dims '*batch K')" in msg
+    assert "*batch=(2, 4)" in msg
+    with pytest.raises(ShapeError, match=r"float32\[2,4,5\] has size 5 at axis 2"):
+        _fixed(jnp.ones((2, 4, 5)))
+
+
+@filter_multi_vmap
+def _fixed(x: Float[Array, "*batch 3"]) -> Float[Array, "*batch"]:
+    return jnp.sum(x)
