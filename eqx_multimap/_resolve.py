@@ -358,6 +358,7 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
                     bound,
                     check,
                     dict(zip(dyn_index, element_specs)),
+                    variadic,
                 )
                 + _checked_class_note(e)
             )
@@ -455,6 +456,7 @@ def _body_note(
     bound: BoundCall,
     check: InputCheck,
     element_specs: dict[int, jax.ShapeDtypeStruct],
+    variadic: dict[Any, tuple[int, ...]] | None = None,
 ) -> str:
     """The note added to an exception raised while the body is traced: what each
     argument is on one element, which dims are mapped, which core and why, and a
@@ -485,7 +487,11 @@ def _body_note(
             )
     reduced = options.reduce_names
     out_mapped = [n for n in mapped if n not in reduced]
-    sized = ", ".join(f"{n}={check.sizes[n]}" for n in out_mapped)
+    variadic = variadic or {}
+    sized = ", ".join(
+        f"*{n}={variadic[n]}" if n in variadic else f"{n}={check.sizes[n]}"
+        for n in out_mapped
+    )
     mapped_line = f"Mapped dims (named by {out_source}): {sized}"
     if reduced:
         mapped_line += "; reduced by `reduce`: " + ", ".join(

@@ -662,3 +662,15 @@ def test_errors_show_the_arguments_as_given():
 @filter_multi_vmap
 def _fixed(x: Float[Array, "*batch 3"]) -> Float[Array, "*batch"]:
     return jnp.sum(x)
+
+
+def test_body_note_shows_the_variadic_shape():
+    @filter_multi_vmap
+    def f(x: Float[Array, "*batch 3"]) -> Float[Array, "*batch"]:
+        return jnp.sum(x) + jnp.ones(2) @ jnp.ones(3)
+
+    with pytest.raises(TypeError) as info:
+        f(jnp.ones((2, 4, 3)))
+    note = "\n".join(info.value.__notes__)
+    assert "x: float32[3] per element (given float32[2,4,3], dims '*batch 3')" in note
+    assert "Mapped dims (named by the return annotation): *batch=(2, 4)." in note
