@@ -260,6 +260,9 @@ def _field_annotation(ann: Any, value: Any) -> Callable[[Any], Any] | None:
         return None
     if isinstance(value, tuple) and get_origin(ann) is tuple and get_args(ann):
         return None
+    children, _ = _one_level(value)
+    if not all(isinstance(key, jtu.GetAttrKey) for key, _ in children):
+        return None  # flattened without field names: `_check_readable` decides
     hints = class_hints(type(value))
     return lambda key: hints.get(key.name) if isinstance(key, jtu.GetAttrKey) else None
 

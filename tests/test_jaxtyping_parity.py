@@ -674,3 +674,27 @@ def test_body_note_shows_the_variadic_shape():
     note = "\n".join(info.value.__notes__)
     assert "x: float32[3] per element (given float32[2,4,3], dims '*batch 3')" in note
     assert "Mapped dims (named by the return annotation): *batch=(2, 4)." in note
+
+
+class Keyless:
+    """A dataclass-like pytree flattened without field names."""
+
+    a: Float[Array, "T F"]
+
+    def __init__(self, a):
+        self.a = a
+
+
+jax.tree_util.register_pytree_node(
+    dataclasses.dataclass(Keyless), lambda o: ((o.a,), None), lambda _, c: Keyless(*c)
+)
+
+
+def test_dataclass_flattened_without_keys_is_refused():
+    @filter_multi_vmap
+    def f(p: Keyless, x: Float[Array, "T F"]) -> Float[Array, "T F"]:
+        return x * p.a
+
+    with pytest.raises(SpecError, match=r"parameter `p` is a `Keyless`"):
+        f(Keyless(jnp.ones((3, 4))), jnp.ones((3, 4)))
+
