@@ -1,4 +1,4 @@
-"""Dims from jaxtyping annotations: parameters, return values and `eqx.Module` fields.
+"""Dims from jaxtyping annotations: parameters, return values and typed containers.
 
 An annotation such as `Float[Array, "T F B 2 2"]` describes the *whole* (batched)
 shape that the caller passes, exactly as a dims string does, plus a dtype constraint.
@@ -6,10 +6,10 @@ This module turns the annotations of a function into the pytree-prefix specs tha
 core understands:
 
 - for each parameter, a spec built from its annotation *and* its value at call time
-  (so that an `eqx.Module` argument gets a spec tree from its field annotations,
-  recursively through nested modules, tuples and lists);
+  (`_typed.spec`: an `eqx.Module`, dataclass, `NamedTuple` or `TypedDict` argument
+  gets a spec tree from its field annotations, at any depth);
 - for the return value, an [`OutAnnotation`][] that builds the `out_dims` from the
-  body's actual output while it is traced (needed for `eqx.Module` return types).
+  body's actual output while it is traced (needed for typed container returns).
 
 The hints themselves are read by `_hints`, lazily at the first call (so that forward
 references and `from __future__ import annotations` work).

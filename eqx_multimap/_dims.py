@@ -199,6 +199,8 @@ def _parse_token(dims: str, raw: str) -> Token:
         raise _token_error(
             dims, raw, "depends on the pytree path (`?name`), which is not supported."
         )
+    if "_" in flags and not ("_" + rest).isidentifier():
+        raise _not_a_name(dims, raw)
     if "_" in flags:  # `_`, `_pol`, `*_`
         if "#" in flags:
             raise _token_error(dims, raw, "is anonymous, so it cannot be broadcast.")
@@ -229,7 +231,11 @@ def _parse_token(dims: str, raw: str) -> Token:
             "is a symbolic expression, which is not supported; use a name or an "
             "integer.",
         )
-    raise _token_error(
+    raise _not_a_name(dims, raw)
+
+
+def _not_a_name(dims: str, raw: str) -> SpecError:
+    return _token_error(
         dims,
         raw,
         "is not a name, an integer, `_` or `...` (nor `*name` or `#name`). Names "
