@@ -96,9 +96,15 @@ def broadcast_spec(
 
 @dataclasses.dataclass(frozen=True)
 class InLeaf:
+    """One leaf of the arguments. `shown` is the value as the caller gave it, when
+    `value` is a reshaped copy (see `_variadic`), and `shown_axes` the axis in
+    `shown` of each token of the dims; errors describe that."""
+
     path: str
     value: Any
     spec: LeafSpec
+    shown: Any = None
+    shown_axes: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass

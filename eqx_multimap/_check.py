@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from jax._src import traceback_util
 
-from ._args import InLeaf, is_array
+from ._args import InLeaf, is_array, near_miss
 from ._dims import AnonDim, axes_of, Dims, EllipsisDim, FixedDim, NamedDim
 from ._errors import ShapeError, SpecError
 
@@ -39,6 +39,25 @@ def dtype_matches(x: Any, dims: Dims) -> bool:
     )
 
 
+def fits_dims(x: Any, dims: Dims, n_dropped: int = 0) -> bool:
+    """Whether array `x` meets `dims`: its rank, fixed sizes and dtype. With
+    `n_dropped`, `x` is one element, without that many mapped axes (and only its
+    rank and dtype are checked)."""
+    if not dtype_matches(x, dims):
+        return False
+    shape = np.shape(x)
+    if n_dropped:
+        return isinstance(axes_of(dims, len(shape) + n_dropped), tuple)
+    token_axes = axes_of(dims, len(shape))
+    if isinstance(token_axes, str):
+        return False
+    return all(
+        shape[ax] == tok.size
+        for tok, ax in zip(dims.tokens, token_axes)
+        if isinstance(tok, FixedDim)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Seen:
     size: int
@@ -53,7 +72,7 @@ class InputCheck:
     axes: list[dict[str, int] | None]
 
 
-def bindings_str(sizes: dict[str, int]) -> str:
+def bindings_str(sizes: dict[str, Any]) -> str:
     if not sizes:
         return "No dim sizes were bound."
     body = ", ".join(f"{k}={v}" for k, v in sizes.items())
@@ -61,15 +80,22 @@ def bindings_str(sizes: dict[str, int]) -> str:
 
 
 def _inconsistent(
-    fun_name: str, name: str, seen: list[Seen], sizes: dict
+    fun_name: str, name: str, seen: list[Seen], sizes: dict, scope: str | None = None
 ) -> ShapeError:
     by_size: dict[int, list[str]] = {}
     for s in seen:
         by_size.setdefault(s.size, []).append(s.where)
-    lines = [f"`{fun_name}` got inconsistent sizes for dim '{name}':"]
+    if scope is None:
+        lines = [f"`{fun_name}` got inconsistent sizes for dim '{name}':"]
+    else:
+        lines = [
+            f"`{fun_name}` got inconsistent sizes for dim '{name}' within `{scope}` "
+            "(a core dim of a Module's or typed container's fields is checked "
+            "within each instance, as jaxtyping checks its fields):"
+        ]
     for size, wheres in by_size.items():
         lines.append(f"  * size {size}: " + "; ".join(wheres))
-    others = {k: v for k, v in sizes.items() if k != name}
+    others = {k: v for k, v in sizes.items() if k != name and isinstance(k, str)}
     lines.append(bindings_str(others))
     return ShapeError("\n".join(lines))
 
@@ -94,11 +120,49 @@ def _check_non_array(fun_name: str, leaf: InLeaf, dims: Dims, mapped: set[str]) 
         )
 
 
+def check_leaf_shape(
+    fun_name: str, leaf: InLeaf, dims: Dims
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """An array argument's rank, dtype and fixed sizes against its dims; its shape
+    and the axis of each token."""
+    shape = np.shape(leaf.value)
+    desc = describe(leaf.value)
+    token_axes = axes_of(dims, len(shape))
+    if isinstance(token_axes, str):
+        raise ShapeError(
+            f"`{fun_name}`: argument `{leaf.path}` of type {desc} {token_axes}."
+        )
+    if not dtype_matches(leaf.value, dims):
+        raise ShapeError(
+            f"`{fun_name}`: argument `{leaf.path}` has dtype "
+            f"{leaf.value.dtype}, but its annotation asks for "
+            f"{dims.dtype_desc}[..., {dims.source!r}]."
+        )
+    for tok, ax in zip(dims.tokens, token_axes):
+        if not isinstance(tok, FixedDim) or shape[ax] == tok.size:
+            continue
+        if tok.broadcast and shape[ax] == 1:
+            continue
+        raise ShapeError(
+            f"`{fun_name}`: argument `{leaf.path}` of type {desc} has size "
+            f"{shape[ax]} at axis {ax}, but its dims {dims.source!r} fix that axis "
+            f"to {tok.size}{' (or 1)' if tok.broadcast else ''}."
+        )
+    return shape, token_axes
+
+
 def check_inputs(
-    fun_name: str, leaves: list[InLeaf], mapped: tuple[str, ...]
+    fun_name: str,
+    leaves: list[InLeaf],
+    mapped: tuple[str, ...],
+    variadic: dict[Any, tuple[int, ...]] | None = None,
 ) -> InputCheck:
+    """The size of every named dim, checked to agree, and the axis of every mapped
+    dim in every array leaf. `variadic`: the shape of each flattened variadic dim,
+    for errors."""
     mapped_set = set(mapped)
     seen: dict[str, list[Seen]] = {}
+    scoped: dict[tuple[str, str], list[Seen]] = {}  # core dims of a Module's fields
     axes: list[dict[str, int] | None] = []
     for leaf in leaves:
         dims = leaf.spec.dims
@@ -112,31 +176,16 @@ def check_inputs(
         if dims is None:
             axes.append({})
             continue
-        shape = np.shape(leaf.value)
-        desc = describe(leaf.value)
-        token_axes = axes_of(dims, len(shape))
-        if isinstance(token_axes, str):
-            raise ShapeError(
-                f"`{fun_name}`: argument `{leaf.path}` of type {desc} {token_axes}."
-            )
-        if not dtype_matches(leaf.value, dims):
-            raise ShapeError(
-                f"`{fun_name}`: argument `{leaf.path}` has dtype "
-                f"{leaf.value.dtype}, but its annotation asks for "
-                f"{dims.dtype_desc}[..., {dims.source!r}]."
-            )
+        shape, token_axes = check_leaf_shape(fun_name, leaf, dims)
+        desc = describe(leaf.value if leaf.shown is None else leaf.shown)
         leaf_axes: dict[str, int] = {}
-        for tok, ax in zip(dims.tokens, token_axes):
-            if isinstance(tok, FixedDim):
-                if shape[ax] != tok.size:
-                    raise ShapeError(
-                        f"`{fun_name}`: argument `{leaf.path}` of type {desc} has "
-                        f"size {shape[ax]} at axis {ax}, but its dims "
-                        f"{dims.source!r} fix that axis to {tok.size}."
-                    )
-            elif isinstance(tok, NamedDim):
-                where = f"`{leaf.path}` axis {ax} ({desc}, dims {dims.source!r})"
-                seen.setdefault(tok.name, []).append(Seen(shape[ax], where))
+        for i, (tok, ax) in enumerate(zip(dims.tokens, token_axes)):
+            if isinstance(tok, NamedDim):
+                at = ax if leaf.shown_axes is None else leaf.shown_axes[i]
+                where = f"`{leaf.path}` axis {at} ({desc}, dims {dims.source!r})"
+                key = dims.size_key(tok.name, mapped_set)
+                seen_in = seen if isinstance(key, str) else scoped
+                seen_in.setdefault(key, []).append(Seen(shape[ax], where))
                 if tok.name in mapped_set:
                     if tok.name in leaf_axes:
                         raise SpecError(
@@ -149,10 +198,38 @@ def check_inputs(
     sizes: dict[str, int] = {}
     for name, ss in seen.items():
         sizes[name] = ss[0].size
+    shown: dict[str, Any] = {
+        (f"*{k}" if k in (variadic or {}) else k): (variadic or {}).get(k, v)
+        for k, v in sizes.items()
+    }
     for name, ss in seen.items():
         if any(s.size != ss[0].size for s in ss):
-            raise _inconsistent(fun_name, name, ss, sizes)
+            raise _inconsistent(fun_name, name, ss, shown)
+    for (scope, name), ss in scoped.items():
+        if any(s.size != ss[0].size for s in ss):
+            raise _inconsistent(fun_name, name, ss, shown, scope)
     return InputCheck(sizes, seen, axes)
+
+
+def _core_hint(dims: Dims, mapped: tuple[str, ...], seen: dict) -> str:
+    """For an output of the wrong rank: the core dims that exactly one input names
+    (a misspelled mapped dim, say), and a did-you-mean."""
+    lines = []
+    for name, ss in seen.items():
+        if not isinstance(name, str) or name in mapped or name in dims.names:
+            continue
+        args = {s.where.split("`")[1] for s in ss}
+        if len(args) != 1:
+            continue
+        close = [m for m in mapped if near_miss(name, m)]
+        line = (
+            f" `{args.pop()}` names dim '{name}' (size {ss[0].size}), which the "
+            f"output does not name, so '{name}' is a core dim: the body sees it whole."
+        )
+        if close:
+            line += f" Did you mean {close[0]!r} (not {name!r})?"
+        lines.append((not close, line))
+    return "".join(line for _, line in sorted(lines, key=lambda t: t[0]))
 
 
 def check_output(
@@ -191,6 +268,7 @@ def check_output(
             f"`{fun_name}`: the function body returned `{path}` with per-element "
             f"shape {shape_desc}: that shape {token_axes} ({source} "
             f"{dims.source!r} without the mapped dims {' '.join(mapped)})."
+            + _core_hint(dims, mapped, seen)
         )
     for tok, ax in zip(core.tokens, token_axes):
         if isinstance(tok, (AnonDim, EllipsisDim)):
@@ -206,8 +284,9 @@ def check_output(
                 )
             continue
         where = f"`{path}` (body output of shape {shape_desc}) axis {ax}"
-        if tok.name in sizes and sizes[tok.name] != size:
-            ss = seen.get(tok.name, []) + [Seen(size, where)]
-            raise _inconsistent(fun_name, tok.name, ss, sizes)
-        sizes.setdefault(tok.name, size)
-        seen.setdefault(tok.name, []).append(Seen(size, where))
+        key = dims.size_key(tok.name, mapped_set)
+        if key in sizes and sizes[key] != size:
+            ss = seen.get(key, []) + [Seen(size, where)]
+            raise _inconsistent(fun_name, tok.name, ss, sizes, dims.scope)
+        sizes.setdefault(key, size)
+        seen.setdefault(key, []).append(Seen(size, where))

@@ -6,6 +6,9 @@ work), falling back to evaluating each string annotation on its own, in the
 function's globals and closure or the class's module and namespace. A string that
 cannot be evaluated becomes an `Unresolved`, which `_annotations` reports only if
 the parameter or field it annotates is mapped.
+
+It also tells typed containers apart (`eqx.Module`s, dataclasses, `NamedTuple`s,
+`TypedDict`s), whose fields' annotations give the dims of their children.
 """
 
 import dataclasses
@@ -75,8 +78,12 @@ def _hint_target(fun: Any) -> Any:
 def fun_hints(fun: Any) -> tuple[dict[str, Any], bool]:
     """The resolved hints of `fun`, and whether all of them could be resolved."""
     target = _hint_target(fun)
+    no_type_check = getattr(inspect.unwrap(target), "__no_type_check__", False)
     try:
-        return typing.get_type_hints(target, include_extras=True), True
+        # `typing.get_type_hints` returns `{}` under `@typing.no_type_check`, which
+        # opts out of type *checking* (the jaxtyping import hook's), not of dims.
+        if not no_type_check:
+            return typing.get_type_hints(target, include_extras=True), True
     except Exception:
         pass
     raw = getattr(target, "__annotations__", None)
@@ -131,3 +138,41 @@ def checker_inside(fun: Any) -> str | None:
         f = getattr(f, "__wrapped__", None)
         seen += 1
     return None
+
+
+#
+# The fields of typed containers.
+#
+
+
+def is_typeddict(ann: Any) -> bool:
+    return isinstance(ann, type) and typing.is_typeddict(ann)
+
+
+def is_namedtuple_type(ann: Any) -> bool:
+    return (
+        isinstance(ann, type)
+        and issubclass(ann, tuple)
+        and isinstance(getattr(ann, "_fields", None), tuple)
+    )
+
+
+def has_fields(cls: Any) -> bool:
+    """Whether instances of `cls` are typed containers whose children are fields
+    named by attribute: an `eqx.Module`, a dataclass or a `NamedTuple`."""
+    return isinstance(cls, type) and (
+        dataclasses.is_dataclass(cls) or is_namedtuple_type(cls)
+    )
+
+
+def field_names(cls: type) -> list[str]:
+    """The fields of a typed container class that hold data (not static ones)."""
+    if is_namedtuple_type(cls):
+        return list(cls._fields)
+    if is_typeddict(cls):
+        return list(class_hints(cls))
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if not f.metadata.get("static", False)
+    ]

@@ -264,6 +264,17 @@ class _MultiVmapWrapper(eqx.Module):
         # annotations, so that `@jaxtyped` can go outside `@filter_multi_vmap`.
         return getattr(self._fun, "__globals__", {})
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "__no_type_check__":
+            # `typing.no_type_check(wrapper)`: the function's annotations are not
+            # type hints to a type checker; they still give the dims.
+            try:
+                setattr(self._fun, name, value)
+            except (AttributeError, TypeError):  # a builtin, say
+                pass
+            return
+        super().__setattr__(name, value)
+
     def __call__(self, /, *args, **kwargs):
         # An un-jitted call runs the nest compiled once per call signature and
         # function (as `jax.jit(fun)` does), so that repeated calls do not re-trace

@@ -27,6 +27,7 @@ The result is a frozen [`Call`][].
 """
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,11 +35,19 @@ import jax
 import jax.core
 import jax.extend.core
 import jax.tree_util as jtu
+import jaxtyping
 import numpy as np
 from jax._src import traceback_util
 
 from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
-from ._args import bind_call, BoundCall, broadcast_spec, did_you_mean, near_miss
+from ._args import (
+    bind_call,
+    BoundCall,
+    broadcast_spec,
+    did_you_mean,
+    LeafSpec,
+    near_miss,
+)
 from ._blocks import NestSpec
 from ._body import Body, collectives, inputs_to_isolate, struct, trace_body
 from ._check import check_inputs, check_output, describe, InputCheck
@@ -54,6 +63,7 @@ from ._options import (
 )
 from ._reduce import check_reduce_sizes, make_reduction, Reduction
 from ._shard import ShardPlan
+from ._variadic import Expand, rewrite_inputs, rewrite_output
 
 
 traceback_util.register_exclusion(__file__)
@@ -81,8 +91,12 @@ class OutLayout:
     static: tuple[Any, ...]
     dims: tuple[Dims, ...]
     shapes: tuple[jax.ShapeDtypeStruct, ...]  # of one element
+    # For each array output: how to reshape its flattened variadic dim back.
+    expand: tuple[Expand | None, ...] = ()
 
     def combine(self, outs: Sequence[Any]) -> Any:
+        if self.expand:
+            outs = [o if e is None else e(o) for o, e in zip(outs, self.expand)]
         it_out = iter(outs)
         leaves = [next(it_out) if s is _DYNAMIC else s for s in self.static]
         return jtu.tree_unflatten(self.treedef, leaves)
@@ -234,6 +248,7 @@ def _out_dims(
     mapped: tuple[str, ...],
     check: InputCheck,
     reduced: tuple[str, ...] = (),
+    variadic: dict[Any, tuple[int, ...]] | None = None,
 ) -> OutLayout:
     """Check the body's output (of one element, as `ShapeDtypeStruct`s) against its
     dims; the layout of the output. `mapped` are the mapped dims of the output (all
@@ -247,6 +262,7 @@ def _out_dims(
     sizes = dict(check.sizes)
     seen = {k: list(v) for k, v in check.seen.items()}
     dims_list: list[Dims] = []
+    expand: list[Expand | None] = []
     shapes: list[jax.ShapeDtypeStruct] = []
     static: list[Any] = []
     paths_and_leaves, treedef = jtu.tree_flatten_with_path(out)
@@ -264,6 +280,8 @@ def _out_dims(
         source = out_spec.source
         if leaf_spec.dims is default:
             source = "the default dims of unannotated outputs"
+        flat, how = rewrite_output(leaf_spec.dims, mapped, variadic or {})
+        leaf_spec = LeafSpec(flat, leaf_spec.direct)
         for name in reduced:
             if name in leaf_spec.dims.names:
                 raise SpecError(
@@ -283,9 +301,13 @@ def _out_dims(
             source,
         )
         dims_list.append(leaf_spec.dims)
+        expand.append(how)
         shapes.append(leaf)
         static.append(_DYNAMIC)
-    return OutLayout(treedef, tuple(static), tuple(dims_list), tuple(shapes))
+    expanded = tuple(expand) if any(e is not None for e in expand) else ()
+    return OutLayout(
+        treedef, tuple(static), tuple(dims_list), tuple(shapes), expanded
+    )
 
 
 #
@@ -311,7 +333,9 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         options.in_dims.value,
         annotations.in_dims_hook(fun_name, mapped),
     )
-    check = check_inputs(fun_name, bound.leaves, mapped)
+    sharded = options.shard is not None
+    bound, variadic = rewrite_inputs(fun_name, bound, mapped, sharded)
+    check = check_inputs(fun_name, bound.leaves, mapped, variadic)
     reduced = options.reduce_names
     _check_sizes_known(fun_name, options, out_spec.source, mapped, check)
     dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
@@ -334,12 +358,14 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
                     bound,
                     check,
                     dict(zip(dyn_index, element_specs)),
+                    variadic,
                 )
+                + _checked_class_note(e)
             )
         raise
     _check_collectives(fun_name, body, options, mapped)
     out_mapped = tuple(n for n in mapped if n not in reduced)
-    layout = _out_dims(fun_name, out_spec, out, out_mapped, check, reduced)
+    layout = _out_dims(fun_name, out_spec, out, out_mapped, check, reduced, variadic)
     reduction = make_reduction(fun_name, options.reduce, layout.shapes, check.sizes)
     sizes = dict(check.sizes)
     return Call(
@@ -399,6 +425,25 @@ def _element_spec(value: Any, axes: dict | None) -> jax.ShapeDtypeStruct:
     return struct(value, shape)
 
 
+_CHECKED_INIT = re.compile(r"checking the parameters of (\S+)\.__init__")
+
+
+def _checked_class_note(e: Exception) -> str:
+    """For a class checked by `@jaxtyped` when the body builds it: the fix."""
+    found = _CHECKED_INIT.search(str(e))
+    if found is None or not isinstance(e, jaxtyping.TypeCheckError):
+        return ""
+    cls = found.group(1).rsplit(".", 1)[-1]
+    return (
+        f"\n`{cls}` checks its fields when it is built (it is decorated "
+        "`@jaxtyped`), against annotations that describe the whole, batched value, "
+        f"while the body builds `{cls}` from one element. Build it outside: return "
+        f"its fields (say as a `NamedTuple` with the same annotations) and call "
+        f"`{cls}(...)` on the mapped result; or drop `@jaxtyped` from `{cls}`: "
+        "`filter_multi_vmap` checks the dims of a returned Module's fields itself."
+    )
+
+
 _NOTE_MARK = "raised this while tracing its body on one element"
 _NOTE_MAX_ARGS = 12
 
@@ -411,6 +456,7 @@ def _body_note(
     bound: BoundCall,
     check: InputCheck,
     element_specs: dict[int, jax.ShapeDtypeStruct],
+    variadic: dict[Any, tuple[int, ...]] | None = None,
 ) -> str:
     """The note added to an exception raised while the body is traced: what each
     argument is on one element, which dims are mapped, which core and why, and a
@@ -433,7 +479,7 @@ def _body_note(
             how = "`None` dims: not mapped" if dims is None else f"dims {dims.source!r}"
             lines.append(f"  {leaf.path}: {describe(leaf.value)} whole ({how})")
         else:
-            given = describe(leaf.value)
+            given = describe(leaf.value if leaf.shown is None else leaf.shown)
             assert dims is not None
             lines.append(
                 f"  {leaf.path}: {describe(element_specs[i])} per element (given "
@@ -441,7 +487,11 @@ def _body_note(
             )
     reduced = options.reduce_names
     out_mapped = [n for n in mapped if n not in reduced]
-    sized = ", ".join(f"{n}={check.sizes[n]}" for n in out_mapped)
+    variadic = variadic or {}
+    sized = ", ".join(
+        f"*{n}={variadic[n]}" if n in variadic else f"{n}={check.sizes[n]}"
+        for n in out_mapped
+    )
     mapped_line = f"Mapped dims (named by {out_source}): {sized}"
     if reduced:
         mapped_line += "; reduced by `reduce`: " + ", ".join(

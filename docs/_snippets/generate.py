@@ -220,7 +220,7 @@ filter_multi_vmap(jnp.sin, in_dims="T,F,B", out_dims="T F B")
 filter_multi_vmap(jnp.sin, in_dims="T ... F ...", out_dims="T")
 """,
     "errors/variadic": """\
-filter_multi_vmap(jnp.sin, in_dims="*batch F", out_dims="F")
+filter_multi_vmap(jnp.sin, in_dims="*batch F ...", out_dims="F")
 """,
     "errors/both": """\
 filter_multi_vmap(jnp.sin, in_dims="T F", out_dims="T F", scan="T", vmap="T F")
