@@ -275,6 +275,7 @@ class _MultiVmapWrapper(eqx.Module):
             return
         super().__setattr__(name, value)
 
+    @traceback_util.api_boundary
     def __call__(self, /, *args, **kwargs):
         # An un-jitted call runs the nest compiled once per call signature and
         # function (as `jax.jit(fun)` does), so that repeated calls do not re-trace
@@ -377,6 +378,7 @@ def filter_multi_vmap(
 ) -> Callable[..., _T]: ...
 
 
+@traceback_util.api_boundary
 def filter_multi_vmap(
     fun=None,
     *,
@@ -544,6 +546,7 @@ def _unwrap(fn: Callable) -> tuple[_MultiVmapWrapper, tuple]:
     return wrapper, ()
 
 
+@traceback_util.api_boundary
 def explain(fn: Callable, /, *args, **kwargs) -> Plan:
     """Plan a call of a `filter_multi_vmap` function without running it.
 

@@ -303,6 +303,7 @@ class _MultiVmapShim(eqx.Module):
                 "`out_mapping`."
             )
 
+    @traceback_util.api_boundary
     def __call__(self, *args, **kwargs):
         values = self._bind(args, kwargs)
         self._check_sizes_known(values)
@@ -330,6 +331,7 @@ def _signature_line(ins: Groups, outs: Groups, mapped: tuple[str, ...]) -> str:
     )
 
 
+@traceback_util.api_boundary
 def multi_vmap(
     f: _C,
     in_mapping: str | list[str],

@@ -750,10 +750,19 @@ def print_figures(fig: Figures) -> None:
     )
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where it is a value (not `None` or a flag's `False`)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> Figures:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=" ".join(__doc__.split("\n\n")[0].split()),  # first paragraph
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--times", type=int, default=8, help="T")
     parser.add_argument("--freqs", type=int, default=4, help="F")
@@ -788,7 +797,9 @@ def main(argv: list[str] | None = None) -> Figures:
     parser.add_argument(
         "--matmul-size", type=int, default=1 << 16, help="2x2 products timed"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed of the simulated data"
+    )
     args = parser.parse_args(argv)
     sizes = (args.times, args.freqs, args.antennas)
     repeats = args.repeats

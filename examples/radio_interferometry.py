@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--t-chunk", type=int, default=None, help="scan over chunks of this many times"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     args = parser.parse_args(argv)
 
     problem = make_problem(

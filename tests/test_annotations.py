@@ -514,7 +514,7 @@ def test_mismatched_module_field_sizes_name_the_field_path():
     raises_all(
         ShapeError,
         [
-            "inconsistent sizes for dim 'S'",
+            r"inconsistent\s+sizes for dim 'S'",  # a long name: wrapped
             r"size 3: `sky\.flux` axis 0",
             r"size 5: `sky\.lmn` axis 0",
         ],
@@ -826,7 +826,7 @@ def test_return_annotation_without_dims():
     # `jnp.sin` is annotated `-> Array`: no dims, so which are mapped is unknown.
     raises_all(
         SpecError,
-        [r"has no `out_dims`, and its return annotation names no dims", "out_dims="],
+        [r"has no `out_dims`,\s+and its return annotation names no dims", "out_dims="],
         lambda: filter_multi_vmap(jnp.sin, in_dims="T F", scan="T")(jnp.ones((2, 3))),
     )
 

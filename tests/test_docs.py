@@ -8,6 +8,7 @@ configuration (one CPU device, standard dtype promotion), not under this suite's
 
 import concurrent.futures
 import functools as ft
+import html
 import importlib.util
 import json
 import os
@@ -193,13 +194,16 @@ def _mkdocs_missing() -> str | None:
     return None
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
+_NEEDS_MKDOCS = pytest.mark.skipif(
     _mkdocs_missing() is not None,
     reason=f"the docs need `pip install -e '.[docs]'` ({_mkdocs_missing()} is missing)",
 )
-def test_mkdocs_build_strict(tmp_path):
-    site = tmp_path / "site"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    """The site, built once under `strict: true`."""
+    site = tmp_path_factory.mktemp("docs") / "site"
     env = _clean_env()
     env["NO_MKDOCS_2_WARNING"] = "1"
     proc = subprocess.run(
@@ -211,6 +215,12 @@ def test_mkdocs_build_strict(tmp_path):
         timeout=_TIMEOUT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
+
+
+@pytest.mark.slow
+@_NEEDS_MKDOCS
+def test_mkdocs_build_strict(site):
     api = (site / "api" / "filter_multi_vmap" / "index.html").read_text()
     assert "eqx_multimap.filter_multi_vmap" in api and "Arguments:" in api
     assert 'href="../../sharding/' in api  # the API page links the Sharding page
@@ -220,3 +230,121 @@ def test_mkdocs_build_strict(tmp_path):
     assert "got inconsistent sizes for dim" in errors  # a snippet was included
     example = (site / "examples" / "radio_interferometry" / "index.html").read_text()
     assert "EXPLICIT" not in example and "SkyModel" in example  # code included
+    # Output blocks wrap (their long lines, if any, are not cut off).
+    assert "language-text highlight" in errors
+    css = (site / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"\.language-text pre > code \{[^}]*white-space: pre-wrap", css)
+
+
+# Lines known to be longer than `_COLUMNS`, each to be shortened at its source: the
+# start of the line, and what prints it; and the pages whose blocks are not checked.
+_KNOWN_LONG = {
+    "builtins.TypeError: `filter_multi_vmap(scale)` was called with bad arguments": (
+        "_args.py: a plain TypeError, not wrapped as our errors are"
+    ),
+    "`filter_multi_vmap(scale)` raised this while tracing its body": (
+        "_resolve.py: the note added to the body's error"
+    ),
+    "filter_multi_vmap(sin): scan(T: 2 chunks of 4)": "the wrapper's repr",
+}
+_UNCHECKED_PAGES = {"planner/index.html": "explain's output, being shortened"}
+_COLUMNS = 100  # what a code block shows at 1,280 px without scrolling
+
+
+def _blocks(page: str) -> list[list[str]]:
+    """The lines of every code or output block of a built page."""
+    blocks = []
+    block = r'<div class="language-\w+ highlight"><pre>(.*?)</pre>'
+    for m in re.finditer(block, page, re.S):
+        blocks.append(html.unescape(re.sub(r"<[^>]+>", "", m.group(1))).splitlines())
+    return blocks
+
+
+@pytest.mark.slow
+@_NEEDS_MKDOCS
+def test_blocks_fit_the_page(site):
+    long = []
+    n = 0
+    for path in sorted(site.rglob("*.html")):
+        if path.relative_to(site).as_posix() in _UNCHECKED_PAGES:
+            continue
+        for lines in _blocks(path.read_text()):
+            n += 1
+            for line in lines:
+                if len(line) > _COLUMNS and not line.startswith(tuple(_KNOWN_LONG)):
+                    long.append(f"{path.relative_to(site)}: {len(line)}: {line}")
+    assert n > 100, n  # the blocks were found
+    assert not long, "\n".join(long)
+
+
+_MAX_WORDS = 2500  # a page that a reader reads through
+_BLOCK_TAG = re.compile(
+    r"</?(?:p|li|div|pre|h\d|tr|td|th|br|ul|ol|table|blockquote|details)\b[^>]*>"
+)
+
+
+@pytest.mark.slow
+@_NEEDS_MKDOCS
+def test_pages_are_short(site):
+    long = {}
+    for path in sorted(site.rglob("index.html")):
+        page = path.relative_to(site).as_posix()
+        if page.startswith("api/") or page in _UNCHECKED_PAGES:
+            continue  # the reference; and a page being shortened
+        article = re.search(r"<article[^>]*>(.*?)</article>", path.read_text(), re.S)
+        if article is not None:
+            text = _BLOCK_TAG.sub(" ", article.group(1))  # words end at blocks,
+            text = re.sub(r"<[^>]+>", "", text)  # not at a highlighted token
+            words = len(html.unescape(text).split())
+            if words > _MAX_WORDS:
+                long[page] = words
+    assert not long, long
+
+
+@pytest.mark.parametrize("example", ["calibration.py", "radio_interferometry.py"])
+def test_example_help_is_complete(example):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / example), "--help"],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    description = text.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description  # not cut off
+    assert "(default: None)" not in text and text.count("(default:") == len(
+        re.findall(r"\(default: [^)]", text)
+    )
+    assert not re.search(r"\(default: [^)]*\) \(default:", text)  # not twice
+    # Every option has its help: no entry is the option alone.
+    entries = re.split(r"\n(?=  -)", text.split("options:\n")[1].rstrip())
+    for entry in entries:
+        alone = re.fullmatch(r"  -[-\w]+(?: [A-Z_]+| \{[\w,]+\})?", entry)
+        assert alone is None, f"{example}: {entry.strip()} has no help"
+
+
+def test_help_is_plain():
+    # `help()` shows the signature with the type aliases by name, and the docstrings
+    # without MkDocs markup (the API page, built from the source, keeps its links:
+    # `test_mkdocs_build_strict`).
+    import pydoc
+
+    import eqx_multimap
+
+    text = pydoc.render_doc(eqx_multimap.filter_multi_vmap, renderer=pydoc.plaintext)
+    signature = text.splitlines()[2]
+    for alias in ["InDims", "OutDims", "ScanSpec", "ReduceSpec", "ShardSpec"]:
+        assert f": {alias} = None" in signature, signature
+    assert len(signature) < 450, signature  # 1,000 with the aliases spelled out
+    for name in eqx_multimap.__all__ if hasattr(eqx_multimap, "__all__") else dir(
+        eqx_multimap
+    ):
+        obj = getattr(eqx_multimap, name)
+        if name.startswith("_") or not callable(obj):
+            continue
+        doc = pydoc.render_doc(obj, renderer=pydoc.plaintext)
+        assert not re.search(r"\]\[|\]\([^)]*\.md|^\s*[!?]{3}", doc, re.M), name
+    assert "Example:" in text and "See Sharding." in text

@@ -374,7 +374,7 @@ SPEC_ERRORS = [
         "[T],[T]",
         "[T]",
         {"auto_kwargs": {"memory_budget": 2**20}},
-        [r"only used with `auto=True`"],
+        [r"only used with\s+`auto=True`"],
     ),
     ("[T],[T],[T]", "[T]", {}, [r"`multi_vmap\(_f2\)`", r"has 3 groups", r"takes 2"]),
 ]

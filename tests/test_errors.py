@@ -338,7 +338,7 @@ def test_mapped_dim_named_by_no_argument():
     # error blames `out_dims`, which made it mapped.
     w = filter_multi_vmap(_never_called, in_dims=("T", None), out_dims="T F")
     matches = [
-        r"`out_dims` names dim 'F', so it is mapped",
+        r"`out_dims` names dim 'F',\s+so it is mapped",
         r"no array argument's dims name it",
         r"size is unknown",
         r"declare it `core='F'`",
@@ -402,7 +402,7 @@ def test_bad_strategy_names(argname, value, matches):
 def test_out_dims_or_return_annotation_needed():
     w = filter_multi_vmap(_never_called, in_dims="T", vmap="T")
     matches = [
-        r"has no `out_dims` and no return annotation",
+        r"has no `out_dims` and no\s+return\s+annotation",  # wrapped on a terminal
         r"the mapped dims are the named dims of the output",
         r"Give `out_dims`",
     ]
@@ -483,7 +483,9 @@ def test_in_dims_keys_of_partials_and_methods():
 
     # A `functools.partial` has the signature of what is left to pass.
     p = ft.partial(g, jnp.float32(2.0))
-    with pytest.raises(SpecError, match=r"\('x',\).*parameters are \('y', 'scale'\)"):
+    with pytest.raises(
+        SpecError, match=r"(?s)\('x',\).*parameters are \('y', 'scale'\)"
+    ):
         filter_multi_vmap(p, in_dims={"x": "T", "y": "T"}, out_dims="T")
     w = filter_multi_vmap(p, in_dims={"y": "T", "scale": None}, out_dims="T")
     out = w(jnp.arange(3.0), scale=3.0)
@@ -498,7 +500,9 @@ def test_in_dims_keys_of_partials_and_methods():
             return self.k * x
 
     np.testing.assert_array_equal(Scaler(3.0)(jnp.arange(3.0)), 3 * np.arange(3.0))
-    with pytest.raises(SpecError, match=r"\('xs',\).*parameters are \('self', 'x'\)"):
+    with pytest.raises(
+        SpecError, match=r"(?s)\('xs',\).*parameters are \('self', 'x'\)"
+    ):
 
         class Bad(eqx.Module):
             @filter_multi_vmap(in_dims={"xs": "T"}, out_dims="T")
@@ -1004,7 +1008,7 @@ def test_did_you_mean_rule(core, mapped, close):
 def test_out_dims_naming_a_dim_no_input_has_suggests_the_close_one():
     w = filter_multi_vmap(_never_called, in_dims=("T freq",), out_dims="T Freq")
     matches = [
-        r"`out_dims` names dim 'Freq', so it is mapped",
+        r"`out_dims` names dim 'Freq',\s+so it is mapped",
         r"The named dims of the arguments are: T, freq",
         r"Did you mean 'freq' \(not 'Freq'\)\?",
     ]

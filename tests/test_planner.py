@@ -508,7 +508,7 @@ def test_explain_method_and_errors(getkey):
     for bad in (_sumexp, jnp.sum):
         with pytest.raises(
             SpecError,
-            match="`eqx_multimap.explain\\(fn, ...\\)`: `fn` "
+            match="`eqx_multimap.explain\\(fn, ...\\)`:\\s+`fn` "
             "must be a function returned by `filter_multi_vmap`",
         ):
             explain(bad, x)
@@ -536,7 +536,7 @@ def test_default_budget_is_a_fraction_of_ram(getkey):
     [
         (
             dict(plan="auto", memory_budget=0),
-            [r"memory_budget=0\)`: a budget in bytes must be a positive `int`"],
+            [r"memory_budget=0\)`:\s+a budget in bytes must be a positive `int`"],
         ),
         (
             dict(plan="auto", memory_budget=-1024),
@@ -545,7 +545,7 @@ def test_default_budget_is_a_fraction_of_ram(getkey):
         (
             dict(plan="auto", memory_budget=1.5),
             [
-                r"memory_budget=1.5\)`: a `float` budget is a fraction of device "
+                r"memory_budget=1.5\)`:\s+a `float` budget is a fraction of device "
                 r"memory and must be in \(0, 1\]",
                 r"e.g. `memory_budget=2\*\*30`",
             ],
@@ -562,7 +562,7 @@ def test_default_budget_is_a_fraction_of_ram(getkey):
             dict(plan="auto", memory_budget=True),
             [
                 r"`filter_multi_vmap\(..., memory_budget=...\)` must be an `int` "
-                r"\(bytes\) or a `float` in \(0, 1\]",
+                r"\(bytes\) or a\s+`float` in \(0, 1\]",
                 "but got True of type `bool`",
             ],
         ),
@@ -577,7 +577,7 @@ def test_default_budget_is_a_fraction_of_ram(getkey):
         (
             dict(plan="fast"),
             [
-                r"`filter_multi_vmap\(..., plan=...\)` must be 'auto', an "
+                r"`filter_multi_vmap\(..., plan=...\)` must be 'auto',\s+an "
                 r"`eqx_multimap.Planner`, or `None`, but got 'fast'"
             ],
         ),
@@ -1412,7 +1412,7 @@ def test_cache_locations(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert Planner().cache_dir == str(tmp_path / "xdg" / "eqx_multimap")
     for match in [
-        r"`eqx_multimap.Planner\(cache_dir=...\)` must be a path, `None` \(the "
+        r"`eqx_multimap.Planner\(cache_dir=...\)` must be a path, `None`\s+\(the "
         r"default location\) or `False` \(no disk cache\)",
         "but got 3",
     ]:
