@@ -11,8 +11,9 @@ For each, under a memory budget (a fraction of full vmap's forward temporaries):
 
 - the sweep: every nest that scans a prefix of the mapped dims in any order, the
   outer ones one element at a time and the last in chunks of a power of 2, and
-  vmaps the rest (plus the planners' picks), compiled as fixed nests, their
-  temporaries measured; those within the budget are the fitting ones;
+  vmaps the rest, under `grad` with and without `jax.checkpoint` (with `--quick`:
+  chunks of 2, 8, 32..., checkpointed), plus the planners' picks, compiled as
+  fixed nests, their temporaries measured; those within the budget fit;
 - `plan="auto"` (a fresh planner, its time model calibrated beforehand): its compile
   with planning, in CPU seconds, over the compile of its pick as a fixed nest
   (`cold`); with `--plan measure`, `Planner(measure=True)` alike;
@@ -218,15 +219,17 @@ def real_workloads(quick: bool) -> list[Workload]:
 #
 
 
-def sweep(sizes: dict[str, int]) -> list[tuple[tuple, tuple]]:
+def sweep(sizes: dict[str, int], base: int = 2) -> list[tuple[tuple, tuple]]:
     """Every nest `(scan, vmap)` scanning a prefix of some order of the dims: the
-    outer ones one at a time, the last one at a time or in chunks of a power of 2."""
+    outer ones one at a time, the last one at a time or in chunks of 2 times a
+    power of `base` (2; 4 with `--quick`)."""
     names = [n for n, s in sizes.items() if s > 1]
     out = {((), frozenset(names)): ((), tuple(names))}
     for order in itertools.permutations(names):
         for k, d in enumerate(order):
             rest = tuple(n for n in names if n not in order[: k + 1])
-            for c in [None] + [2**i for i in range(1, 30) if 2**i < sizes[d]]:
+            chunks = [2 * base**i for i in range(30) if 2 * base**i < sizes[d]]
+            for c in [None, *chunks]:
                 scan = tuple((n, None) for n in order[:k]) + ((d, c),)
                 out.setdefault((scan, frozenset(rest)), (scan, rest))
     return list(out.values())
@@ -293,9 +296,14 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         picks[name] = _nest_of(plans[name])
     plan = plans["auto"]
     sizes = {n: s for n, s in plan.sizes if n in {*plan.scan, *plan.vmap}}
-    # Under `grad`, each scanning nest with and without `jax.checkpoint`.
-    ckpt = (False, True) if mode == "grad" else (False,)
-    nests = {_key(n, c): n for n in sweep(sizes) for c in ckpt if c <= bool(n[0])}
+    # Under `grad`, each scanning nest with and without `jax.checkpoint` (with
+    # `--quick`, with only, as the planner's).
+    ckpt = {"forward": (False,), "grad": (True,) if opts.quick else (False, True)}
+    nests = {
+        _key(n, c): n
+        for n in sweep(sizes, 4 if opts.quick else 2)
+        for c in ckpt[mode]
+    }
     nests.update({_key(n, plans[p].checkpoint): n for p, n in picks.items()})
     fixed, temps, compile_s = {}, {}, {}
     for key, (scan, vmap) in nests.items():
