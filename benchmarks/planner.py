@@ -364,7 +364,8 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         measure=by_plan.get("measure", float("nan")) / by_key[best],
         no_fresh=by_plan["no fresh"] / by_key[best],
         cold=cold["auto"] / compile_s[auto_key],
-        cold_measure=cold.get("measure", float("nan")) / compile_s[auto_key],
+        cold_measure=cold.get("measure", float("nan"))
+        / compile_s[pick_keys[1] if "measure" in picks else auto_key],
         n=f"{len(fits)} / {len(nests)}",
         best_ms=by_key[best] * 1e3,
     )
