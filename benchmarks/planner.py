@@ -1,71 +1,81 @@
-"""How good is the planner? Its plan's run time against every candidate it considered.
+"""How good is the planner? Its plan against the best fixed nest of a sweep.
 
-For each workload, the plan is made under a memory budget (a fraction of what full
-vmap needs, when full vmap needs any temporary memory; for two workloads, twice what
-it needs, so that full vmap fits and the time model, or measuring, alone decides),
-by a planner with its own, initially empty, disk cache (so planning is paid for
-here, and its latency measured: cold, cached in memory, and read back from disk by a
-second planner). `--plan auto` is the default planner (the calibrated time model);
-`--plan measure` is `Planner(measure=True)`.
+Workloads: synthetic bodies, and real ones (`--real`, or both with `--all`): the
+calibration example's per-slot Levenberg-Marquardt fit (`examples/calibration.py`),
+an MLP with weights per element (4 layers of `tanh(W @ h)`), and a stiff diffrax
+solve (Tsit5 and a PID controller; each element's rate spans 3 decades, laid out at
+random or along `F`). Each is planned and timed forward and under `jax.grad` (the
+diffrax body forward only: its reverse pass is not what is benchmarked here).
 
-Then *every* candidate nest the planner considered (full vmap and the whole ladder
-of scans, not only those it compiled) is compiled as a fixed nest and timed side by
-side with the planned program, round-robin (the order rotating every round), so
-that machine noise hits all of them alike; each timed call follows an untimed call
-of the same program, so that none pays for the heap or caches its predecessor left
-behind. The best fitting candidate of that first pass is then timed again, against
-the planned program and the planned program's twin (its nest compiled as a fixed
-nest: the same HLO), in a second, longer pass whose samples each last at least
-20 ms: picking the fastest of many noisy medians picks a lucky one (the winner's
-curse), and a fresh paired comparison does not; the twin's ratio is the noise
-floor. Reported:
+For each, under a memory budget (a fraction of full vmap's forward temporaries):
 
-- `auto / best`: the planned program over the best candidate that fits the budget,
-  as the median of the per-round ratios of the second pass (goal: at most 1.10);
-  `first pass` is the ratio of the first pass's medians;
-- `auto / fastest`: against the fastest candidate of the first pass, ignoring the
-  budget;
-- `temp / budget`: the planned program's compiled temporary memory over the budget
-  (measured here, independently of the planner; goal: never above 1);
-- `without fresh-memory term`: the plan of a time model that ignores the page faults
-  of temporaries allocated afresh on every call (so full vmap whenever it fits), and
-  its time over the best, from the first pass.
+- the sweep: every nest that scans a prefix of the mapped dims in any order, the
+  outer ones one element at a time and the last in chunks of a power of 2, and
+  vmaps the rest, under `grad` with and without `jax.checkpoint` (with `--quick`:
+  chunks of 2, 8, 32..., checkpointed), plus the planners' picks, compiled as
+  fixed nests, their temporaries measured; those within the budget fit;
+- `plan="auto"` (a fresh planner, its time model calibrated beforehand): its compile
+  with planning, in CPU seconds, over the compile of its pick as a fixed nest
+  (`cold`); with `--plan measure`, `Planner(measure=True)` alike;
+- the simple rule: full vmap if it fits the budget, else the largest block that
+  fits on the first ladder (the dims in the order the outputs name them);
+- the plan of the time model without its fresh-memory (page fault) term.
 
-Run: `python benchmarks/planner.py --quick` (`--plan measure` for the measured
-mode); without `--quick`, bigger sizes. `--cold` instead prices planning: a cold
-`plan="auto"` compile (planning included, the time model calibrated beforehand)
-over the compile of the nest it chooses as a fixed nest, forward and under
-`jax.grad`, in CPU seconds of this process (the machine may be shared): medians of
-interleaved rounds (3; up to 25 while the cold compiles total under 1 s), each with
-fresh planner and functions, on these workloads and a Jones one.
+Every fitting nest and each pick are timed round-robin (the order rotating, each
+timed call after an untimed one: `eqx_multimap.timing.time_interleaved`), medians;
+then the auto program against the best fitting nest and against its twin (its nest
+compiled apart: the same HLO, the noise floor) in a second, longer pass, as the
+median of the per-round ratios. `auto / best` is the second pass's ratio (goal: at
+most 1.10); the other ratios are from the first pass.
+
+Run: `python benchmarks/planner.py --quick` (small sizes; `--real` or `--all` for
+the real workloads, `--plan measure` for the measured mode, `--only NAME`).
 """
 
 import argparse
 import dataclasses
 import datetime
+import functools as ft
+import importlib.util
+import itertools
 import os
+import pathlib
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from eqx_multimap import explain, filter_multi_vmap, Plan, Planner, SpecError
+from eqx_multimap import explain, filter_multi_vmap, Planner, SpecError
 from eqx_multimap.timing import (
     compiled as _compile,
     fmt_bytes as _fmt_bytes,
-    fresh,
     normalised_hlo,
     paired_ratios,
+    temp_bytes,
     time_interleaved,
 )
 
 
-# Each workload: (name, body, options, args(quick), budget fraction of full vmap).
+class Workload(NamedTuple):
+    name: str
+    body: Callable
+    kw: dict  # filter_multi_vmap's options: dims, core
+    args: tuple
+    fraction: float  # the budget, as a fraction of full vmap's forward temporaries
+    grad: bool = True  # planned and timed under `jax.grad` too
+
+
+def _normal(key, shape, scale=0.3):
+    return jax.random.normal(key, shape, jnp.float32) * scale
+
+
+#
+# Synthetic bodies.
+#
 
 
 def _elementwise(x, y):
@@ -103,420 +113,362 @@ def _attention(q, k, v):
     return jax.nn.softmax(s, axis=-1) @ v
 
 
-def _normal(key, shape, scale=0.3):
-    return jax.random.normal(key, shape, jnp.float32) * scale
-
-
-def workloads(quick: bool) -> list[tuple[str, Callable, dict, tuple, float]]:
+def workloads(quick: bool) -> list[Workload]:
     k = iter(jax.random.split(jax.random.key(0), 64))
-    q = quick
-    out = []
+    n = lambda shape, scale=0.3: _normal(next(k), shape, scale)  # noqa: E731
+    q, W = quick, Workload
+    tbk, tk = ("T B K", "T K"), "T B"
     t, b, c = (128, 64, 64) if q else (512, 128, 128)
-    out.append(
-        (
+    out = [
+        W(
             "elementwise",
             _elementwise,
             dict(in_dims=("T B C", "B"), out_dims="T B C", core="C"),
-            (_normal(next(k), (t, b, c)), _normal(next(k), (b,))),
+            (n((t, b, c)), n((b,))),
             0.125,
         )
-    )
+    ]
     t, b, kk = (64, 32, 64) if q else (256, 64, 128)
-    out.append(
-        (
-            "sumexp (fused)",
-            _sumexp,
-            dict(in_dims=("T B K", "T K"), out_dims="T B"),
-            (_normal(next(k), (t, b, kk)), _normal(next(k), (t, kk))),
-            0.125,
-        )
-    )
+    sumexp_args = (n((t, b, kk)), n((t, kk)))
+    kw = dict(in_dims=tbk, out_dims=tk)
+    out.append(W("sumexp (fused)", _sumexp, kw, sumexp_args, 0.125))
     t, b, kk = (32, 32, 64) if q else (128, 64, 128)
-    out.append(
-        (
-            "sumexp @ b (big intermediate)",
-            _sumexp_matmul,
-            dict(in_dims=("T B K", "T K"), out_dims="T B"),
-            (_normal(next(k), (t, b, kk)), _normal(next(k), (t, kk))),
-            0.125,
-        )
-    )
-    # The same with a budget that full vmap fits: does the planner still scan, as
-    # it should when its temporaries are page-faulted in afresh on every call?
-    out.append(
-        (
-            "sumexp @ b, full vmap fits",
-            _sumexp_matmul,
-            dict(in_dims=("T B K", "T K"), out_dims="T B"),
-            (_normal(next(k), (t, b, kk)), _normal(next(k), (t, kk))),
-            2.0,
-        )
-    )
+    args = (n((t, b, kk)), n((t, kk)))
+    kw = dict(in_dims=tbk, out_dims=tk)
+    out.append(W("sumexp @ b (big intermediate)", _sumexp_matmul, kw, args, 0.125))
+    # Full vmap fits: does the planner still scan, as it should when its
+    # temporaries are page-faulted in afresh on every call?
+    out.append(W("sumexp @ b, full vmap fits", _sumexp_matmul, kw, args, 2.0))
     # One element's intermediate is (M, K): 1 MiB quick, 4 MiB full, more than L2.
-    n, mm = (64, 512) if q else (256, 1024)
-    out.append(
-        (
-            "outer sumexp, full vmap fits",
-            _outer_sumexp,
-            dict(in_dims=("n M", "n K"), out_dims="n"),
-            (_normal(next(k), (n, mm), 0.01), _normal(next(k), (n, mm), 0.01)),
-            2.0,
-        )
-    )
-    b, n, kk, m = (8, 256, 64, 256) if q else (16, 1024, 128, 512)
-    out.append(
-        (
-            "matmul-like",
-            _matmul,
-            dict(in_dims=("B N K", None), out_dims="B N K", core="K"),
-            (_normal(next(k), (b, n, kk)), _normal(next(k), (kk, m), 0.1)),
-            0.25,
-        )
-    )
-    a, n, bb, m = (16, 64, 8, 32) if q else (32, 128, 16, 64)
-    out.append(
-        (
-            "reductions",
-            _reduce,
-            dict(in_dims="A N B M", out_dims=("A B N", "B A"), core="N"),
-            (_normal(next(k), (a, n, bb, m)),),
-            0.2,
-        )
-    )
+    nn, mm = (64, 512) if q else (256, 1024)
+    args = (n((nn, mm), 0.01), n((nn, mm), 0.01))
+    kw = dict(in_dims=("n M", "n K"), out_dims="n")
+    out.append(W("outer sumexp, full vmap fits", _outer_sumexp, kw, args, 2.0))
+    b, nn, kk, m = (8, 256, 64, 256) if q else (16, 1024, 128, 512)
+    kw = dict(in_dims=("B N K", None), out_dims="B N K", core="K")
+    out.append(W("matmul-like", _matmul, kw, (n((b, nn, kk)), n((kk, m), 0.1)), 0.25))
+    a, nn, bb, m = (16, 64, 8, 32) if q else (32, 128, 16, 64)
+    kw = dict(in_dims="A N B M", out_dims=("A B N", "B A"), core="N")
+    out.append(W("reductions", _reduce, kw, (n((a, nn, bb, m)),), 0.2))
     p, qq, r, kk = (3, 200, 7, 32) if q else (3, 1000, 7, 64)
-    out.append(
-        (
-            "mixed sizes",
-            _mixed,
-            dict(in_dims=("P Q R K", "R P"), out_dims="R Q P K", core="K"),
-            (_normal(next(k), (p, qq, r, kk)), _normal(next(k), (r, p))),
-            0.1,
-        )
-    )
+    kw = dict(in_dims=("P Q R K", "R P"), out_dims="R Q P K", core="K")
+    out.append(W("mixed sizes", _mixed, kw, (n((p, qq, r, kk)), n((r, p))), 0.1))
     b, h, seq, d = (4, 4, 128, 32) if q else (8, 8, 256, 64)
-    qkv = [_normal(next(k), (b, h, seq, d)) for _ in range(3)]
-    out.append(
-        (
-            "attention",
-            _attention,
-            dict(in_dims="B H L D", out_dims="B H L D", core="L D"),
-            tuple(qkv),
-            0.5,
-        )
-    )
+    kw = dict(in_dims="B H L D", out_dims="B H L D", core="L D")
+    qkv = tuple(n((b, h, seq, d)) for _ in range(3))
+    out.append(W("attention", _attention, kw, qkv, 0.5))
     return out
 
 
-def _jones() -> tuple[str, Callable, dict, tuple, None]:
-    t, f, a = 32, 32, 48
-    i, j = np.triu_indices(a, 1)  # B = 1128 baselines
-    k = jax.random.split(jax.random.key(1), 2)
-    g = jax.lax.complex(_normal(k[0], (t, f, a, 2, 2)), _normal(k[1], (t, f, a, 2, 2)))
-    m = jnp.ones((t, f, len(i), 2, 2), jnp.complex64)
-    dims = {"g": "T F A 2 2", "m": "T F B 2 2", "i": "B", "j": "B"}
-
-    def jones(g, m, i, j):
-        return g[i] @ m @ jnp.conj(g[j]).T
-
-    return "jones", jones, dict(in_dims=dims, out_dims="T F B 2 2"), (g, m, i, j), None
+#
+# Real workloads.
+#
 
 
-def _cpu_compile(fn: Callable, args: tuple) -> float:
+def _mlp(w, h):
+    for layer in w:  # w: (4, K, K) per element, h: (K,)
+        h = jnp.tanh(layer @ h)
+    return h
+
+
+def _stiff(rate, y0):
+    import diffrax
+
+    term = diffrax.ODETerm(lambda t, y, r: -r * (y - jnp.cos(t)))
+    pid = diffrax.PIDController(rtol=1e-5, atol=1e-5)
+    sol = diffrax.diffeqsolve(
+        term, diffrax.Tsit5(), 0.0, 1.0, 0.01, y0, rate, stepsize_controller=pid,
+        max_steps=1024,
+    )  # fmt: skip
+    return sol.ys[-1]
+
+
+def real_workloads(quick: bool) -> list[Workload]:
+    root = pathlib.Path(__file__).parent.parent / "examples" / "calibration.py"
+    spec = importlib.util.spec_from_file_location("calibration", root)
+    assert spec is not None and spec.loader is not None
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    t, f, a = (4, 4, 8) if quick else (32, 16, 24)
+    obs = cal.simulate(jax.random.key(0), t, f, a)
+    g0 = jnp.ones((a,), jnp.complex64)
+    lm = ft.partial(cal.solve_slot, ref=0, solver=cal.make_solver())
+    lm.__name__ = "solve_slot"  # type: ignore[attr-defined]
+    # The example's budget: half of full vmap's temporaries.
+    out = [Workload(f"calibration LM {t}x{f}x{a}", lm, dict(core="A"),
+                    (obs.vis, obs.model, obs.ant1, obs.ant2, g0), 0.5)]  # fmt: skip
+    k = iter(jax.random.split(jax.random.key(1), 8))
+    kw = dict(in_dims=("B L K J", "B J"), out_dims="B K", core="K")
+    for kk, b in ((64, 256), (256, 32)) if quick else ((64, 4096), (256, 1024)):
+        w = _normal(next(k), (b, 4, kk, kk), 1.0 / np.sqrt(kk))
+        args = (w, _normal(next(k), (b, kk), 1.0))
+        out.append(Workload(f"MLP, W per element, K={kk}", _mlp, kw, args, 2.0))
+    t, f = (4, 8) if quick else (16, 32)
+    along_f = jnp.broadcast_to(10.0 ** jnp.linspace(0.0, 3.0, f), (t, f))
+    at_random = 10.0 ** jax.random.uniform(next(k), (t, f), jnp.float32, 0.0, 3.0)
+    kw = dict(in_dims=("T F", "T F"), out_dims="T F")
+    for layout, rate in (("at random", at_random), ("along F", along_f)):
+        args = (rate.astype(jnp.float32), jnp.ones((t, f), jnp.float32))
+        name = f"stiff diffrax, rates {layout}"
+        out.append(Workload(name, _stiff, kw, args, 2.0, False))
+    return out
+
+
+#
+# The sweep and the timing.
+#
+
+
+def sweep(sizes: dict[str, int], base: int = 2) -> list[tuple[tuple, tuple]]:
+    """Every nest `(scan, vmap)` scanning a prefix of some order of the dims: the
+    outer ones one at a time, the last one at a time or in chunks of 2 times a
+    power of `base` (2; 4 with `--quick`)."""
+    names = [n for n, s in sizes.items() if s > 1]
+    out = {((), frozenset(names)): ((), tuple(names))}
+    for order in itertools.permutations(names):
+        for k, d in enumerate(order):
+            rest = tuple(n for n in names if n not in order[: k + 1])
+            chunks = [2 * base**i for i in range(30) if 2 * base**i < sizes[d]]
+            for c in [None, *chunks]:
+                scan = tuple((n, None) for n in order[:k]) + ((d, c),)
+                out.setdefault((scan, frozenset(rest)), (scan, rest))
+    return list(out.values())
+
+
+def _vjp(args: tuple) -> tuple[Callable, tuple]:
+    """A map `fn` to its reverse-mode derivative, as the planner compiles it: the
+    pullback of its inexact outputs, the cotangents an argument; and its arguments."""
+    diff = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+    def of(fn: Callable) -> Callable:
+        def pullback(values: list, cts: list) -> Any:
+            def inexact(xs: list) -> list:
+                full = list(values)
+                for i, x in zip(diff, xs):
+                    full[i] = x
+                out = jax.tree.leaves(fn(*full))
+                return [o for o in out if jnp.issubdtype(o.dtype, jnp.inexact)]
+
+            return jax.vjp(inexact, [values[i] for i in diff])[1](cts)
+
+        return pullback
+
+    return of, (list(args),)
+
+
+def _cpu(thunk: Callable) -> tuple[Any, float]:
     start = time.process_time()
-    _compile(fn, *args)
-    return time.process_time() - start
+    out = thunk()
+    return out, time.process_time() - start
 
 
-def _loss(fn: Callable, args: tuple) -> Callable:
-    wrt = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact))
-
-    def loss(*a: Any) -> Any:
-        return sum(jnp.sum(jnp.abs(o) ** 2) for o in jax.tree.leaves(fn(*a)))
-
-    return jax.grad(loss, wrt)
+def _nest_of(plan: Any) -> tuple[tuple, tuple]:
+    return tuple(plan.chosen.scan), tuple(plan.chosen.vmap)
 
 
-def _budget(body: Callable, kw: dict, args: tuple, fraction: float) -> tuple[int, int]:
-    """A workload's budget, and full vmap's temporaries (of which it is `fraction`)."""
-    full = _compile(filter_multi_vmap(body, **kw), *args)
-    need = full.memory_analysis().temp_size_in_bytes
-    return max(1024, int(need * fraction)), need
+def _key(nest: tuple, checkpoint: bool = False) -> tuple:
+    return nest[0], frozenset(nest[1]), checkpoint and bool(nest[0])
 
 
-def cold(quick: bool, only: str | None, rounds: int = 3) -> None:
-    """Print cold plans' compile times over the chosen nests' (see the docstring)."""
-    model = Planner(cache_dir=False).time_model  # calibrated once, not counted
-    ratios: dict[str, list[float]] = {"forward": [], "grad": []}
-    for name, body, kw, args, fraction in [_jones(), *workloads(quick)]:
-        if only is not None and only not in name:
-            continue
-        budget = {}
-        if fraction is not None:
-            budget = {"memory_budget": _budget(body, kw, args, fraction)[0]}
-        for mode in ("forward", "grad"):
-            wrap = fresh if mode == "forward" else (lambda f: _loss(f, args))
-            times: dict[str, list[float]] = {"auto": [], "fixed": []}
-            # Compiles of a few ms scatter by a few ms: more rounds for them.
-            while len(times["auto"]) < (25 if sum(times["auto"]) < 1 else rounds):
-                planner = Planner(cache_dir=False, time_model=model)
-                auto = filter_multi_vmap(body, plan=planner, **budget, **kw)
-                try:
-                    times["auto"].append(_cpu_compile(wrap(auto), args))
-                except SpecError as e:
-                    print(f"{name}, {mode}: no nest fits ({str(e)[:60]}...)")
-                    break
-                n, plan = planner.n_compiles, explain(auto, *args)
-                plan = plan if mode == "forward" else plan.gradient
-                nest = dict(scan=plan.scan, vmap=plan.vmap, checkpoint=plan.checkpoint)
-                fixed = filter_multi_vmap(body, **nest, **kw)
-                times["fixed"].append(_cpu_compile(wrap(fixed), args))
-            if times["fixed"]:
-                t_auto, t_fixed = (statistics.median(t) for t in times.values())
-                ratios[mode].append(t_auto / t_fixed)
-                compiles = f"{n} planning compile{'' if n == 1 else 's'}"
-                print(
-                    f"{name}, {mode}: cold plan='auto' {t_auto:.3f} s / fixed nest "
-                    f"{t_fixed:.3f} s = {t_auto / t_fixed:.2f}x ({len(times['auto'])} "
-                    f"rounds); {compiles}; {plan.chosen.nest(dict(plan.sizes))}",
-                    flush=True,
-                )
-    for mode, rs in ratios.items():
-        if rs:
-            print(
-                f"cold plan / compile, {mode}: geometric mean {_gmean(rs):.2f}, max "
-                f"{max(rs):.2f}; {sum(r <= 2 for r in rs)} of {len(rs)} within 2x"
-            )
-
-
-def _explain_seconds(fn: Callable, args: tuple) -> tuple[Plan, float]:
-    t0 = time.perf_counter()
-    plan = explain(fn, *args)
-    return plan, time.perf_counter() - t0
-
-
-def run(
-    quick: bool,
-    repeats: int,
-    confirm: int,
-    verbose: bool,
-    only: str | None,
-    measure: bool,
-    cache_dir: str,
-) -> list[dict]:
-    rows = []
-    planner = Planner(measure=measure, cache_dir=cache_dir)
-    print(planner.time_model.describe(), flush=True)
-    # The same (calibrated) model with the fresh-memory term off.
-    no_fresh = dataclasses.replace(
-        planner.time_model, fresh_threshold=None, fresh_source="off"
+def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
+    """One row: the workload planned and timed `forward` or under `grad`."""
+    full_vmap = filter_multi_vmap(w.body, **w.kw)
+    budget = max(1024, int(temp_bytes(_compile(full_vmap, *w.args)) * w.fraction))
+    prog, args = (lambda f: f), w.args
+    if mode == "grad":
+        prog, args = _vjp(w.args)
+        outs = jax.tree.leaves(jax.eval_shape(full_vmap, *w.args))
+        inexact = [o for o in outs if jnp.issubdtype(o.dtype, jnp.inexact)]
+        args = (*args, [jnp.ones(o.shape, o.dtype) for o in inexact])
+    kw = dict(memory_budget=budget, **w.kw)
+    picks, cold = {}, {}
+    planners = {"auto": Planner(cache_dir=False, time_model=model)}
+    if opts.plan == "measure":
+        planners["measure"] = Planner(cache_dir=False, time_model=model, measure=True)
+    no_fresh = dataclasses.replace(model, fresh_threshold=None, fresh_source="off")
+    planners["no fresh"] = Planner(cache_dir=False, time_model=no_fresh)
+    programs, plans = {}, {}
+    for name, planner in planners.items():
+        mapped = filter_multi_vmap(w.body, plan=planner, **kw)
+        programs[name], cold[name] = _cpu(lambda: _compile(prog(mapped), *args))
+        plan = explain(mapped, *w.args)
+        plans[name] = plan if mode == "forward" else plan.gradient
+        picks[name] = _nest_of(plans[name])
+    plan = plans["auto"]
+    sizes = {n: s for n, s in plan.sizes if n in {*plan.scan, *plan.vmap}}
+    # Under `grad`, each scanning nest with and without `jax.checkpoint` (with
+    # `--quick`, with only, as the planner's).
+    ckpt = {"forward": (False,), "grad": (True,) if opts.quick else (False, True)}
+    nests = {
+        _key(n, c): n
+        for n in sweep(sizes, 4 if opts.quick else 2)
+        for c in ckpt[mode]
+    }
+    nests.update({_key(n, plans[p].checkpoint): n for p, n in picks.items()})
+    fixed, temps, compile_s = {}, {}, {}
+    for key, (scan, vmap) in nests.items():
+        f = filter_multi_vmap(
+            w.body, scan=dict(scan), vmap=vmap, checkpoint=key[2], **w.kw
+        )
+        fixed[key], compile_s[key] = _cpu(lambda: _compile(prog(f), *args))
+        temps[key] = temp_bytes(fixed[key])
+    fits = [k for k in nests if temps[k] <= budget]
+    if not fits:
+        raise SpecError(f"no nest of the sweep fits {_fmt_bytes(budget)}")
+    block = lambda k: np.prod([c or 1 for _, c in k[0]]) * np.prod(  # noqa: E731
+        [sizes[n] for n in k[1]]
     )
-    for name, body, kw, args, fraction in workloads(quick):
-        if only is not None and only not in name:
-            continue
-        budget, full_temp = _budget(body, kw, args, fraction)
-        auto = filter_multi_vmap(body, plan=planner, memory_budget=budget, **kw)
-        # Planning latency: `explain` plans the map and its derivative.
-        plan, cold = _explain_seconds(auto, args)
-        _, cached = _explain_seconds(auto, args)
-        warm = Planner(measure=measure, cache_dir=cache_dir)
-        again = filter_multi_vmap(body, plan=warm, memory_budget=budget, **kw)
-        warm_plan, from_disk = _explain_seconds(again, args)
-        assert warm.n_compiles == 0 and warm_plan.chosen == plan.chosen, warm_plan
-        # The plan without the fresh-memory term, timed in the same round-robin for
-        # a side-by-side comparison.
-        base = filter_multi_vmap(
-            body,
-            plan=Planner(time_model=no_fresh, cache_dir=False),
-            memory_budget=budget,
-            **kw,
-        )
-        base_plan = explain(base, *args)
-        sizes = dict(plan.sizes)
-        mapped = {d.name for d in plan.dims}
+    # The first ladder: the dims in the order the (first) output names them.
+    out = w.kw.get("out_dims", " ".join(sizes))
+    named = (out if isinstance(out, str) else out[0]).split()
+    order = [n for n in named if n in sizes] + [n for n in sizes if n not in named]
+    ladder = [  # checkpointed under `grad` whenever it scans, as the planner's
+        k for k in fits if [n for n, _ in k[0]] == order[: len(k[0])]
+        and k[2] == (mode == "grad" and bool(k[0]))
+    ]  # fmt: skip
+    simple = max(ladder, key=lambda k: (block(k), -len(k[0])), default=None)
+    pick_keys = [_key(p, plans[n].checkpoint) for n, p in picks.items()]
+    timed = list(dict.fromkeys(fits + pick_keys))
+    # The picks as their fixed nests (the auto program's twin: the same HLO).
+    thunks = [lambda c=fixed[k]: c(*args) for k in timed]
+    thunks.append(lambda: programs["auto"](*args))
+    times = time_interleaved(
+        thunks, 0.0, opts.repeats, opts.repeats, 2e-3, opts.settle, drop_above=3.0
+    )
+    med = [statistics.median(t) for t in times]
+    by_key = dict(zip(timed, med))
+    by_plan = {n: by_key[_key(p, plans[n].checkpoint)] for n, p in picks.items()}
+    best = min(fits, key=lambda k: by_key[k])
+    auto_key = pick_keys[0]
+    pair = time_interleaved(
+        [lambda: programs["auto"](*args), lambda: fixed[best](*args),
+         lambda: fixed[auto_key](*args)],
+        opts.seconds, opts.confirm, 4 * opts.confirm, 0.02,
+    )  # fmt: skip
+    same_hlo = normalised_hlo(programs["auto"]) == normalised_hlo(fixed[auto_key])
+    nest = lambda k: _describe(k, sizes)  # noqa: E731
+    return dict(
+        name=w.name,
+        mode=mode,
+        sizes=" ".join(f"{n}={s}" for n, s in sizes.items()),
+        budget=budget,
+        auto=nest(auto_key),
+        over=sum(temp_bytes(programs[n]) > budget for n in planners if n != "no fresh"),
+        ratio=statistics.median(paired_ratios(pair[0], pair[1])),
+        first=med[-1] / by_key[best],
+        noise=statistics.median(paired_ratios(pair[2], pair[0])),
+        same_hlo=same_hlo,
+        best=nest(best),
+        simple=nest(simple) if simple else "-",
+        simple_ratio=by_key[simple] / by_key[best] if simple else float("nan"),
+        measure=by_plan.get("measure", float("nan")) / by_key[best],
+        no_fresh=by_plan["no fresh"] / by_key[best],
+        cold=cold["auto"] / compile_s[auto_key],
+        cold_measure=cold.get("measure", float("nan"))
+        / compile_s[pick_keys[1] if "measure" in picks else auto_key],
+        n=f"{len(fits)} / {len(nests)}",
+        best_ms=by_key[best] * 1e3,
+    )
 
-        auto_compiled = _compile(auto, *args)
-        auto_temp = auto_compiled.memory_analysis().temp_size_in_bytes
-        # Every candidate, as a fixed nest; measured memory decides which fit.
-        timed: list[tuple[str, Any, int]] = []
-        for cand in plan.candidates:
-            fixed = filter_multi_vmap(
-                body, **{**kw, "scan": dict(cand.scan), "vmap": cand.vmap}
-            )
-            compiled = _compile(fixed, *args)
-            temp = compiled.memory_analysis().temp_size_in_bytes
-            timed.append((cand.nest(sizes), compiled, temp))
-        everyone = timed + [("auto", auto_compiled, auto_temp)]
-        # Each timed call follows an untimed one of the same program (`settle`).
-        times = time_interleaved(
-            [lambda fn=fn: fn(*args) for _, fn, _ in everyone],
-            0.0,
-            min_rounds=repeats,
-            max_rounds=repeats,
-            min_sample=0.0,
-        )
-        medians = [statistics.median(ts) for ts in times]
-        if verbose:
-            print(plan)
-            for (nest, _, temp), med in zip(everyone, medians):
-                print(f"  {med * 1e3:9.3f} ms  {_fmt_bytes(temp):>10}  {nest}")
-        auto_time = medians[-1]
-        fitting = [i for i, (_, _, temp) in enumerate(timed) if temp <= budget]
-        best = min(fitting, key=lambda i: medians[i])
-        fastest = min(range(len(timed)), key=lambda i: medians[i])
-        chosen = plan.chosen.nest(sizes)
-        same = [i for i, (nest, _, _) in enumerate(timed) if nest == chosen]
-        # The second pass: the planned program against the best fitting candidate
-        # and against its twin (its own nest compiled as a fixed nest, the same
-        # HLO), whose ratio is the noise floor. Samples of at least 20 ms (several
-        # calls of a quick program), every round interleaved.
-        twin = timed[same[0]][1] if same else auto_compiled
-        pair = time_interleaved(
-            [
-                lambda: auto_compiled(*args),
-                lambda: timed[best][1](*args),
-                lambda: twin(*args),
-            ],
-            3.0 if quick else 8.0,
-            min_rounds=confirm,
-            max_rounds=4 * confirm,
-            min_sample=0.02,
-        )
-        base_nest = base_plan.chosen.nest(sizes)
-        base = [i for i, (nest, _, _) in enumerate(timed) if nest == base_nest]
-        rows.append(
-            dict(
-                name=name,
-                sizes=" ".join(f"{n}={s}" for n, s in sizes.items() if n in mapped),
-                budget=budget,
-                full_temp=full_temp,
-                auto_nest=chosen,
-                auto_temp=auto_temp,
-                auto_time=auto_time,
-                best_nest=timed[best][0],
-                best_time=medians[best],
-                ratio=statistics.median(paired_ratios(pair[0], pair[1])),
-                noise=statistics.median(paired_ratios(pair[2], pair[0])),
-                fastest_nest=timed[fastest][0],
-                fastest_time=medians[fastest],
-                n_fit=len(fitting),
-                n_cand=len(timed),
-                same_time=medians[same[0]] if same else float("nan"),
-                same_hlo=bool(same)
-                and normalised_hlo(auto_compiled) == normalised_hlo(timed[same[0]][1]),
-                base_nest=base_nest,
-                base_time=medians[base[0]] if base else float("nan"),
-                n_compiled=plan.n_compiled,
-                plan_seconds=plan.seconds,
-                explain_cold=cold,
-                explain_cached=cached,
-                explain_disk=from_disk,
-            )
-        )
-        r = rows[-1]
-        print(
-            f"{name}: auto {auto_time * 1e3:.3f} ms ({r['auto_nest']}), best fitting "
-            f"{r['best_time'] * 1e3:.3f} ms ({r['best_nest']}); second pass auto / "
-            f"best {r['ratio']:.3f} (noise: twin / auto {r['noise']:.3f}); explain "
-            f"{cold:.2f} s cold, {cached * 1e3:.1f} ms "
-            f"cached, {from_disk * 1e3:.0f} ms from disk",
-            flush=True,
-        )
-    return rows
+
+def _describe(key: tuple, sizes: dict[str, int]) -> str:
+    scan = [n if c is None else f"{n}: chunks of {c}" for n, c in key[0]]
+    vmap = [n for n in sizes if n in key[1]]
+    parts = [f"scan({s})" for s in scan] + [f"vmap({' '.join(vmap)})"] * bool(vmap)
+    return " -> ".join(parts) + ", checkpointed" * key[2]
 
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| workload | mapped sizes | budget (full vmap needs) | auto plan | "
-        "temp / budget | auto ms | same nest as a candidate, ms (same HLO) | "
-        "best fitting candidate | best ms | auto / best (first pass) | "
-        "twin / auto (noise) | "
-        "auto / fastest (any budget) | fit / candidates | planning (compiles) | "
-        "explain: cold / cached / from disk | "
-        "without fresh-memory term: plan | its / best |"
+        "| workload | mode | mapped sizes | budget | auto plan | auto / best (first "
+        "pass) | twin / auto | best fitting nest (ms) | simple rule | simple / best "
+        "| measured / best | without fresh term / best | cold plan / compile "
+        "(measured) | fit / nests |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        first = r["auto_time"] / r["best_time"]
-        same = r["base_nest"] == r["auto_nest"]
-        base_nest = "same" if same else f"`{r['base_nest']}`"
         lines.append(
-            f"| {r['name']} | {r['sizes']} | {_fmt_bytes(r['budget'])} "
-            f"({_fmt_bytes(r['full_temp'])}) | `{r['auto_nest']}` | "
-            f"{r['auto_temp'] / r['budget']:.2f} | {r['auto_time'] * 1e3:.3f} | "
-            f"{r['same_time'] * 1e3:.3f} ({'yes' if r['same_hlo'] else 'no'}) | "
-            f"`{r['best_nest']}` | {r['best_time'] * 1e3:.3f} | "
-            f"{r['ratio']:.2f} ({first:.2f}) | {r['noise']:.2f} | "
-            f"{r['auto_time'] / r['fastest_time']:.2f} | {r['n_fit']} / "
-            f"{r['n_cand']} | {r['plan_seconds']:.2f} s ({r['n_compiled']}) | "
-            f"{r['explain_cold']:.2f} s / {r['explain_cached'] * 1e3:.1f} ms / "
-            f"{r['explain_disk'] * 1e3:.0f} ms | "
-            f"{base_nest} | {r['base_time'] / r['best_time']:.2f} |"
+            f"| {r['name']} | {r['mode']} | {r['sizes']} | {_fmt_bytes(r['budget'])} "
+            f"| `{r['auto']}` | {r['ratio']:.2f} ({r['first']:.2f}) | "
+            f"{r['noise']:.2f}{'' if r['same_hlo'] else ' (not same HLO)'} | "
+            f"`{r['best']}` ({r['best_ms']:.3g}) | `{r['simple']}` | "
+            f"{r['simple_ratio']:.2f} | {r['measure']:.2f} | {r['no_fresh']:.2f} | "
+            f"{r['cold']:.2f} ({r['cold_measure']:.2f}) | {r['n']} |"
         )
-    ratios = [r["ratio"] for r in rows]
-    firsts = [r["auto_time"] / r["best_time"] for r in rows]
-    # The auto plan's nest is also among the candidates: timing it twice shows the
-    # noise of the machine.
-    same = [r["same_time"] / r["best_time"] for r in rows]
+    summary = [
+        _summary("auto / best", [r["ratio"] for r in rows]),
+        _summary("auto / best, first pass", [r["first"] for r in rows]),
+        _summary("simple rule / best", [r["simple_ratio"] for r in rows]),
+        _summary("measured / best", [r["measure"] for r in rows]),
+        _summary("without the fresh-memory term / best", [r["no_fresh"] for r in rows]),
+        _summary("cold plan / compile of the pick", [r["cold"] for r in rows], 2.0),
+        _summary("cold measured plan / compile", [r["cold_measure"] for r in rows], 10),
+    ]
     noise = [r["noise"] for r in rows]
-    over = sum(r["auto_temp"] > r["budget"] for r in rows)
-    base = [r["base_time"] / r["best_time"] for r in rows]
-    lines.append("")
-    lines.append(
-        f"auto / best: geometric mean {_gmean(ratios):.3f}, max {max(ratios):.3f}; "
-        f"{sum(x <= 1.10 for x in ratios)} of {len(ratios)} within 1.10x (second "
-        f"pass; first pass: geometric mean {_gmean(firsts):.3f}, max "
-        f"{max(firsts):.3f}; {sum(x <= 1.10 for x in firsts)} of {len(firsts)} "
-        f"within 1.10x). Noise, the auto program against its twin (same HLO) in the "
-        f"second pass: {min(noise):.3f} to {max(noise):.3f}. Its nest timed as a "
-        f"candidate / best: geometric mean "
-        f"{_gmean(same):.3f}, max {max(same):.3f}; {sum(x <= 1.10 for x in same)} "
-        f"of {len(same)} within 1.10x; same HLO as the auto program in "
-        f"{sum(r['same_hlo'] for r in rows)} of {len(rows)}. Over "
-        f"budget: {over} of {len(rows)}. Without the fresh-memory term: geometric mean "
-        f"{_gmean(base):.3f}, max {max(base):.3f}; {sum(x <= 1.10 for x in base)} "
-        f"of {len(base)} within 1.10x."
+    over = sum(r["over"] for r in rows)
+    summary.append(
+        f"Noise (twin / auto, second pass): {min(noise):.3f} to {max(noise):.3f}. "
+        f"Over budget: {over} of {len(rows)}."
     )
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + [s for s in summary if s])
 
 
-def _gmean(xs: list[float]) -> float:
-    return float(np.exp(np.mean(np.log(xs))))
+def _summary(what: str, xs: list[float], goal: float = 1.10) -> str:
+    xs = [x for x in xs if np.isfinite(x)]
+    if not xs:
+        return ""
+    g = float(np.exp(np.mean(np.log(xs))))
+    return (
+        f"{what}: geometric mean {g:.3f}, max {max(xs):.3f}; "
+        f"{sum(x <= goal for x in xs)} of {len(xs)} within {goal:.2f}x"
+    )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes")
-    parser.add_argument(
-        "--plan",
-        choices=("auto", "measure"),
-        default="auto",
-        help="the planner: the time model ('auto'), or Planner(measure=True)",
-    )
-    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--real", action="store_true", help="the real workloads")
+    parser.add_argument("--all", action="store_true", help="synthetic and real")
+    parser.add_argument("--plan", choices=("auto", "measure"), default="auto")
+    parser.add_argument("--forward", action="store_true", help="no jax.grad rows")
+    parser.add_argument("--repeats", type=int, help="rounds of the first pass")
     parser.add_argument("--confirm", type=int, help="rounds of the second pass")
-    parser.add_argument("--verbose", action="store_true", help="every candidate")
     parser.add_argument("--only", help="workloads whose name has this")
-    parser.add_argument("--cold", action="store_true", help="price planning instead")
-    parser.add_argument("--cache-dir", help="the planner's disk cache (default: new)")
-    opts = parser.parse_args()
-    repeats = opts.repeats or (7 if opts.quick else 21)
-    confirm = opts.confirm or (15 if opts.quick else 31)
+    opts = parser.parse_args(argv)
+    opts.repeats = opts.repeats or (5 if opts.quick else 9)
+    opts.confirm = opts.confirm or (9 if opts.quick else 21)
+    # Untimed calls before each sample: 1 (0 at full size, where calls are long).
+    opts.seconds, opts.settle = (2.0, 1) if opts.quick else (8.0, 0)
     start = time.perf_counter()
     print(
-        f"python benchmarks/planner.py {' '.join(sys.argv[1:])}\n"
-        f"jax {jax.__version__}, {jax.devices()[0].platform}, "
-        f"{os.cpu_count()} cores; {datetime.date.today()}; repeats={repeats}, "
-        f"second pass at least {confirm} rounds",
+        f"python benchmarks/planner.py {' '.join(sys.argv[1:])}\njax "
+        f"{jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; "
+        f"{datetime.date.today()}; first pass {opts.repeats} rounds, second pass at "
+        f"least {opts.confirm}",
         flush=True,
     )
-    if opts.cold:
-        cold(opts.quick, opts.only)
-        return
-    with tempfile.TemporaryDirectory(prefix="planner_bench_cache_") as tmp:
-        measure, cache = opts.plan == "measure", opts.cache_dir or tmp
-        rows = run(
-            opts.quick, repeats, confirm, opts.verbose, opts.only, measure, cache
-        )
+    model = Planner(cache_dir=False).time_model  # calibrated once, not counted
+    print(model.describe(), flush=True)
+    chosen = [] if opts.real else workloads(opts.quick)
+    chosen += real_workloads(opts.quick) if opts.real or opts.all else []
+    rows = []
+    for w in chosen:
+        if opts.only is not None and opts.only not in w.name:
+            continue
+        grad = w.grad and not opts.forward
+        for mode in ("forward", "grad") if grad else ("forward",):
+            try:
+                rows.append(evaluate(w, mode, model, opts))
+            except SpecError as e:
+                print(f"{w.name}, {mode}: no nest fits ({str(e)[:80]}...)")
+                continue
+            r = rows[-1]
+            print(
+                f"{w.name}, {mode}: auto {r['auto']} / best {r['best']} = "
+                f"{r['ratio']:.3f} (twin {r['noise']:.3f}); simple {r['simple']} "
+                f"{r['simple_ratio']:.2f}; cold plan / compile {r['cold']:.2f}",
+                flush=True,
+            )
     print()
     print(table(rows))
     print(f"\nTotal: {time.perf_counter() - start:.0f} s")

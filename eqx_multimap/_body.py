@@ -48,7 +48,7 @@ def struct(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct
     )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Body:
     """The body traced on one element: `jaxpr` (a `ClosedJaxpr`) over the array
     leaves of the arguments, then the arrays the body closed over (`hoisted`),
@@ -61,6 +61,9 @@ class Body:
     its checks functionally (`unchecked`), and drops their error.
     """
 
+    # Compared and hashed by identity (`eq=False`): JAX keys its caches on the
+    # callables it transforms (`jax.checkpoint` of a scan level whose body is this),
+    # and the hoisted arrays are not hashable.
     # Not in its repr: JAX takes the repr of a callable without `__code__` for its
     # debug info, once per transform, and a jaxpr's text takes a while to build.
     jaxpr: Any = dataclasses.field(repr=False)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqx_multimap import ShapeError
+from eqx_multimap import explain, filter_multi_vmap, ShapeError
 
 
 pytest.importorskip("optimistix")
@@ -60,6 +60,46 @@ def test_per_slot_program_has_no_dense_jacobian():
     dense_hlo = cal.solve_dense.lower(*args, **static).compile().as_text()
     dense_shapes = _array_shapes(dense_hlo)
     assert max(map(math.prod, dense_shapes)) >= dense_jacobian
+
+
+def test_auto_under_a_budget_that_forces_a_search():
+    # The planner searches the forward nest and the gradient's (scan bodies in
+    # `jax.checkpoint`, which hashes the body it wraps: the body closes over arrays).
+    # Forward, `explain` and `jax.grad` against a hand-written `jax.vmap` nest.
+    obs, args = _problem(n_times=4, n_freqs=2, n_antennas=6)
+    solver = cal.make_solver()
+    budget = 20788  # below full vmap's temporaries, forward and backward
+    mapped = filter_multi_vmap(
+        cal.solve_slot, core="A", plan="auto", memory_budget=budget
+    )
+    fit = jax.jit(mapped, static_argnames=("ref", "solver"))
+    out = fit(*args, ref=0, solver=solver)
+
+    def one(vis, model):
+        return cal.solve_slot(vis, model, obs.ant1, obs.ant2, args[4], 0, solver)
+
+    hand = jax.jit(jax.vmap(jax.vmap(one)))
+    ref = hand(obs.vis, obs.model)
+    assert out.gains.shape == (4, 2, 6) and out.gains.dtype == jnp.complex64
+    np.testing.assert_allclose(out.gains, ref.gains, rtol=0, atol=1e-5)
+
+    plan = explain(mapped, *args, ref=0, solver=solver)
+    assert plan.auto and plan.chosen is not None and plan.chosen.scan
+    grad_plan = plan.gradient
+    assert not isinstance(grad_plan, (str, type(None)))
+    assert grad_plan.backward and grad_plan.checkpoint and grad_plan.chosen.scan
+    for p in (plan, grad_plan):
+        assert p.chosen.temp_bytes <= budget
+        assert any(not c.fits for c in p.candidates)  # full vmap did not fit
+    assert "under differentiation" in str(plan)
+
+    def loss(scale, call):
+        return jnp.sum(jnp.abs(call(obs.vis, obs.model * scale).gains) ** 2)
+
+    ours = jax.grad(loss)(1.0, lambda v, m: fit(v, m, *args[2:], ref=0, solver=solver))
+    want = jax.grad(loss)(1.0, hand)
+    assert jnp.isfinite(ours)
+    np.testing.assert_allclose(ours, want, rtol=1e-4)
 
 
 @pytest.mark.slow

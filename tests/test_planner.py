@@ -617,6 +617,24 @@ def test_zero_size_dim_plans_nothing():
     assert out.shape == (0, 3) and out.dtype == jnp.float32
 
 
+def test_checkpointed_body_closing_over_arrays(getkey):
+    # Every dim scanned, so each scan level's `jax.checkpoint` wraps the traced body
+    # itself, which JAX hashes; the body closes over a JAX and a NumPy array.
+    w = jax.random.normal(getkey(), (3,))
+
+    def body(x):
+        return jnp.sin(x) * jnp.sum(w * np.arange(3.0, dtype=np.float32))
+
+    x = jax.random.normal(getkey(), (4, 2))
+    f = filter_multi_vmap(
+        body, in_dims="T F", out_dims="T F", scan=("T", "F"), checkpoint=True
+    )
+    got = jax.grad(lambda x: jnp.sum(f(x)))(x)
+    ref = jax.grad(lambda x: jnp.sum(body(x)))(x)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_checkpoint_reduces_grad_memory(getkey):
     # A scanned body with a (K, K) intermediate: without `checkpoint`, reverse mode
