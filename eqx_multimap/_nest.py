@@ -390,14 +390,19 @@ class _Nest:
             xs = {i: jnp.moveaxis(values[i], axes[i][name], 0) for i in mapped}
             inner_axes, inner_pending = [drop_axis(a, name) for a in axes], pending
         else:
-            whole = [i for i in mapped if axes[i][name] == 0]
-            whole = [i for i in whole if values[i].shape[0] == length * k]
-            # Chunks of 1 are the elements, given their axis back in each iteration
+            # Scanned as `xs`: a leading axis of whole chunks (or of no elements);
+            # chunks of 1 are the elements, given their axis back in each iteration
             # (a `(n, 1)` split may take a layout that XLA copies the leaf to).
-            xs = {
-                i: values[i] if k == 1 else _split_axis(values[i], 0, (length, k))
-                for i in whole
-            }
+            whole = [
+                i
+                for i in mapped
+                if length == 0
+                or (axes[i][name] == 0 and values[i].shape[0] == length * k)
+            ]
+            xs = {}
+            for i in whole:
+                x = jnp.moveaxis(values[i], axes[i][name], 0)
+                xs[i] = x if k == 1 else _split_axis(x, 0, (length, k))
             inner_axes = [_rename(a, name, chunk_key(name)) for a in axes]
             inner_pending = pending + (Level(chunk_key(name), name, "vmap", k, False),)
         sliced = [i for i in mapped if i not in xs]
@@ -410,7 +415,10 @@ class _Nest:
         def take(index: Any, x: Leaves) -> Leaves:
             current = list(values)
             for i, xi in zip(xs, x):
-                current[i] = jnp.expand_dims(xi, 0) if k == 1 else xi
+                if k is not None:  # a chunk's axis back in its place
+                    ax = axes[i][name]
+                    xi = jnp.expand_dims(xi, ax) if k == 1 else jnp.moveaxis(xi, 0, ax)
+                current[i] = xi
             for i in sliced:
                 ax = axes[i][name]
                 current[i] = lax.dynamic_slice_in_dim(values[i], index * k, k, ax)
@@ -462,7 +470,8 @@ class _Nest:
             ax = present_axes(dims, absent, y.ndim - (chunk is not None))[name]
             y = jnp.moveaxis(y, 0, ax)
             if chunk is not None:
-                y = jnp.reshape(y, y.shape[:ax] + (-1,) + y.shape[ax + 2 :])
+                merged = (y.shape[ax] * y.shape[ax + 1],)
+                y = jnp.reshape(y, y.shape[:ax] + merged + y.shape[ax + 2 :])
             out.append(y)
         return out
 
