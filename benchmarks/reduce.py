@@ -168,16 +168,13 @@ def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
     plan = explain(planned, x, y)
     assert plan.gradient is not None
     sizes = dict(plan.sizes)
-    fixed = filter_multi_vmap(
-        fresh(outer_sumexp), **dims, scan=plan.scan, vmap=plan.vmap
-    )
+    nest = dict(scan=plan.scan, vmap=plan.vmap)
+    fixed = filter_multi_vmap(fresh(outer_sumexp), **dims, **nest)
     vmapped = filter_multi_vmap(fresh(outer_sumexp), **dims, vmap="N")
-
-    def grad(f):
-        return jax.grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))
-
-    def value_and_grad(f):
-        return jax.value_and_grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))
+    grad = lambda f: jax.grad(lambda x, y: f(x, y).sum(), (0, 1))  # noqa: E731
+    value_and_grad = lambda f: jax.value_and_grad(  # noqa: E731
+        lambda x, y: f(x, y).sum(), (0, 1)
+    )
 
     fwd, bwd = plan.chosen.nest(sizes), plan.gradient.chosen.nest(sizes)
     programs = {
@@ -195,15 +192,11 @@ def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
         log(f"| {what} | {nest} | {fmt_bytes(temps[what])} | {temps[what] / B:.2f} |")
     names = list(programs)
     grads = [comp[names[i]] for i in (1, 3, 4)]  # planned, fixed, full vmap
-    values = [c(x, y) for c in grads]
-    agree = all(
-        np.allclose(a, b, rtol=1e-4, atol=1e-6)
-        for v in values[1:]
-        for a, b in zip(jax.tree.leaves(values[0]), jax.tree.leaves(v))
-    )
-    times = time_interleaved(
-        [lambda c=c: c(x, y) for c in grads], SIZES[quick]["seconds"], 5, max_rounds
-    )
+    values = [jax.tree.leaves(c(x, y)) for c in grads]
+    pairs = [ab for v in values[1:] for ab in zip(values[0], v)]
+    agree = all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in pairs)
+    thunks = [lambda c=c: c(x, y) for c in grads]
+    times = time_interleaved(thunks, SIZES[quick]["seconds"], 5, max_rounds)
     vs = [statistics.median(paired_ratios(times[0], t)) for t in times[1:]]
 
     def of(what: str) -> str:

@@ -177,27 +177,19 @@ def make_config(args) -> Config:
 
 
 def agree(a, b) -> bool:
-    return all(
-        np.allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-4)
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    return all(np.allclose(u, v, rtol=1e-4, atol=1e-4) for u, v in pairs)
 
 
 def row(kind, body, nest, transform, cell, times, **extra) -> dict:
     """One measurement: ours, hand and twin times per round (seconds)."""
     t_ours, t_hand, t_twin = times
-    return dict(
-        kind=kind,
-        body=body,
-        nest=nest,
-        transform=transform,
-        cell="x".join(map(str, cell)),
-        ours_ms=1e3 * statistics.median(t_ours),
-        hand_ms=1e3 * statistics.median(t_hand),
-        ratios=paired_ratios(t_ours, t_hand),
-        twin=paired_ratios(t_twin, t_hand),
-        **extra,
-    )
+    what = dict(kind=kind, body=body, nest=nest, transform=transform)
+    ms = dict(ours_ms=1e3 * med(t_ours), hand_ms=1e3 * med(t_hand))
+    ratios = paired_ratios(t_ours, t_hand)
+    twin = paired_ratios(t_twin, t_hand)
+    cell = "x".join(map(str, cell))
+    return dict(what, cell=cell, **ms, ratios=ratios, twin=twin, **extra)
 
 
 def run_cell(body, nest, transform, cell, cfg: Config) -> dict:
@@ -310,13 +302,14 @@ def md_table(lines: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in [lines[0], rule, *lines[1:]])
 
 
+EAGER_COUNTS = ("traces", "compiles", "calls")
+
+
 def eager_note(rows: list[dict]) -> str:
     counted = [r for r in rows if r["kind"] == "eager"]
     if not counted:
         return ""
-    traces = sum(r["traces"] for r in counted)
-    compiles = sum(r["compiles"] for r in counted)
-    calls = sum(r["calls"] for r in counted)
+    traces, compiles, calls = (sum(r[k] for r in counted) for k in EAGER_COUNTS)
     return (
         f"Un-jitted forward calls of ours, one wrapper called again: {traces} traces "
         f"and {compiles} compiles in {calls} calls."
@@ -453,14 +446,10 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
-    parser.add_argument(
-        "--sections", default=",".join(SECTIONS), help="a subset of run,compile,eager"
-    )
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="a subset")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
-    parser.add_argument(
-        "--max-elements", type=float, default=None, help="skip bigger programs"
-    )
+    parser.add_argument("--max-elements", type=float, help="skip bigger programs")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
