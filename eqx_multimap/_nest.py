@@ -25,6 +25,7 @@ differentiation the nest that differentiates best (see there).
 
 import dataclasses
 import functools as ft
+import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -308,6 +309,18 @@ def present_axes(dims: Dims, absent: Collection[str], ndim: int) -> dict[str, in
     return out
 
 
+def _move_axis(x: Any, source: int, destination: int) -> Any:
+    """`jnp.moveaxis`, as a reshape when the axes it moves past have size 1 (a
+    transpose there may take a layout that XLA copies `x` to)."""
+    lo, hi = sorted((source, destination))
+    others = x.shape[lo:hi + 1]
+    if math.prod(others) == x.shape[source]:
+        order = list(range(x.ndim))
+        order.insert(destination, order.pop(source))
+        return jnp.reshape(x, [x.shape[a] for a in order])
+    return jnp.moveaxis(x, source, destination)
+
+
 def _rename(axes: Axes, key: str, new: str) -> Axes:
     return {(new if k == key else k): a for k, a in axes.items()}
 
@@ -347,12 +360,14 @@ class _Nest:
             return self.vmaps(values, axes, pending)
         name, chunk = self.spec.scan[j]
         n = self.problem.sizes[name]
-        if chunk is None:
-            return self.placed(j, pending, self.loop(j, values, axes, pending, None))
+        if chunk in (None, 1):  # chunks of 1 are the elements: the plain scan
+            ys = self.loop(j, values, axes, pending, None)
+            return self.placed(j, pending, ys, chunked=False)
         n_full, rest = divmod(n, chunk)
         main = rem = None
         if n_full or not rest:
-            main = self.placed(j, pending, self.loop(j, values, axes, pending, chunk))
+            ys = self.loop(j, values, axes, pending, chunk)
+            main = self.placed(j, pending, ys, chunked=True)
         if rest:  # the remainder: `name` vmapped inside, over its last `rest` elements
             cut = [
                 lax.slice_in_dim(x, n - rest, n, axis=a[name]) if name in a else x
@@ -390,19 +405,19 @@ class _Nest:
             xs = {i: jnp.moveaxis(values[i], axes[i][name], 0) for i in mapped}
             inner_axes, inner_pending = [drop_axis(a, name) for a in axes], pending
         else:
-            # Scanned as `xs`: a leading axis of whole chunks (or of no elements);
-            # chunks of 1 are the elements, given their axis back in each iteration
-            # (a `(n, 1)` split may take a layout that XLA copies the leaf to).
-            whole = [
-                i
-                for i in mapped
-                if length == 0
-                or (axes[i][name] == 0 and values[i].shape[0] == length * k)
-            ]
+            # A leaf that no scan outside has cut is sliced in each iteration where
+            # the scan's `xs` would copy it whole (a remainder, or an axis not
+            # leading); a leaf cut to one iteration outside is scanned as `xs`, as
+            # `lax.map` scans it (a copy of that iteration's part).
+            outside = {d for d, _ in self.spec.scan[:j]}
             xs = {}
-            for i in whole:
-                x = jnp.moveaxis(values[i], axes[i][name], 0)
-                xs[i] = x if k == 1 else _split_axis(x, 0, (length, k))
+            for i in mapped:
+                x = _move_axis(values[i], axes[i][name], 0)
+                if length and not outside & set(self.problem.leaf_axes[i]):
+                    if axes[i][name] != 0 or x.shape[0] != length * k:
+                        continue
+                x = lax.slice_in_dim(x, 0, length * k) if length else x
+                xs[i] = _split_axis(x, 0, (length, k))
             inner_axes = [_rename(a, name, chunk_key(name)) for a in axes]
             inner_pending = pending + (Level(chunk_key(name), name, "vmap", k, False),)
         sliced = [i for i in mapped if i not in xs]
@@ -414,11 +429,8 @@ class _Nest:
 
         def take(index: Any, x: Leaves) -> Leaves:
             current = list(values)
-            for i, xi in zip(xs, x):
-                if k is not None:  # a chunk's axis back in its place
-                    ax = axes[i][name]
-                    xi = jnp.expand_dims(xi, ax) if k == 1 else jnp.moveaxis(xi, 0, ax)
-                current[i] = xi
+            for i, xi in zip(xs, x):  # a chunk's axis back in its place
+                current[i] = xi if k is None else _move_axis(xi, 0, axes[i][name])
             for i in sliced:
                 ax = axes[i][name]
                 current[i] = lax.dynamic_slice_in_dim(values[i], index * k, k, ax)
@@ -458,18 +470,18 @@ class _Nest:
         ]
         return init, combine
 
-    def placed(self, j: int, pending: tuple, ys: Leaves) -> Leaves:
+    def placed(self, j: int, pending: tuple, ys: Leaves, chunked: bool) -> Leaves:
         """The stacked outputs of level `j`'s scan with their dim at its axis (merged
         with a chunk's elements); a reduced dim's are as they are."""
-        (name, chunk), reduce = self.spec.scan[j], self.problem.reduce
+        name, reduce = self.spec.scan[j][0], self.problem.reduce
         if reduce is not None and name in reduce.dims:
             return ys
         absent = self.absent(j, pending)
         out = []
         for y, dims in zip(ys, self.problem.out_dims):
-            ax = present_axes(dims, absent, y.ndim - (chunk is not None))[name]
+            ax = present_axes(dims, absent, y.ndim - chunked)[name]
             y = jnp.moveaxis(y, 0, ax)
-            if chunk is not None:
+            if chunked:
                 merged = (y.shape[ax] * y.shape[ax + 1],)
                 y = jnp.reshape(y, y.shape[:ax] + merged + y.shape[ax + 2 :])
             out.append(y)
