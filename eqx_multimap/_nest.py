@@ -4,9 +4,9 @@ The nest works on flat lists of array leaves. [`Problem`][] is what every nest o
 call computes: the body on one element, the axis of each mapped dim in each input
 leaf, and the dims of each output leaf. [`run`][] maps the body over the nest of a
 [`NestSpec`][], the program one writes by hand with `lax.map` and `jax.vmap`: each
-scan, outermost first, slices its dim inside its own iteration (a chunked dim to its
-chunk, with `lax.dynamic_slice` where the scan's `xs` would need a copy), the vmaps
-run innermost, and each scan stacks its outputs at its dim's axis. A chunked dim's
+scan, outermost first, slices its dim inside its own iteration (a chunked dim of a
+whole input with `lax.dynamic_slice` where the scan's `xs` would copy the input), the
+vmaps run innermost, and each scan stacks its outputs at its dim's axis. A chunked dim's
 remainder (`_blocks`: `n % k` elements, vmapped) runs inside the iterations of the
 scans outside it, and is joined to its chunks there, so that no level copies more
 than its own part of the inputs or outputs.
@@ -396,8 +396,8 @@ class _Nest:
     ) -> Leaves:
         """The scan of level `j`, over its dim's elements (`k` is `None`) or its whole
         chunks of `k`: the iterations' outputs stacked at axis 0, or for a reduced
-        dim, combined in the carry. A leaf is scanned as the scan's `xs` when that
-        needs no copy of it, else sliced in each iteration (`lax.dynamic_slice`)."""
+        dim, combined in the carry. Each leaf is scanned as the scan's `xs`, or for
+        a chunked dim, sliced in each iteration where that saves a whole copy."""
         name, build = self.spec.scan[j][0], self.build
         length = self.problem.sizes[name] // (k or 1)
         mapped = [i for i, a in enumerate(axes) if name in a]
@@ -416,7 +416,8 @@ class _Nest:
                 if length and not outside & set(self.problem.leaf_axes[i]):
                     if axes[i][name] != 0 or x.shape[0] != length * k:
                         continue
-                x = lax.slice_in_dim(x, 0, length * k) if length else x
+                if length and x.shape[0] != length * k:
+                    x = lax.slice_in_dim(x, 0, length * k)
                 xs[i] = _split_axis(x, 0, (length, k))
             inner_axes = [_rename(a, name, chunk_key(name)) for a in axes]
             inner_pending = pending + (Level(chunk_key(name), name, "vmap", k, False),)

@@ -72,6 +72,7 @@ NESTS = [
     (("B", 1000),),
     (("B", 1000), ("T", None)),
     (("T", 1000),),
+    (("T", 3), ("B", 1000)),  # two chunked levels, a remainder in T (and in B)
 ]
 
 
