@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_multimap import filter_multi_vmap
+from eqx_multimap import filter_multi_vmap, timing
 
 
 T, B = 8, 4096
@@ -181,3 +181,16 @@ def test_reduced_chunked_dim(b, transform):
     if transform == "grad":
         f, g = grad_of(f), grad_of(g)
     check(f, g, x, {x.size})
+
+
+@pytest.mark.parametrize("b", [B, B + 100], ids=["divides", "remainder"])
+@pytest.mark.parametrize("transform", ["forward", "grad"])
+def test_outer_scan_inner_chunks_is_the_hand_written_program(b, transform):
+    """`scan={"T": 1, "B": 1000}` compiles to `lax.map` over rows with
+    `lax.map(..., batch_size=1000)` inside: the same optimised HLO."""
+    x = inputs(b)
+    f = ours((("T", 1), ("B", 1000)))
+    g = lambda x: lax.map(lambda r: lax.map(body, r, batch_size=1000), x)  # noqa: E731
+    if transform == "grad":
+        f, g = grad_of(f), grad_of(g)
+    assert timing.same_hlo(compiled(f, x), compiled(g, x))
