@@ -4,8 +4,8 @@ The nest works on flat lists of array leaves. [`Problem`][] is what every nest o
 call computes: the body on one element, the axis of each mapped dim in each input
 leaf, and the dims of each output leaf. [`run`][] maps the body over the nest of a
 [`NestSpec`][], the program one writes by hand with `lax.map` and `jax.vmap`: each
-scan, outermost first, slices its dim inside its own iteration (a chunked dim of a
-whole input with `lax.dynamic_slice` where the scan's `xs` would copy the input), the
+scan, outermost first, slices its dim inside its own iteration (the outermost, of a
+chunked dim, with `lax.dynamic_slice` where the scan's `xs` would copy the input), the
 vmaps run innermost, and each scan stacks its outputs at its dim's axis. A chunked dim's
 remainder (`_blocks`: `n % k` elements, vmapped) runs inside the iterations of the
 scans outside it, and is joined to its chunks there, so that no level copies more
@@ -405,15 +405,14 @@ class _Nest:
             xs = {i: jnp.moveaxis(values[i], axes[i][name], 0) for i in mapped}
             inner_axes, inner_pending = [drop_axis(a, name) for a in axes], pending
         else:
-            # A leaf that no scan outside has cut is sliced in each iteration where
-            # the scan's `xs` would copy it whole (a remainder, or an axis not
-            # leading); a leaf cut to one iteration outside is scanned as `xs`, as
-            # `lax.map` scans it (a copy of that iteration's part).
-            outside = {d for d, _ in self.spec.scan[:j]}
+            # The outermost scan slices a leaf in each iteration where its `xs`
+            # would copy the whole input first (a remainder, or an axis not
+            # leading); a scan inside another scans `xs` as `lax.map` does (a copy
+            # of its part of the iteration outside, or one XLA hoists out of it).
             xs = {}
             for i in mapped:
                 x = _move_axis(values[i], axes[i][name], 0)
-                if length and not outside & set(self.problem.leaf_axes[i]):
+                if length and j == 0:
                     if axes[i][name] != 0 or x.shape[0] != length * k:
                         continue
                 if length and x.shape[0] != length * k:
