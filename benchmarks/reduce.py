@@ -352,6 +352,7 @@ def run_gains(quick: bool, max_rounds: int, log) -> list[str]:
         seconds = SIZES[quick]["seconds"]
         times = dict(zip(names, time_interleaved(thunks, seconds, 3, max_rounds)))
         temps = {n: temp_bytes(c) for n, c in comp.items()}
+        same = same_hlo(comp[names[0]], comp[names[1]])  # ours, hand
         del comp, outs
         cells = []
         for n in names:
@@ -365,6 +366,7 @@ def run_gains(quick: bool, max_rounds: int, log) -> list[str]:
                 f"{fmt_bytes(temps[n])}, peak RSS {peak}"
             )
         lines.append(f"gains, {transform}, time / hand: " + "; ".join(cells))
+        lines[-1] += f"; ours has the hand-written HLO: {'yes' if same else 'no'}"
     return lines
 
 
