@@ -1,40 +1,24 @@
-"""Memory and reductions: `reduce={"T": "sum"}` against materialise-then-sum and a
-hand-written `lax.scan` with a carry; and the memory of a derivative under a budget.
+"""Memory and reductions, each section against the program written by hand (the
+details, and how to read the figures: `benchmarks/README.md`):
 
-Section `reduce`: the body, for one element `t`, is `softmax(outer(x_t, y_t),
-axis=1) @ v`, a `(K, M)` intermediate that XLA materialises (`K = M = 64`: 16 KiB
-per element), summed over `T`. Per `T`, five programs are built afresh and compiled,
-then timed side by side (`eqx_multimap.timing.time_interleaved`):
+- `reduce`: `reduce={"T": "sum"}` of `softmax(outer(x_t, y_t), axis=1) @ v` (scan,
+    chunked scan) against materialise-then-sum and a hand-written `lax.scan` carry;
+- `budget`: the temporaries of a forward pass and its derivatives under
+    `plan=Planner(), memory_budget=B`, against unplanned gradients;
+- `eager`: the resident memory a wrapper keeps after it is deleted, per 100 fresh
+    functions called un-jitted or jitted, ours and hand-written;
+- `gains`: `g[i] @ m @ conj(g[j]).T` per baseline over `m: "T F B 2 2"` with
+    `scan={"T": 1, "F": 1, "B": chunk}` (a remainder) against the hand-written
+    `lax.map` nest and full vmap, forward and `jax.grad`: temporaries, times side by
+    side, and the peak RSS of a process running the one program.
 
-- `reduced scan`: `filter_multi_vmap(..., reduce={"T": "sum"}, scan="T")`;
-- `reduced chunk`: the same with `scan={"T": 16}` (a vmap over 16 inside);
-- `materialise`: `filter_multi_vmap(..., out_dims="T K")`, then `.sum(0)`;
-- `hand scan`: `lax.scan(lambda c, e: (c + body(*e), None), zeros, (x, y))`;
-- `hand twin`: a second copy of `hand scan`, its ratio to it the noise floor.
-
-Reported: compiled temporaries (`memory_analysis().temp_size_in_bytes`), median
-times, paired ratios (median and interquartile range of per-round ratios), and
-whether `reduced scan` has the optimised HLO of `hand scan`.
-
-Section `budget`: `sum(exp(outer(x, y)) @ y)` per row of `x` (a big intermediate
-per element, a scalar out) with `plan=Planner(), memory_budget=B`: the compiled
-temporaries of the forward pass, of `jit(grad(sum of f))` and of
-`jit(value_and_grad(...))` against `B`; for comparison the gradient of a fixed nest
-with the forward plan's `scan`/`vmap` (no planning for the backward pass) and of full
-vmap; then the three gradients' times, side by side.
-
-Section `eager`: what a wrapper keeps alive after it is deleted, as a notebook
-re-running a cell does: each iteration builds a fresh function and its wrapper, calls
-it once on a `(64, 256)` array, deletes both and runs `gc.collect()`. Per program,
-the growth of the resident memory (RSS, after `malloc_trim`) per 100 iterations, the
-median over rounds in which the programs take turns, and the compiles per iteration.
-Each program is the same scan over `T` of a vmap over `F`: `ours, eager` (un-jitted),
-`jax.jit(ours)`, `jax.jit(hand)` (the hand-written `lax.scan(vmap)`) and `hand,
-eager` (that `lax.scan`, un-jitted).
+Programs are compiled first, checked to agree, then timed interleaved
+(`eqx_multimap.timing`): medians and paired ratios, never absolute verdicts.
 
     python benchmarks/reduce.py --quick     # T up to 4096; eager: 1 round of 30
     python benchmarks/reduce.py             # T up to 16384; eager: 3 rounds of 100
     python benchmarks/reduce.py --sections eager   # eager alone: about 5 minutes
+    python benchmarks/reduce.py --sections gains   # A = 2048, B = 2,096,128: 512 MiB
 """
 
 import argparse
@@ -42,6 +26,8 @@ import ctypes
 import gc
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -62,14 +48,18 @@ from eqx_multimap.timing import (
 )
 
 
-SECTIONS = ("reduce", "budget", "eager")
+SECTIONS = ("reduce", "budget", "eager", "gains")
 MiB = 2**20
 # Per mode (quick or not): the T of `reduce`; n = M = K and the budget of `budget`;
-# the rounds and the iterations per round of `eager`.
+# the rounds and the iterations per round of `eager`; the antennas and chunk of `gains`.
 SIZES = {
-    True: dict(ts=(256, 1024, 4096), n=128, budget=1 * MiB, seconds=2.0, eager=(1, 30)),
+    True: dict(
+        ts=(256, 1024, 4096), n=128, budget=MiB, seconds=2.0, eager=(1, 30),
+        gains=(256, 4096),
+    ),
     False: dict(
-        ts=(256, 1024, 4096, 16384), n=256, budget=4 * MiB, seconds=4.0, eager=(3, 100)
+        ts=(256, 1024, 4096, 16384), n=256, budget=4 * MiB, seconds=4.0,
+        eager=(3, 100), gains=(2048, 65536),
     ),
 }
 
@@ -178,16 +168,13 @@ def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
     plan = explain(planned, x, y)
     assert plan.gradient is not None
     sizes = dict(plan.sizes)
-    fixed = filter_multi_vmap(
-        fresh(outer_sumexp), **dims, scan=plan.scan, vmap=plan.vmap
-    )
+    nest = dict(scan=plan.scan, vmap=plan.vmap)
+    fixed = filter_multi_vmap(fresh(outer_sumexp), **dims, **nest)
     vmapped = filter_multi_vmap(fresh(outer_sumexp), **dims, vmap="N")
-
-    def grad(f):
-        return jax.grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))
-
-    def value_and_grad(f):
-        return jax.value_and_grad(lambda x, y: f(x, y).sum(), argnums=(0, 1))
+    grad = lambda f: jax.grad(lambda x, y: f(x, y).sum(), (0, 1))  # noqa: E731
+    value_and_grad = lambda f: jax.value_and_grad(  # noqa: E731
+        lambda x, y: f(x, y).sum(), (0, 1)
+    )
 
     fwd, bwd = plan.chosen.nest(sizes), plan.gradient.chosen.nest(sizes)
     programs = {
@@ -205,15 +192,11 @@ def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
         log(f"| {what} | {nest} | {fmt_bytes(temps[what])} | {temps[what] / B:.2f} |")
     names = list(programs)
     grads = [comp[names[i]] for i in (1, 3, 4)]  # planned, fixed, full vmap
-    values = [c(x, y) for c in grads]
-    agree = all(
-        np.allclose(a, b, rtol=1e-4, atol=1e-6)
-        for v in values[1:]
-        for a, b in zip(jax.tree.leaves(values[0]), jax.tree.leaves(v))
-    )
-    times = time_interleaved(
-        [lambda c=c: c(x, y) for c in grads], SIZES[quick]["seconds"], 5, max_rounds
-    )
+    values = [jax.tree.leaves(c(x, y)) for c in grads]
+    pairs = [ab for v in values[1:] for ab in zip(values[0], v)]
+    agree = all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in pairs)
+    thunks = [lambda c=c: c(x, y) for c in grads]
+    times = time_interleaved(thunks, SIZES[quick]["seconds"], 5, max_rounds)
     vs = [statistics.median(paired_ratios(times[0], t)) for t in times[1:]]
 
     def of(what: str) -> str:
@@ -297,6 +280,96 @@ def run_eager(quick: bool, max_rounds: int, log) -> list[str]:
     ]
 
 
+def gain(g, m, i, j):
+    """One baseline: `g: (A, 2, 2)`, the gains of one time and frequency."""
+    return g[i] @ m @ jnp.conj(g[j]).T
+
+
+def gain_programs(a: int, chunk: int) -> tuple[dict, tuple]:
+    """Ours, the hand-written nest and full vmap, forward and `grad`; the inputs."""
+    rng = np.random.default_rng(2)
+    g, m = (  # complex64, T = 2, F = 4
+        lax.complex(*(rng.standard_normal(s + (2, 2), np.float32) for _ in "ri"))
+        for s in ((2, 4, a), (2, 4, a * (a - 1) // 2))
+    )
+    i, j = (jnp.asarray(k, jnp.int32) for k in np.triu_indices(a, 1))
+    dims = dict(in_dims=("T F A 2 2", "T F B 2 2", "B", "B"), out_dims="T F B 2 2")
+
+    def hand(g, m, i, j):
+        def one(gm):  # one time and frequency
+            return lax.map(lambda e: gain(gm[0], *e), (gm[1], i, j), batch_size=chunk)
+
+        return lax.map(lambda gm: lax.map(one, gm), (g, m))
+
+    nests = {
+        "ours": filter_multi_vmap(fresh(gain), **dims, scan=dict(T=1, F=1, B=chunk)),
+        "hand": hand,
+        "full vmap": filter_multi_vmap(fresh(gain), **dims, vmap="T F B"),
+    }
+    programs = {}
+    for name, fn in nests.items():
+        loss = lambda g, m, fn=fn: jnp.real(fn(g, m, i, j)).sum()  # noqa: E731
+        programs[f"{name}, forward"] = lambda g, m, fn=fn: fn(g, m, i, j)
+        programs[f"{name}, grad"] = jax.grad(loss, argnums=(0, 1))
+    return programs, (g, m)
+
+
+def peak_rss(a: int, chunk: int, program: str) -> list[int]:
+    """A new process's RSS once `program` is compiled, and its peak as it runs."""
+    args = [sys.executable, __file__, "--rss", f"{a},{chunk},{program}"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    return [int(n) for n in out.split()[-2:]]
+
+
+def rss_child(a: str, chunk: str, program: str) -> int:
+    """`--rss A,chunk,program`: compile the program, reset the peak RSS (Linux), run
+    the program, print the RSS before and the peak."""
+    programs, args = gain_programs(int(a), int(chunk))
+    program = compiled(programs[program], *args)
+    before = rss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    jax.block_until_ready(program(*args))
+    with open("/proc/self/status") as f:
+        print(before, next(int(x.split()[1]) * 1024 for x in f if "VmHWM" in x))
+    return 0
+
+
+def run_gains(quick: bool, max_rounds: int, log) -> list[str]:
+    a, chunk = SIZES[quick]["gains"]
+    programs, args = gain_programs(a, chunk)
+    b, size = a * (a - 1) // 2, fmt_bytes(args[1].nbytes)
+    log(f"\ngains: A={a}, B={b}, chunk {chunk}, m {size}\n")
+    log("| program | temp | median | / hand | RSS before, peak |\n|--|--:|--:|--|--|")
+    lines = []
+    for transform in ("forward", "grad"):
+        names = [n for n in programs if n.endswith(transform)]
+        comp = {n: compiled(programs[n], *args) for n in names}
+        outs = [jax.tree.leaves(comp[n](*args)) for n in names]
+        for u, v in zip(outs[0] + outs[2], outs[1] * 2):  # ours, full vmap vs hand
+            np.testing.assert_allclose(u, v, rtol=1e-3, atol=1e-3)
+        thunks = [lambda c=comp[n]: c(*args) for n in names]
+        seconds = SIZES[quick]["seconds"]
+        times = dict(zip(names, time_interleaved(thunks, seconds, 3, max_rounds)))
+        temps = {n: temp_bytes(c) for n, c in comp.items()}
+        same = same_hlo(comp[names[0]], comp[names[1]])  # ours, hand
+        del comp, outs
+        cells = []
+        for n in names:
+            ratios = paired_ratios(times[n], times[f"hand, {transform}"])
+            before, peak = (fmt_bytes(b) for b in peak_rss(a, chunk, n))
+            ms = f"{1e3 * statistics.median(times[n]):.1f} ms"
+            row = [n, fmt_bytes(temps[n]), ms, fmt_ratios(ratios), f"{before}, {peak}"]
+            log("| " + " | ".join(row) + " |")
+            cells.append(
+                f"{n.split(',')[0]} {statistics.median(ratios):.2f}, temp "
+                f"{fmt_bytes(temps[n])}, peak RSS {peak}"
+            )
+        lines.append(f"gains, {transform}, time / hand: " + "; ".join(cells))
+        lines[-1] += f"; ours has the hand-written HLO: {'yes' if same else 'no'}"
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -305,7 +378,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
     parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="a subset")
+    parser.add_argument("--rss", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rss:
+        return rss_child(*args.rss.split(",", 2))
     sections = [s for s in args.sections.split(",") if s]
     if not sections or set(sections) - set(SECTIONS):
         parser.error(f"--sections: choose from {', '.join(SECTIONS)}")
@@ -316,7 +392,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     lines = []
     for section in sections:
-        run = {"reduce": run_reduce, "budget": run_budget, "eager": run_eager}[section]
+        run = dict(
+            reduce=run_reduce, budget=run_budget, eager=run_eager, gains=run_gains
+        )[section]
         lines += run(args.quick, max_rounds, lambda s: print(s, flush=True))
     print(f"\nSummary (Total: {time.perf_counter() - start:.0f} s)\n")
     print("\n".join(lines))

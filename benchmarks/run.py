@@ -1,32 +1,20 @@
 """Ours against hand-written: does `filter_multi_vmap` cost anything over the nest it
 replaces, forward and under `jax.grad`, compiled and un-jitted, and to compile?
 
-Two bodies over `xs` of shape `(b1, b2, L)`, mapped over `b1` and `b2` (`core="L"`):
-`cheap`, `sin(x**2 + 1)` elementwise, and `heavy`, `tanh(outer(x, x)) @ x` on rows
-of length `L`. Three nests, each against its hand-written program: `vmap`
-(`jax.vmap(jax.vmap(body))`), `scan(vmap)` (`lax.scan` over `b1` with
-`jax.vmap(body)` as its step) and `chunk` (`scan={"b1": k}` against
-`lax.map(jax.vmap(body), xs, batch_size=k)`, `k = b1 // 8`: a remainder of 4). Two
-transforms: the forward pass and `jax.grad(lambda x: f(x).sum())`.
-
-Three kinds of measurement, each of three programs built afresh (new function
-objects: `jax.jit` caches on them): ours, the hand-written program and its *twin*,
-a second copy of the hand-written program, whose ratio to it is the noise floor.
-
-- `run`: the three compiled (`jax.jit`), checked to give the same values, then timed
-    side by side with `eqx_multimap.timing.time_interleaved` (rounds interleaved,
-    every timed sample settled); also whether ours has the hand-written optimised HLO;
-- `compile`: lower + compile seconds, the three taking turns, at one cell per body;
-- `eager`: un-jitted forward calls (one wrapper each, called again and again), timed
-    side by side at one cell per body, and the traces and compiles JAX reports
-    during repeated calls of ours (0 expected); for `vmap` and `scan(vmap)` (an
-    un-jitted `lax.map` traces and compiles afresh on every call, and so does an
-    un-jitted `jax.grad`, ours and hand-written alike: not timed here).
-
-Reported: paired ratios (the median of the per-round ratios ours / hand-written, with
-their interquartile range), the twins' ratios, a summary table, and in `--out`
-(default `benchmarks/results/`) `results.md`, `results.csv` and `ours_vs_hand.png`.
-Nothing passes or fails on a time.
+Two bodies over `xs: (b1, b2, L)` mapped over `b1` and `b2` (`core="L"`): `cheap`,
+`sin(x**2 + 1)`, and `heavy`, `tanh(outer(x, x)) @ x`. Four nests, each against its
+hand-written program: `vmap`, `scan(vmap)` (`lax.scan` over `b1`), `chunk`
+(`scan={"b1": k}` against `lax.map(..., batch_size=k)`, `k = b1 // 8`: a remainder)
+and `chunk2` (`scan={"b1": k, "b2": k2}` against a `lax.map(..., batch_size=k2)`
+inside a `lax.map(..., batch_size=k)`: two chunked levels, two remainders). Sections:
+`run` (compiled, timed side by side; whether ours has the hand-written optimised HLO,
+or one no larger: its temporaries within 10% and 2 KiB of the hand-written one's),
+`compile` (lower + compile seconds) and `eager` (un-jitted calls, and the traces and
+compiles of ours). Each measurement builds three programs afresh: ours, the
+hand-written one and its *twin* (a second copy: the noise floor). Reported: paired
+ratios, a summary table, and in `--out` `results.md`, `results.csv` and
+`ours_vs_hand.png` (details: `benchmarks/README.md`). Nothing passes or fails on a
+time.
 
     python benchmarks/run.py --quick     # 2 minutes on 2 busy cores
     python benchmarks/run.py             # 19 minutes on 2 busy cores (18 cells)
@@ -36,6 +24,7 @@ Nothing passes or fails on a time.
 import argparse
 import csv
 import dataclasses
+import functools as ft
 import itertools as it
 import os
 import platform
@@ -57,13 +46,14 @@ from eqx_multimap.timing import (
     paired_ratios,
     quartiles,
     same_hlo,
+    temp_bytes,
     time_interleaved,
 )
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTIONS = ("run", "compile", "eager")
-NESTS = ("vmap", "scan(vmap)", "chunk")
+NESTS = ("vmap", "scan(vmap)", "chunk", "chunk2")
 TRANSFORMS = ("forward", "grad")
 DIMS = dict(in_dims="b1 b2 L", out_dims="b1 b2 L", core="L")
 
@@ -98,6 +88,9 @@ def hand(body: Callable, nest: str, k: int) -> Callable:
         return lambda xs: lax.scan(step, None, xs)[1]
     if nest == "chunk":
         return lambda xs: lax.map(row, xs, batch_size=k)
+    if nest == "chunk2":
+        inner = lambda x: lax.map(body, x, batch_size=chunk_of(x.shape[0]))  # noqa
+        return lambda xs: lax.map(inner, xs, batch_size=k)
     raise ValueError(f"Unrecognised nest '{nest}'; choose from {', '.join(NESTS)}.")
 
 
@@ -111,6 +104,9 @@ def ours(body: Callable, nest: str, k: int) -> Callable:
         return filter_multi_vmap(fun, **DIMS, scan="b1", vmap="b2")
     if nest == "chunk":
         return filter_multi_vmap(fun, **DIMS, scan={"b1": k}, vmap="b2")
+    if nest == "chunk2":
+        ours = ft.partial(filter_multi_vmap, fun, **DIMS)  # b2's chunk at the call
+        return lambda xs: ours(scan={"b1": k, "b2": chunk_of(xs.shape[1])})(xs)
     raise ValueError(f"Unrecognised nest '{nest}'; choose from {', '.join(NESTS)}.")
 
 
@@ -138,8 +134,9 @@ def largest_array(body: str, nest: str, transform: str, cell: tuple) -> int:
     b1, b2, L = cell
     if body == "cheap":
         return b1 * b2 * L
-    per_step = {"vmap": b1, "scan(vmap)": 1, "chunk": chunk_of(b1)}[nest]
-    return max(b1 * b2 * L, per_step * b2 * L * L * (3 if transform == "grad" else 1))
+    k1, k2 = chunk_of(b1), chunk_of(b2)
+    per_step = {"vmap": b1 * b2, "scan(vmap)": b2, "chunk": k1 * b2, "chunk2": k1 * k2}
+    return max(b1 * b2 * L, per_step[nest] * L * L * (3 if transform == "grad" else 1))
 
 
 def inputs(cell: tuple) -> jax.Array:
@@ -180,27 +177,19 @@ def make_config(args) -> Config:
 
 
 def agree(a, b) -> bool:
-    return all(
-        np.allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-4)
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    return all(np.allclose(u, v, rtol=1e-4, atol=1e-4) for u, v in pairs)
 
 
 def row(kind, body, nest, transform, cell, times, **extra) -> dict:
     """One measurement: ours, hand and twin times per round (seconds)."""
     t_ours, t_hand, t_twin = times
-    return dict(
-        kind=kind,
-        body=body,
-        nest=nest,
-        transform=transform,
-        cell="x".join(map(str, cell)),
-        ours_ms=1e3 * statistics.median(t_ours),
-        hand_ms=1e3 * statistics.median(t_hand),
-        ratios=paired_ratios(t_ours, t_hand),
-        twin=paired_ratios(t_twin, t_hand),
-        **extra,
-    )
+    what = dict(kind=kind, body=body, nest=nest, transform=transform)
+    ms = dict(ours_ms=1e3 * med(t_ours), hand_ms=1e3 * med(t_hand))
+    ratios = paired_ratios(t_ours, t_hand)
+    twin = paired_ratios(t_twin, t_hand)
+    cell = "x".join(map(str, cell))
+    return dict(what, cell=cell, **ms, ratios=ratios, twin=twin, **extra)
 
 
 def run_cell(body, nest, transform, cell, cfg: Config) -> dict:
@@ -214,7 +203,10 @@ def run_cell(body, nest, transform, cell, cfg: Config) -> dict:
         [lambda p=p: p(xs) for p in progs], cfg.seconds, 5, cfg.max_rounds
     )
     hlo = same_hlo(progs[0], progs[1])
-    return row("run", body, nest, transform, cell, times, same_hlo=hlo)
+    # No larger: temporaries within those of the hand-written program (10%, 2 KiB).
+    no_larger = hlo or temp_bytes(progs[0]) <= 1.1 * temp_bytes(progs[1]) + 2048
+    extra = dict(same_hlo=hlo, no_larger=no_larger)
+    return row("run", body, nest, transform, cell, times, **extra)
 
 
 def compile_cell(body, nest, transform, cell, cfg: Config) -> dict:
@@ -274,8 +266,9 @@ def med(xs) -> float:
 
 def summary_table(rows: list[dict]) -> list[list[str]]:
     """Per kind, transform and body: ours / hand per nest, the median over cells of
-    the paired ratios (their range), the twins' (the noise floor), same HLO."""
-    out = [["ours / hand-written", *NESTS, "twins (noise)", "same HLO"]]
+    the paired ratios (their range), the twins' (the noise floor), same HLO (or no
+    larger: in temporaries)."""
+    out = [["ours / hand-written", *NESTS, "twins (noise)", "same HLO (no larger)"]]
     for key in dict.fromkeys((r["kind"], r["transform"], r["body"]) for r in rows):
         group = [r for r in rows if (r["kind"], r["transform"], r["body"]) == key]
         cols = []
@@ -283,8 +276,9 @@ def summary_table(rows: list[dict]) -> list[list[str]]:
             ratios = [med(r["ratios"]) for r in group if r["nest"] == nest]
             cols.append(_spread(ratios))
         twins = _spread([med(r["twin"]) for r in group])
-        hlo = [r["same_hlo"] for r in group if "same_hlo" in r]
-        same = f"{sum(hlo)} of {len(hlo)}" if hlo else ""
+        hlo = [(r["same_hlo"], r["no_larger"]) for r in group if "same_hlo" in r]
+        same = f"{sum(h for h, _ in hlo)} ({sum(n for _, n in hlo)}) of {len(hlo)}"
+        same = same if hlo else ""
         out.append([" ".join(key), *cols, twins, same])
     return out
 
@@ -308,13 +302,14 @@ def md_table(lines: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in [lines[0], rule, *lines[1:]])
 
 
+EAGER_COUNTS = ("traces", "compiles", "calls")
+
+
 def eager_note(rows: list[dict]) -> str:
     counted = [r for r in rows if r["kind"] == "eager"]
     if not counted:
         return ""
-    traces = sum(r["traces"] for r in counted)
-    compiles = sum(r["compiles"] for r in counted)
-    calls = sum(r["calls"] for r in counted)
+    traces, compiles, calls = (sum(r[k] for r in counted) for k in EAGER_COUNTS)
     return (
         f"Un-jitted forward calls of ours, one wrapper called again: {traces} traces "
         f"and {compiles} compiles in {calls} calls."
@@ -323,15 +318,15 @@ def eager_note(rows: list[dict]) -> str:
 
 def detail_table(rows: list[dict]) -> str:
     head = ["kind", "transform", "body", "nest", "cell", "ours (ms)", "hand (ms)"]
-    head += ["ours / hand", "twin / hand", "rounds", "same HLO"]
+    head += ["ours / hand", "twin / hand", "rounds", "same HLO", "no larger"]
     lines = [head]
     for r in rows:
-        hlo = r.get("same_hlo")
+        yes = {None: "", True: "yes", False: "no"}
         lines.append(
             [r["kind"], r["transform"], r["body"], r["nest"], r["cell"]]
             + [f"{r['ours_ms']:.3f}", f"{r['hand_ms']:.3f}", fmt_ratios(r["ratios"])]
             + [fmt_ratios(r["twin"]), str(len(r["ratios"]))]
-            + ["" if hlo is None else "yes" if hlo else "no"]
+            + [yes[r.get("same_hlo")], yes[r.get("no_larger")]]
         )
     return md_table(lines)
 
@@ -406,7 +401,7 @@ def plot(rows: list[dict], path: str) -> None:
         for j, nest in enumerate(NESTS):
             xs, ys, err, out = [], [], [[], []], []
             for r in (r for r in sub if r["nest"] == nest):
-                x = labels.index(_x_label(r, transform)) + (j - 1) * 0.2
+                x = labels.index(_x_label(r, transform)) + (j - 1.5) * 0.2
                 q1, q2, q3 = quartiles(r["ratios"])
                 if lo <= q2 <= hi:
                     xs.append(x)
@@ -415,7 +410,7 @@ def plot(rows: list[dict], path: str) -> None:
                     err[1].append(min(q3, hi) - q2)
                 else:
                     out.append((x, q2))
-            style = dict(color=f"C{j}", marker="osD"[j], ms=6)
+            style = dict(color=f"C{j}", marker="osD^"[j], ms=6)
             ax.errorbar(xs, ys, yerr=err, ls="none", capsize=3, label=nest, **style)
             for x, v in out:  # beyond the axis: a hollow triangle on its edge
                 edge = hi if v > hi else lo
@@ -451,14 +446,10 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
-    parser.add_argument(
-        "--sections", default=",".join(SECTIONS), help="a subset of run,compile,eager"
-    )
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="a subset")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
-    parser.add_argument(
-        "--max-elements", type=float, default=None, help="skip bigger programs"
-    )
+    parser.add_argument("--max-elements", type=float, help="skip bigger programs")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]

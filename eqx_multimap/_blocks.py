@@ -6,11 +6,11 @@ scan over the `n // k` chunks (level key `T`) and a vmap over the `k` elements o
 chunk (level key `T/k`), which joins the vmaps. When `k` does not divide `n`, the
 `n % k` remaining elements form a second *block*, in which `T` is a plain vmap, so
 no padding ever reaches the body. With several chunked dims the blocks are every
-combination of their parts; the blocks' outputs are concatenated along the chunked
-dims.
+combination of their parts. `_nest` runs each remainder inside the iterations of
+the scans outside its dim, and joins it to the chunks there.
 
-[`blocks`][] enumerates the blocks of a nest once; `_nest` builds and runs them and
-`_costing` costs them, from the same [`Block`][]s.
+[`blocks`][] enumerates the blocks of a nest once: they are the loop bodies that
+`_nest` runs, and that `_costing` costs.
 """
 
 import dataclasses

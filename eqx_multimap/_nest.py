@@ -1,19 +1,23 @@
-"""Building and running the `scan(vmap(...))` nest of one call, block by block.
+"""Building and running the `scan(vmap(...))` nest of one call.
 
 The nest works on flat lists of array leaves. [`Problem`][] is what every nest of one
 call computes: the body on one element, the axis of each mapped dim in each input
-leaf, and the dims of each output leaf. [`run`][] maps the body over the blocks of a
-[`NestSpec`][] (see `_blocks`): it slices each input leaf to the block's part of every
-chunked dim, builds the block's levels (scans outside, vmaps inside), puts each
-output's axes in the order of its dims, and concatenates the blocks.
-
-Each level puts its dim at axis 0 of every output (`vmap(out_axes=0)`, and `scan`
-stacks at 0), so a block's outputs are laid out as `[level keys..., core axes...]`,
-then transposed once (only if needed) into the order of their dims.
+leaf, and the dims of each output leaf. [`run`][] maps the body over the nest of a
+[`NestSpec`][], the program one writes by hand with `lax.map` and `jax.vmap`: each
+scan, outermost first, slices its dim inside its own iteration (the outermost, of a
+chunked dim, with `lax.dynamic_slice` where the scan's `xs` would copy the input), the
+vmaps run innermost, and each scan stacks its outputs at its dim's axis. A chunked dim's
+remainder (`_blocks`: `n % k` elements, vmapped) runs inside the iterations of the
+scans outside it, and is joined to its chunks there, so that no level copies more
+than its own part of the inputs or outputs.
 
 A level of a reduced dim (`Problem.reduce`, see `_reduce`) leaves no axis: a vmap
 level reduces its output right after the level, a scan level accumulates in its
-carry, and the blocks of a chunked reduced dim are merged with the op.
+carry, and a chunked reduced dim's remainder is combined with its chunks' result.
+
+The blocks of `_blocks` (every combination of main chunks and remainders) are the
+nest's loop bodies: the planner costs them ([`loop_body_inputs`][],
+[`build_levels`][]).
 
 [`mapped_function`][] is the function a call runs: the nest, and under
 differentiation the nest that differentiates best (see there).
@@ -21,7 +25,8 @@ differentiation the nest that differentiates best (see there).
 
 import dataclasses
 import functools as ft
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 from jax._src import traceback_util
 from jax.custom_derivatives import SymbolicZero
 
-from ._blocks import Block, blocks, chunk_key, Level, NestSpec, Part
+from ._blocks import Block, chunk_key, Level, NestSpec
 from ._dims import axes_of, Dims, EllipsisDim, NamedDim
 from ._reduce import Reduction
 
@@ -118,69 +123,6 @@ def isolate_slices(xs: Leaves, index: Any, length: int) -> Leaves:
     )
 
 
-def _scan_level(
-    inner: Callable[[Leaves], Leaves],
-    level: Level,
-    in_axes: list,
-    build: Build,
-    innermost: bool,
-    accumulate: "_Accumulate | None" = None,
-) -> Callable[[Leaves], Leaves]:
-    """A scan over `level`; with `accumulate`, the level's dim is reduced: the
-    outputs are combined in the carry instead of stacked."""
-    mapped = [i for i, a in enumerate(in_axes) if a is not None]
-    body = jax.checkpoint(inner) if build.checkpoint else inner
-    isolated = [j for j, i in enumerate(mapped) if innermost and i in build.isolate]
-
-    def scanned(leaves: Leaves) -> Leaves:
-        xs = [jnp.moveaxis(leaves[i], in_axes[i], 0) for i in mapped]
-
-        def run(x: Leaves) -> Leaves:
-            current = list(leaves)
-            for i, xi in zip(mapped, x):
-                current[i] = xi
-            return body(current)
-
-        def step(carry: tuple[Any, Any], x: Leaves) -> tuple[Any, Any]:
-            index, acc = carry
-            if isolated:
-                x = list(x)
-                kept = isolate_slices([x[j] for j in isolated], index, level.size)
-                for j, xj in zip(isolated, kept):
-                    x[j] = xj
-                index = index + 1
-            ys = run(x)
-            if accumulate is None:
-                return (index, acc), ys
-            return (index, accumulate.combine(acc, ys)), None
-
-        index = jnp.int32(0) if isolated else None
-        init = None if accumulate is None else accumulate.init()
-        (_, acc), ys = lax.scan(step, (index, init), xs, length=level.size)
-        return ys if accumulate is None else acc
-
-    return scanned
-
-
-@dataclasses.dataclass(frozen=True)
-class _Accumulate:
-    """A reduced scan level's carry: every output leaf, one element of each of the
-    `batch` (non-reduced) levels inside."""
-
-    reduce: Reduction
-    batch: tuple[int, ...]
-
-    def init(self) -> Leaves:
-        return [
-            self.reduce.identity(i, self.batch + e.shape)
-            for i, e in enumerate(self.reduce.elements)
-        ]
-
-    def combine(self, acc: Leaves, ys: Leaves) -> Leaves:
-        axes = range(len(self.batch))
-        return [self.reduce.combine(a, y, axes) for a, y in zip(acc, ys)]
-
-
 def build_levels(
     core: Callable[[Leaves], Leaves],
     levels: Sequence[Level],
@@ -197,38 +139,28 @@ def build_levels(
     if not levels:
         return core
     level, rest = levels[0], levels[1:]
+    if level.kind != "vmap":
+        raise ValueError(f"`build_levels` builds vmaps; got a '{level.kind}' level.")
     inner = build_levels(
         core, rest, [drop_axis(a, level.key) for a in leaf_axes], build, reduce
     )
-    in_axes = [a.get(level.key) for a in leaf_axes]
-    reduced = reduce is not None and level.dim in reduce.dims
+    mapped = jax.vmap(
+        inner,
+        in_axes=([a.get(level.key) for a in leaf_axes],),
+        out_axes=0,
+        axis_size=level.size,
+        axis_name=level.dim if level.named else None,
+    )
+    if reduce is None or level.dim not in reduce.dims:
+        return mapped
     # The levels inside whose axes the outputs keep.
-    batch = tuple(lv.size for lv in rest if reduce is None or lv.dim not in reduce.dims)
-    if level.kind == "vmap":
-        mapped = jax.vmap(
-            inner,
-            in_axes=(in_axes,),
-            out_axes=0,
-            axis_size=level.size,
-            axis_name=level.dim if level.named else None,
-        )
-        if not reduced:
-            return mapped
-        assert reduce is not None
+    n_batch = sum(lv.dim not in reduce.dims for lv in rest)
 
-        def vmapped_and_reduced(leaves: Leaves) -> Leaves:
-            return [
-                reduce.reduce_leading(i, y, len(batch))
-                for i, y in enumerate(mapped(leaves))
-            ]
+    def vmapped_and_reduced(leaves: Leaves) -> Leaves:
+        outs = mapped(leaves)
+        return [reduce.reduce_leading(i, y, n_batch) for i, y in enumerate(outs)]
 
-        return vmapped_and_reduced
-    elif level.kind == "scan":
-        innermost = all(lv.kind != "scan" for lv in rest)
-        accumulate = _Accumulate(reduce, batch) if reduced and reduce else None
-        return _scan_level(inner, level, in_axes, build, innermost, accumulate)
-    else:
-        raise ValueError(f"Unrecognised level kind '{level.kind}'.")
+    return vmapped_and_reduced
 
 
 #
@@ -363,52 +295,218 @@ def mapped_axes(dims: Dims, names: Sequence[str], ndim: int) -> list[int]:
     return sorted(final_axis(dims, n, ndim) for n in names if n in dims.names)
 
 
-def _assemble(
-    parts_outs: dict[tuple[Part, ...], Leaves],
-    all_blocks: Sequence[Block],
-    out_dims: Sequence[Dims],
-    reduce: Reduction | None = None,
-    mapped: Sequence[str] = (),
-) -> Leaves:
-    """Concatenate the blocks' outputs along each chunked dim, last dim first; or,
-    for a reduced dim, combine them with its op (main part first)."""
-    outs = dict(parts_outs)
-    n_chunked = len(all_blocks[0].parts)
-    for j in reversed(range(n_chunked)):
-        merged: dict[tuple[Part, ...], Leaves] = {}
-        for parts, leaves in outs.items():
-            merged.setdefault(parts[:j], []).append(leaves)
-        outs = {}
-        for prefix, groups in merged.items():
-            if len(groups) == 1:
-                outs[prefix] = groups[0]
-                continue
-            dim = all_blocks[0].parts[j].dim
-            if reduce is not None and dim in reduce.dims:
-                outs[prefix] = [
-                    ft.reduce(
-                        ft.partial(
-                            reduce.combine,
-                            batch_axes=mapped_axes(out_dims[i], mapped, leaves[0].ndim),
-                        ),
-                        leaves,
-                    )
-                    for i, leaves in enumerate(zip(*groups))
-                ]
-                continue
-            outs[prefix] = [
-                jnp.concatenate(
-                    leaves, axis=final_axis(out_dims[i], dim, leaves[0].ndim)
-                )
-                for i, leaves in enumerate(zip(*groups))
+def present_axes(dims: Dims, absent: Collection[str], ndim: int) -> dict[str, int]:
+    """The axis of each named dim of `dims` in an array of rank `ndim` that has the
+    axes of `dims` in their order, but those of the named dims `absent`."""
+    is_absent = lambda t: isinstance(t, NamedDim) and t.name in absent  # noqa: E731
+    kept = [t for t in dims.tokens if not is_absent(t)]
+    n_ellipsis = ndim - sum(not isinstance(t, EllipsisDim) for t in kept)
+    out, axis = {}, 0
+    for t in kept:
+        if isinstance(t, NamedDim):
+            out[t.name] = axis
+        axis += n_ellipsis if isinstance(t, EllipsisDim) else 1
+    return out
+
+
+def _move_axis(x: Any, source: int, destination: int) -> Any:
+    """`jnp.moveaxis`, as a reshape when the axes it moves past have size 1 (a
+    transpose there may take a layout that XLA copies `x` to)."""
+    lo, hi = sorted((source, destination))
+    others = x.shape[lo:hi + 1]
+    if math.prod(others) == x.shape[source]:
+        order = list(range(x.ndim))
+        order.insert(destination, order.pop(source))
+        return jnp.reshape(x, [x.shape[a] for a in order])
+    return jnp.moveaxis(x, source, destination)
+
+
+def _rename(axes: Axes, key: str, new: str) -> Axes:
+    return {(new if k == key else k): a for k, a in axes.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Nest:
+    """The nest `spec` of `problem`, built level by level as it is traced.
+
+    `level(j, values, axes, pending)` maps over the scans `spec.scan[j:]` and the
+    vmaps inside them. The scans outside have cut the input leaves `values` to one
+    iteration: `axes` gives the axis of each level key left in each leaf, and
+    `pending` are the vmaps of the chunked dims outside (a chunk's elements, or the
+    remainder), which join the vmaps innermost. Its outputs have the axes of their
+    dims in order, but those of the dims scanned outside (not `pending`) and of the
+    reduced dims: a level puts its stacked iterations at its dim's axis, so that no
+    output is transposed whole, and joins a chunked dim's remainder to its chunks
+    there, inside the iteration of the levels outside.
+    """
+
+    problem: Problem
+    spec: NestSpec
+    build: Build
+    core: Callable[[Leaves], Leaves]
+
+    def absent(self, j: int, pending: tuple[Level, ...]) -> set[str]:
+        """The dims that the outputs of `level(j, ..., pending)` have no axis for."""
+        outside = {name for name, _ in self.spec.scan[:j]} - {lv.dim for lv in pending}
+        reduce = self.problem.reduce
+        return outside | set(reduce.dims if reduce else ())
+
+    def batch_axes(self, y: Any, dims: Dims, absent: set[str]) -> list[int]:
+        axes = present_axes(dims, absent, y.ndim)
+        return sorted(axes[n] for n in self.spec.dims if n in axes and n not in absent)
+
+    def level(self, j: int, values: Leaves, axes: list[Axes], pending: tuple) -> Leaves:
+        if j == len(self.spec.scan):
+            return self.vmaps(values, axes, pending)
+        name, chunk = self.spec.scan[j]
+        n = self.problem.sizes[name]
+        if chunk in (None, 1):  # chunks of 1 are the elements: the plain scan
+            ys = self.loop(j, values, axes, pending, None)
+            return self.placed(j, pending, ys, chunked=False)
+        n_full, rest = divmod(n, chunk)
+        main = rem = None
+        if n_full or not rest:
+            ys = self.loop(j, values, axes, pending, chunk)
+            main = self.placed(j, pending, ys, chunked=True)
+        if rest:  # the remainder: `name` vmapped inside, over its last `rest` elements
+            cut = [
+                lax.slice_in_dim(x, n - rest, n, axis=a[name]) if name in a else x
+                for x, a in zip(values, axes)
             ]
-    return outs[()]
+            vmapped = Level(name, name, "vmap", rest, False)
+            rem = self.level(j + 1, cut, axes, pending + (vmapped,))
+        return self.join(j, pending, main, rem)
+
+    def vmaps(self, values: Leaves, axes: list[Axes], pending: tuple) -> Leaves:
+        """The innermost levels: the vmaps, then each output in its dims' order."""
+        sizes, reduce = self.problem.sizes, self.problem.reduce
+        levels = pending + tuple(
+            Level(name, name, "vmap", sizes[name], True) for name in self.spec.vmap
+        )
+        outs = build_levels(self.core, levels, axes, self.build, reduce)(values)
+        kept = tuple(lv for lv in levels if reduce is None or lv.dim not in reduce.dims)
+        block, mapped = Block((), kept), set(self.spec.dims)
+        return [
+            _to_dims_order(out, dims, block, mapped)
+            for out, dims in zip(outs, self.problem.out_dims)
+        ]
+
+    def loop(
+        self, j: int, values: Leaves, axes: list[Axes], pending: tuple, k: int | None
+    ) -> Leaves:
+        """The scan of level `j`, over its dim's elements (`k` is `None`) or its whole
+        chunks of `k`: the iterations' outputs stacked at axis 0, or for a reduced
+        dim, combined in the carry. Each leaf is scanned as the scan's `xs`, or for
+        a chunked dim, sliced in each iteration where that saves a whole copy."""
+        name, build = self.spec.scan[j][0], self.build
+        length = self.problem.sizes[name] // (k or 1)
+        mapped = [i for i, a in enumerate(axes) if name in a]
+        if k is None:
+            xs = {i: jnp.moveaxis(values[i], axes[i][name], 0) for i in mapped}
+            inner_axes, inner_pending = [drop_axis(a, name) for a in axes], pending
+        else:
+            # The outermost scan slices a leaf in each iteration where its `xs`
+            # would copy the whole input first (a remainder, or an axis not
+            # leading); a scan inside another scans `xs` as `lax.map` does (a copy
+            # of its part of the iteration outside, or one XLA hoists out of it).
+            xs = {}
+            for i in mapped:
+                x = _move_axis(values[i], axes[i][name], 0)
+                if length and j == 0:
+                    if axes[i][name] != 0 or x.shape[0] != length * k:
+                        continue
+                if length and x.shape[0] != length * k:
+                    x = lax.slice_in_dim(x, 0, length * k)
+                xs[i] = _split_axis(x, 0, (length, k))
+            inner_axes = [_rename(a, name, chunk_key(name)) for a in axes]
+            inner_pending = pending + (Level(chunk_key(name), name, "vmap", k, False),)
+        sliced = [i for i in mapped if i not in xs]
+        later = self.spec.scan[j + 1 :]
+        innermost = all(c and self.problem.sizes[d] < c for d, c in later)
+        isolated = [i for i in mapped if innermost and i in build.isolate]
+        inner = ft.partial(self.level, j + 1, axes=inner_axes, pending=inner_pending)
+        body = jax.checkpoint(inner) if build.checkpoint else inner
+
+        def take(index: Any, x: Leaves) -> Leaves:
+            current = list(values)
+            for i, xi in zip(xs, x):  # a chunk's axis back in its place
+                current[i] = xi if k is None else _move_axis(xi, 0, axes[i][name])
+            for i in sliced:
+                ax = axes[i][name]
+                current[i] = lax.dynamic_slice_in_dim(values[i], index * k, k, ax)
+            if isolated:
+                kept = isolate_slices([current[i] for i in isolated], index, length)
+                for i, xi in zip(isolated, kept):
+                    current[i] = xi
+            return current
+
+        acc, combine = None, []
+        if self.problem.reduce is not None and name in self.problem.reduce.dims:
+            specs = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs.values()]
+            shapes = jax.eval_shape(lambda x: body(take(jnp.int32(0), x)), specs)
+            acc, combine = self.accumulator(shapes, self.absent(j + 1, inner_pending))
+
+        def step(carry: tuple[Any, Any], x: Leaves) -> tuple[Any, Any]:
+            index, acc = carry
+            ys = body(take(index, x))
+            index = None if index is None else index + 1
+            if acc is None:
+                return (index, None), ys
+            return (index, [f(a, y) for f, a, y in zip(combine, acc, ys)]), None
+
+        index = jnp.int32(0) if sliced or isolated else None
+        carry, ys = lax.scan(step, (index, acc), list(xs.values()), length=length)
+        return ys if acc is None else carry[1]
+
+    def accumulator(self, shapes: list, absent: set[str]) -> tuple[Leaves, list]:
+        """A reduced scan's carry: the identity of each output, shaped as one
+        iteration's, and the op that combines one iteration's outputs into it."""
+        reduce, dims = self.problem.reduce, self.problem.out_dims
+        assert reduce is not None
+        init = [reduce.identity(i, s.shape) for i, s in enumerate(shapes)]
+        combine = [
+            ft.partial(reduce.combine, batch_axes=self.batch_axes(s, d, absent))
+            for s, d in zip(shapes, dims)
+        ]
+        return init, combine
+
+    def placed(self, j: int, pending: tuple, ys: Leaves, chunked: bool) -> Leaves:
+        """The stacked outputs of level `j`'s scan with their dim at its axis (merged
+        with a chunk's elements); a reduced dim's are as they are."""
+        name, reduce = self.spec.scan[j][0], self.problem.reduce
+        if reduce is not None and name in reduce.dims:
+            return ys
+        absent = self.absent(j, pending)
+        out = []
+        for y, dims in zip(ys, self.problem.out_dims):
+            ax = present_axes(dims, absent, y.ndim - chunked)[name]
+            y = jnp.moveaxis(y, 0, ax)
+            if chunked:
+                merged = (y.shape[ax] * y.shape[ax + 1],)
+                y = jnp.reshape(y, y.shape[:ax] + merged + y.shape[ax + 2 :])
+            out.append(y)
+        return out
+
+    def join(self, j: int, pending: tuple, main: Any, rem: Any) -> Leaves:
+        """A chunked dim's chunks and remainder, concatenated along its axis, or for a
+        reduced dim, combined with its op (chunks first)."""
+        if main is None or rem is None:
+            return main if rem is None else rem
+        name, reduce = self.spec.scan[j][0], self.problem.reduce
+        absent = self.absent(j, pending)
+        out = []
+        for a, b, dims in zip(main, rem, self.problem.out_dims):
+            if reduce is not None and name in reduce.dims:
+                out.append(reduce.combine(a, b, self.batch_axes(a, dims, absent)))
+            else:
+                ax = present_axes(dims, absent, a.ndim)[name]
+                out.append(jnp.concatenate([a, b], axis=ax))
+        return out
 
 
 def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leaves:
     """The nest `spec` of `problem` on the input leaves `values`: every output leaf,
     in the order of its dims."""
-    mapped = set(spec.dims)
     reduce = problem.reduce
     core = problem.body
     if reduce is not None:
@@ -416,21 +514,8 @@ def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leave
         def core(leaves: Leaves) -> Leaves:
             return reduce.prepare(problem.body(leaves))
 
-    all_blocks = blocks(spec, problem.sizes)
-    outs: dict[tuple[Part, ...], Leaves] = {}
-    for block in all_blocks:
-        block_values = block_inputs(values, problem.leaf_axes, block)
-        axes = block_axes(problem.leaf_axes, block)
-        nest = build_levels(core, block.levels, axes, build, reduce)
-        if reduce is not None:  # the layout of the levels that leave an axis
-            kept = tuple(lv for lv in block.levels if lv.dim not in reduce.dims)
-            block = dataclasses.replace(block, levels=kept)
-        outs[block.parts] = [
-            _to_dims_order(out, dims, block, mapped)
-            for out, dims in zip(nest(block_values), problem.out_dims)
-        ]
-    out_mapped = [n for n in spec.dims if reduce is None or n not in reduce.dims]
-    return _assemble(outs, all_blocks, problem.out_dims, reduce, out_mapped)
+    nest = _Nest(problem, spec, build, core)
+    return nest.level(0, list(values), list(problem.leaf_axes), ())
 
 
 #

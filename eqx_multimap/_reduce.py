@@ -7,7 +7,7 @@ happens where the dim is mapped, so the full `(T, ...)` output never exists:
 - a vmap level of the dim reduces its output right after the level;
 - a scan level accumulates in the loop carry (temporaries O(1) in the dim's size);
 - a chunked scan reduces each chunk (the vmap inside) and accumulates the chunks in
-    the carry, and the remainder block is merged with the op (`_nest._assemble`);
+    the carry, and the remainder is combined with the chunks' result (`_nest`);
 - a sharded dim is reduced on each device, then across devices with one
     `psum`/`pmax`/`pmin` over its mesh axes (`_multi_vmap.run_call`).
 

@@ -75,7 +75,7 @@ def test_run_quick_path_prints_the_summary_and_writes_the_report(
     assert run.main(["--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     summary = out.split("Summary (Total: ")[1]
-    head = ["ours / hand-written", *run.NESTS, "twins (noise)", "same HLO"]
+    head = ["ours / hand-written", *run.NESTS, "twins (noise)", "same HLO (no larger)"]
     assert re.split(r"  +", summary.splitlines()[2].strip()) == head
     for kind, transforms in (("run", "forward grad"), ("compile", "forward grad")):
         for transform in transforms.split():
@@ -86,15 +86,18 @@ def test_run_quick_path_prints_the_summary_and_writes_the_report(
     assert "0 traces and 0 compiles in 12 calls" in out
     assert (tmp_path / "ours_vs_hand.png").stat().st_size > 10_000
     report = (tmp_path / "results.md").read_text()
-    assert "| ours / hand-written | vmap | scan(vmap) | chunk |" in report
+    assert "| ours / hand-written | vmap | scan(vmap) | chunk | chunk2 |" in report
     assert "![ours against hand-written](ours_vs_hand.png)" in report
     with open(tmp_path / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
-    # run: 2 cells x 2 transforms x 3 nests; compile: 2 x 2 x 1; eager: 2 x 2.
-    assert [r["kind"] for r in rows] == ["run"] * 12 + ["compile"] * 4 + ["eager"] * 4
-    # The same HLO as hand-written: every cheap program (sliced as lax.scan does).
-    cheap = [r["same_hlo"] for r in rows if r["kind"] == "run" and r["body"] == "cheap"]
-    assert cheap == ["True"] * 6
+    # run: 2 cells x 2 transforms x 4 nests; compile: 2 x 2 x 1; eager: 2 x 2.
+    assert [r["kind"] for r in rows] == ["run"] * 16 + ["compile"] * 4 + ["eager"] * 4
+    # The same HLO as hand-written: every cheap program of one chunked level (sliced
+    # as lax.scan does); and every program's HLO is no larger than hand-written.
+    run_rows = [r for r in rows if r["kind"] == "run"]
+    one_level = [r for r in run_rows if r["nest"] != "chunk2"]
+    assert [r["same_hlo"] for r in one_level if r["body"] == "cheap"] == ["True"] * 6
+    assert [r["no_larger"] for r in run_rows] == ["True"] * 16
 
 
 def test_run_limits_and_ticks_are_robust_to_outliers():
@@ -120,7 +123,9 @@ def test_reduce_programs_compute_the_same_sum():
 
 
 def test_reduce_quick_path_prints_every_section(monkeypatch, capsys):
-    tiny = dict(ts=(32, 64), n=16, budget=8 * 1024, seconds=0.0, eager=(1, 2))
+    tiny = dict(
+        ts=(32, 64), n=16, budget=8 * 1024, seconds=0.0, eager=(1, 2), gains=(8, 5)
+    )
     monkeypatch.setitem(reduce.SIZES, True, tiny)
     assert reduce.main(["--quick", "--repeats", "3"]) == 0
     out = capsys.readouterr().out
@@ -134,6 +139,7 @@ def test_reduce_quick_path_prints_every_section(monkeypatch, capsys):
     eager = summary.split("eager: RSS growth per 100 fresh functions")[1]
     for name in reduce.EAGER:
         assert re.search(rf"{re.escape(name)} -?[\d.]+ (B|KiB|MiB|GiB) \(1\)", eager)
+    assert re.search(r"gains, grad, time / hand: ours [\d.]+, temp .*, peak RSS", out)
 
 
 def test_sharding_quick_path():
