@@ -12,7 +12,7 @@ import dataclasses
 import functools as ft
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload, TypeVar
+from typing import Any, Literal, overload, TypeVar
 
 import equinox as eqx
 import jax
@@ -27,6 +27,7 @@ from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
 from ._plan import Plan
+from ._progress_bar import Meter
 from ._planner import describe_fixed, plan_options, PlanMode, Planner
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
@@ -52,7 +53,14 @@ def run_call(call: Call) -> Any:
     """Choose the nest of a resolved call, build it, run it; the output pytree."""
     options = call.options
     spec = call.given_nest()
-    build = Build(isolate=call.isolate, checkpoint=options.checkpoint)
+    meter = None
+    if options.progress is not None:
+        axes = () if call.shard is None else tuple(call.shard.mesh.axis_names)
+        label = call.fun_name[len("filter_multi_vmap(") : -1]
+        meter = Meter(options.progress, label, axes)
+    build = Build(
+        isolate=call.isolate, checkpoint=options.checkpoint, progress=meter
+    )
     diff = None
     forward: NestSpec | Callable[[], NestSpec] = spec
     if options.plan is not None:
@@ -70,7 +78,7 @@ def run_call(call: Call) -> Any:
         def diff() -> tuple[NestSpec, Build]:
             # Planned only when the call is differentiated.
             plan = planner.plan(call, backward=True)
-            return plan.spec, Build(isolate=call.isolate, checkpoint=plan.checkpoint)
+            return plan.spec, dataclasses.replace(build, checkpoint=plan.checkpoint)
 
     reduction = call.reduction
     reduced = ""
@@ -336,6 +344,8 @@ def _describe_wrapper(fun: Callable, options: Options) -> str:
             parts.append(f"memory_budget={options.plan.memory_budget!r}")
     if options.checkpoint:
         parts.append("checkpoint=True")
+    if options.progress is not None:
+        parts.append(f"progress={options.progress!r}")
     return f"filter_multi_vmap({', '.join(parts)})"
 
 
@@ -355,6 +365,7 @@ def filter_multi_vmap(
     memory_budget: int | float | None = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    progress: bool | Literal["tqdm", "text"] = False,
 ) -> Callable[[Callable[..., _T]], Callable[..., _T]]: ...
 
 
@@ -375,6 +386,7 @@ def filter_multi_vmap(
     memory_budget: int | float | None = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    progress: bool | Literal["tqdm", "text"] = False,
 ) -> Callable[..., _T]: ...
 
 
@@ -395,6 +407,7 @@ def filter_multi_vmap(
     memory_budget: int | float | None = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    progress: bool | Literal["tqdm", "text"] = False,
 ):
     """Map a function over several named dims at once: `shard_map` outermost, then
     `scan`, then `vmap`.
@@ -492,6 +505,7 @@ def filter_multi_vmap(
             memory_budget=memory_budget,
             checkpoint=checkpoint,
             verbose=verbose,
+            progress=progress,
         )
     if not callable(fun):
         raise SpecError(
@@ -509,6 +523,7 @@ def filter_multi_vmap(
         plan=plan_options(plan, memory_budget, verbose),
         checkpoint=checkpoint,
         verbose=verbose,
+        progress=progress,
     )
     explicit_mapped(options, fun_name_of(fun))
     check_in_dims_keys(fun, fun_name_of(fun), options.in_dims.value)

@@ -32,6 +32,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ._blocks import Block, blocks, chunk_key, Level, NestSpec, Part
 from ._dims import axes_of, Dims, EllipsisDim, NamedDim
+from ._progress_bar import BlockReport, per_block
 from ._reduce import Reduction
 
 
@@ -71,10 +72,14 @@ class Build:
     - `isolate`: the input leaves (by index) that the innermost scan of each block
         slices apart from the body's kernels on CPU (see `isolate_slices`).
     - `checkpoint`: wrap each scan body in `jax.checkpoint`.
+    - `progress`: `progress=`'s bar (`_progress_bar.Meter`), or, once `run` has
+        given it to a block (`per_block`), the block's report from its outermost
+        scan.
     """
 
     isolate: frozenset[int] = frozenset()
     checkpoint: bool = False
+    progress: Any = None
 
 
 #
@@ -197,6 +202,7 @@ def build_levels(
     if not levels:
         return core
     level, rest = levels[0], levels[1:]
+    report, build = build.progress, dataclasses.replace(build, progress=None)
     inner = build_levels(
         core, rest, [drop_axis(a, level.key) for a in leaf_axes], build, reduce
     )
@@ -226,7 +232,12 @@ def build_levels(
     elif level.kind == "scan":
         innermost = all(lv.kind != "scan" for lv in rest)
         accumulate = _Accumulate(reduce, batch) if reduced and reduce else None
-        return _scan_level(inner, level, in_axes, build, innermost, accumulate)
+        make = ft.partial(
+            _scan_level, level=level, innermost=innermost, accumulate=accumulate
+        )
+        if isinstance(report, BlockReport):  # the block's outermost scan reports
+            return report.scan(make, inner, in_axes, build)
+        return make(inner, in_axes=in_axes, build=build)
     else:
         raise ValueError(f"Unrecognised level kind '{level.kind}'.")
 
@@ -418,10 +429,10 @@ def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leave
 
     all_blocks = blocks(spec, problem.sizes)
     outs: dict[tuple[Part, ...], Leaves] = {}
-    for block in all_blocks:
+    for block, block_build in zip(all_blocks, per_block(build, all_blocks)):
         block_values = block_inputs(values, problem.leaf_axes, block)
         axes = block_axes(problem.leaf_axes, block)
-        nest = build_levels(core, block.levels, axes, build, reduce)
+        nest = build_levels(core, block.levels, axes, block_build, reduce)
         if reduce is not None:  # the layout of the levels that leave an axis
             kept = tuple(lv for lv in block.levels if lv.dim not in reduce.dims)
             block = dataclasses.replace(block, levels=kept)

@@ -1,0 +1,210 @@
+"""`progress=`: a bar over the iterations of the outermost scan, reported from
+inside the compiled program.
+
+Not to be confused with `_progress`, which logs the planner's own progress.
+
+`filter_multi_vmap(..., progress=True)` puts a [`Meter`][] in the nest's `Build`.
+When `_nest.run` builds the nest of one call, [`per_block`][] gives each block whose
+levels include a scan a [`BlockReport`][]: the block's outermost scan then calls
+`jax.debug.callback` once per iteration, in its body but outside every vmap and
+outside `jax.checkpoint` (which would call it again in the backward pass). So a map
+reports one bar, never one per lane; under `jax.grad` only the forward pass reports,
+since the callback takes no tangent. Under `shard=`, every device calls back with
+its index on the mesh and only device 0 is shown.
+
+The bar is host state, shared by the blocks of one traced call: it opens at the
+first report, counts the iterations of every block's outermost scan, and closes
+when the count reaches their total (each execution of the compiled program counts
+again from zero).
+"""
+
+import dataclasses
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+from jax._src import traceback_util
+
+from ._blocks import Block
+from ._errors import SpecError
+
+
+traceback_util.register_exclusion(__file__)
+
+
+Kind = Literal["tqdm", "text"]
+
+TEXT_EVERY = 0.1
+"""The text bar prints a line each time another tenth of the iterations is done,"""
+TEXT_SECONDS = 30.0
+"""or when this many seconds have passed since its last line, and at the end."""
+
+
+def tqdm_installed() -> bool:
+    try:
+        import tqdm.auto  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Meter:
+    """What `progress=` asks for: the kind of bar, its label, and, under `shard=`,
+    the mesh axes whose index 0 reports (all of them: the index is the device's
+    position on the mesh)."""
+
+    kind: Kind
+    label: str = ""
+    axes: tuple[str, ...] = ()
+
+
+class _Bar:
+    """The host side of one traced call's bar: counts the reports of its blocks."""
+
+    def __init__(self, meter: Meter, total: int):
+        self.meter = meter
+        self.total = total
+        self.count = 0
+        self.bar: Any = None
+        self.start = 0.0
+        self.printed = (0, 0.0)  # count and time of the text bar's last line
+        self.lock = threading.Lock()
+
+    def report(self, index: Any, device: Any = None) -> None:
+        del index  # only makes the report an iteration's own (see `BlockReport`)
+        if device is not None and int(device) != 0:
+            return
+        with self.lock:
+            if self.count == 0:
+                self._open()
+            self.count += 1
+            self._show()
+            if self.count >= self.total:
+                self._close()
+                self.count = 0
+
+    def _open(self) -> None:
+        self.start = time.perf_counter()
+        self.printed = (0, self.start)
+        if self.meter.kind == "tqdm":
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, desc=self.meter.label, leave=True)
+
+    def _show(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        now = time.perf_counter()
+        last_count, last_time = self.printed
+        due = max(1, int(self.total * TEXT_EVERY))
+        if (
+            self.count - last_count >= due
+            or now - last_time >= TEXT_SECONDS
+            or self.count >= self.total
+        ):
+            self.printed = (self.count, now)
+            percent = 100 * self.count // self.total
+            print(
+                f"{self.meter.label}: {self.count}/{self.total} ({percent}%), "
+                f"{now - self.start:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockReport:
+    """A block's share of the bar: its outermost scan, of `size` iterations,
+    reports each iteration."""
+
+    bar: _Bar
+    size: int
+
+    def scan(
+        self,
+        make: Callable[..., Callable],
+        inner: Callable,
+        in_axes: list,
+        build: Any,
+    ) -> Callable:
+        """The scan `make(inner, in_axes=..., build=...)` (see `_nest`), with a
+        report at each iteration.
+
+        The scan gets one more input leaf, the iteration's index, which the report
+        takes: a report that took nothing from the iteration would be loop-invariant,
+        and `jax.grad` hoists it out of the loop. The report goes outside
+        `jax.checkpoint`: this applies the checkpoint that `build` asks for, and
+        `make` does not."""
+        body = jax.checkpoint(inner) if build.checkpoint else inner
+        axes = self.bar.meter.axes
+        report = self.bar.report
+
+        def reporting(leaves: list) -> list:
+            index = leaves[-1]
+            if axes:
+                jax.debug.callback(report, index, lax.axis_index(axes))
+            else:
+                jax.debug.callback(report, index)
+            return body(leaves[:-1])
+
+        unchecked = dataclasses.replace(build, checkpoint=False, progress=None)
+        scan = make(reporting, in_axes=list(in_axes) + [0], build=unchecked)
+        size = self.size
+
+        def scan_with_index(leaves: list) -> list:
+            return scan(list(leaves) + [jnp.arange(size, dtype=jnp.int32)])
+
+        return scan_with_index
+
+
+def per_block(build: Any, all_blocks: Sequence[Block]) -> list[Any]:
+    """`build` for each block: with a [`BlockReport`][] for each block with a scan
+    if `build` has a [`Meter`][], all sharing one bar; else unchanged."""
+    meter = build.progress
+    if meter is None:
+        return [build] * len(all_blocks)
+    assert isinstance(meter, Meter)
+    total = sum(b.scans[0].size for b in all_blocks if b.scans)
+    if total == 0:  # no scan, or no iteration: nothing to report
+        return [dataclasses.replace(build, progress=None)] * len(all_blocks)
+    bar = _Bar(meter, total)
+    return [
+        dataclasses.replace(build, progress=BlockReport(bar, b.scans[0].size) if b.scans else None)
+        for b in all_blocks
+    ]
+
+
+def parse_progress(progress: Any) -> Kind | None:
+    """The kind of bar that `progress=` asks for, checked at decoration."""
+    if progress is None or progress is False:
+        return None
+    if progress is True:
+        return "tqdm" if tqdm_installed() else "text"
+    if isinstance(progress, str) and progress == "text":
+        return "text"
+    if isinstance(progress, str) and progress == "tqdm":
+        if not tqdm_installed():
+            raise SpecError(
+                "`filter_multi_vmap(..., progress='tqdm')` needs `tqdm`, which is not "
+                "installed. Install it (`pip install tqdm`), or pass `progress=True` "
+                "to use `tqdm` when it is installed and plain text otherwise."
+            )
+        return "tqdm"
+    raise SpecError(
+        "`filter_multi_vmap(..., progress=...)` must be `False` (the default: no "
+        "bar), `True` (a `tqdm` bar if `tqdm` is installed, else plain text on "
+        f"stderr), `'tqdm'` or `'text'`, but got {progress!r} of type "
+        f"`{type(progress).__name__}`."
+    )
