@@ -407,7 +407,7 @@ def filter_multi_vmap(
     memory_budget: int | float | None = None,
     checkpoint: bool = False,
     verbose: bool = False,
-    progress: bool | Literal["tqdm", "text"] = False,
+    progress: Any = False,  # `bool | Literal["tqdm", "text"]`; checked likewise
 ):
     """Map a function over several named dims at once: `shard_map` outermost, then
     `scan`, then `vmap`.
