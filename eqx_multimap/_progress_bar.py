@@ -6,11 +6,13 @@ Not to be confused with `_progress`, which logs the planner's own progress.
 `filter_multi_vmap(..., progress=True)` puts a [`Meter`][] in the nest's `Build`.
 When `_nest.run` builds the nest of one call, [`per_block`][] gives each block whose
 levels include a scan a [`BlockReport`][]: the block's outermost scan then calls
-`jax.debug.callback` once per iteration, in its body but outside every vmap and
-outside `jax.checkpoint` (which would call it again in the backward pass). So a map
-reports one bar, never one per lane; under `jax.grad` only the forward pass reports,
-since the callback takes no tangent. Under `shard=`, every device calls back with
-its index on the mesh and only device 0 is shown.
+`jax.debug.callback` with the number of iterations done since its last report, every
+iteration or, past [`REPORTS`][] iterations, every `ceil(n / REPORTS)`-th and the
+last. It does so in its body, outside every vmap and outside `jax.checkpoint`
+(which would call it again in the backward pass). So a map reports one bar, never
+one per lane; under `jax.grad` only the forward pass reports, since the callback
+takes no tangent. Under `shard=`, only the device at index 0 on the mesh calls
+back.
 
 The bar is host state, shared by the blocks of one traced call: it opens at the
 first report, counts the iterations of every block's outermost scan, and closes
@@ -38,6 +40,10 @@ traceback_util.register_exclusion(__file__)
 
 
 Kind = Literal["tqdm", "text"]
+
+REPORTS = 100
+"""A block's outermost scan calls back at most this many times (every iteration
+when it has at most this many): each callback costs tens of microseconds."""
 
 TEXT_EVERY = 0.1
 """The text bar prints a line each time another tenth of the iterations is done,"""
@@ -76,15 +82,13 @@ class _Bar:
         self.printed = (0, 0.0)  # count and time of the text bar's last line
         self.lock = threading.Lock()
 
-    def report(self, index: Any, device: Any = None) -> None:
-        del index  # only makes the report an iteration's own (see `BlockReport`)
-        if device is not None and int(device) != 0:
-            return
+    def report(self, trips: Any) -> None:
+        """`trips` more iterations are done."""
         with self.lock:
             if self.count == 0:
                 self._open()
-            self.count += 1
-            self._show()
+            self.count += int(trips)
+            self._show(int(trips))
             if self.count >= self.total:
                 self._close()
                 self.count = 0
@@ -97,9 +101,9 @@ class _Bar:
 
             self.bar = tqdm(total=self.total, desc=self.meter.label, leave=True)
 
-    def _show(self) -> None:
+    def _show(self, trips: int) -> None:
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(trips)
             return
         now = time.perf_counter()
         last_count, last_time = self.printed
@@ -124,10 +128,17 @@ class _Bar:
             self.bar = None
 
 
+def _call(report: Callable) -> Callable:
+    def call(trips: Any) -> None:
+        jax.debug.callback(report, trips)
+
+    return call
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockReport:
     """A block's share of the bar: its outermost scan, of `size` iterations,
-    reports each iteration."""
+    reports them as they are done."""
 
     bar: _Bar
     size: int
@@ -139,8 +150,8 @@ class BlockReport:
         in_axes: list,
         build: Any,
     ) -> Callable:
-        """The scan `make(inner, in_axes=..., build=...)` (see `_nest`), with a
-        report at each iteration.
+        """The scan `make(inner, in_axes=..., build=...)` (see `_nest`), with its
+        reports.
 
         The scan gets one more input leaf, the iteration's index, which the report
         takes: a report that took nothing from the iteration would be loop-invariant,
@@ -148,20 +159,26 @@ class BlockReport:
         `jax.checkpoint`: this applies the checkpoint that `build` asks for, and
         `make` does not."""
         body = jax.checkpoint(inner) if build.checkpoint else inner
-        axes = self.bar.meter.axes
+        axes, size = self.bar.meter.axes, self.size
+        every = -(-size // REPORTS)
         report = self.bar.report
 
         def reporting(leaves: list) -> list:
-            index = leaves[-1]
+            done = leaves[-1] + 1  # the iterations done once this one is
+            # Report every `every` iterations, and the last one; under `shard=`,
+            # from device 0 alone.
+            due = (done % every == 0) | (done == size)
             if axes:
-                jax.debug.callback(report, index, lax.axis_index(axes))
+                due = due & (lax.axis_index(axes) == 0)
+            trips = done - every * ((done - 1) // every)
+            if every == 1 and not axes:
+                jax.debug.callback(report, trips)
             else:
-                jax.debug.callback(report, index)
+                lax.cond(due, _call(report), lambda n: None, trips)
             return body(leaves[:-1])
 
         unchecked = dataclasses.replace(build, checkpoint=False, progress=None)
         scan = make(reporting, in_axes=list(in_axes) + [0], build=unchecked)
-        size = self.size
 
         def scan_with_index(leaves: list) -> list:
             return scan(list(leaves) + [jnp.arange(size, dtype=jnp.int32)])

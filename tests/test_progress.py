@@ -22,11 +22,13 @@ class FakeBar:
 
     def __init__(self, total=None, desc=None, leave=True):
         self.total, self.desc, self.n, self.closed = total, desc, 0, False
+        self.updates = 0  # one per callback
         FakeBar.bars.append(self)
 
     def update(self, n=1):
         assert not self.closed
         self.n += n
+        self.updates += 1
 
     def close(self):
         self.closed = True
@@ -40,6 +42,8 @@ def bars(monkeypatch):
     def reported():
         jax.effects_barrier()  # the callbacks run asynchronously
         return [(b.n, b.total, b.closed) for b in FakeBar.bars]
+
+    reported.updates = lambda: [b.updates for b in FakeBar.bars]
 
     return reported
 
@@ -96,9 +100,21 @@ def test_one_report_per_trip(bars, case, jit):
     out = (jax.jit(f) if jit else f)(x, y)
     np.testing.assert_allclose(out, reference(x, y), rtol=1e-6, atol=1e-6)
     assert bars() == [(trips, trips, True)]
+    assert bars.updates() == [trips]  # one callback per trip
     # The next execution of the same program opens a new bar.
     (jax.jit(f) if jit else f)(x, y)
     assert bars() == [(trips, trips, True)] * 2
+
+
+def test_long_scan_reports_a_hundred_times(bars):
+    # 250 trips: a callback every 3 trips (83 of them) and one for the last trip.
+    f = filter_multi_vmap(
+        lambda x: 2 * x, in_dims="T B", out_dims="T B", scan="T", progress="tqdm"
+    )
+    x = jnp.arange(250 * 2, dtype=jnp.float32).reshape(250, 2)
+    np.testing.assert_array_equal(f(x), 2 * np.asarray(x))
+    assert bars() == [(250, 250, True)]
+    assert bars.updates() == [84]
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
