@@ -27,7 +27,7 @@ from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
 from ._plan import Plan
-from ._progress_bar import Meter
+from ._progress_bar import make_meter
 from ._planner import describe_fixed, plan_options, PlanMode, Planner
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
@@ -53,14 +53,7 @@ def run_call(call: Call) -> Any:
     """Choose the nest of a resolved call, build it, run it; the output pytree."""
     options = call.options
     spec = call.given_nest()
-    meter = None
-    if options.progress is not None:
-        axes = () if call.shard is None else tuple(call.shard.mesh.axis_names)
-        label = call.fun_name[len("filter_multi_vmap(") : -1]
-        meter = Meter(options.progress, label, axes)
-    build = Build(
-        isolate=call.isolate, checkpoint=options.checkpoint, progress=meter
-    )
+    build = Build(call.isolate, options.checkpoint, make_meter(call))
     diff = None
     forward: NestSpec | Callable[[], NestSpec] = spec
     if options.plan is not None:
@@ -344,8 +337,7 @@ def _describe_wrapper(fun: Callable, options: Options) -> str:
             parts.append(f"memory_budget={options.plan.memory_budget!r}")
     if options.checkpoint:
         parts.append("checkpoint=True")
-    if options.progress is not None:
-        parts.append(f"progress={options.progress!r}")
+    parts += [f"progress={options.progress!r}"] if options.progress else []
     return f"filter_multi_vmap({', '.join(parts)})"
 
 
@@ -462,6 +454,9 @@ def filter_multi_vmap(
     - `checkpoint`: wrap each scan body in `jax.checkpoint`, so that reverse-mode
         autodiff stores only each iteration's inputs.
     - `verbose`: print the nest whenever the function is traced.
+    - `progress`: `True` (`tqdm` if installed, else text), `"tqdm"` or `"text"`: a bar
+        over the outermost scan's iterations, one per call, forward pass only; about
+        5 to 10 ms a call; off, none ([more](../strategies.md#progress-on-long-scans)).
 
     **Returns:**
 

@@ -70,6 +70,15 @@ class Meter:
     axes: tuple[str, ...] = ()
 
 
+def make_meter(call: Any) -> Meter | None:
+    """The [`Meter`][] of one call (a `_resolve.Call`), if `progress=` is on."""
+    if call.options.progress is None:
+        return None
+    axes = () if call.shard is None else tuple(call.shard.mesh.axis_names)
+    label = call.fun_name.removeprefix("filter_multi_vmap(")[:-1]
+    return Meter(call.options.progress, label, axes)
+
+
 class _Bar:
     """The host side of one traced call's bar: counts the reports of its blocks."""
 
@@ -160,7 +169,7 @@ class BlockReport:
         `make` does not."""
         body = jax.checkpoint(inner) if build.checkpoint else inner
         axes, size = self.bar.meter.axes, self.size
-        every = -(-size // REPORTS)
+        every = max(1, -(-size // REPORTS))
         report = self.bar.report
 
         def reporting(leaves: list) -> list:
@@ -198,7 +207,9 @@ def per_block(build: Any, all_blocks: Sequence[Block]) -> list[Any]:
         return [dataclasses.replace(build, progress=None)] * len(all_blocks)
     bar = _Bar(meter, total)
     return [
-        dataclasses.replace(build, progress=BlockReport(bar, b.scans[0].size) if b.scans else None)
+        dataclasses.replace(
+            build, progress=BlockReport(bar, b.scans[0].size) if b.scans else None
+        )
         for b in all_blocks
     ]
 

@@ -1,6 +1,8 @@
 """`progress=`: one bar per map over the outermost scan's iterations, reported from
 inside the compiled program; off by default, and then absent from it."""
 
+import importlib.util
+import pathlib
 import re
 
 import jax
@@ -215,3 +217,15 @@ def test_bad_progress_raises(bad):
     message = r"(?s)progress=\.\.\.\)` must be `False`.*but got " + re.escape(repr(bad))
     with pytest.raises(SpecError, match=message):
         filter_multi_vmap(body, in_dims=("T", None), out_dims="T", progress=bad)
+
+
+def test_overhead_example_runs(capsys):
+    path = pathlib.Path(__file__).parent.parent / "examples" / "progress.py"
+    spec = importlib.util.spec_from_file_location("progress_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--trips", "20", "--lanes", "2", "--seconds", "0"]) == 0
+    out = capsys.readouterr().out
+    for transform in ("forward", "grad"):
+        for name in ("progress=False", "twin (noise floor)", "'text'", "'tqdm'"):
+            assert f"| {transform} | {name} | " in out

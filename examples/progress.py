@@ -1,15 +1,14 @@
-"""What does `progress=` cost? A scan of cheap iterations with a bar against the same
-map without one, forward and under `jax.grad`.
+"""Time what `progress=` costs: a scan with a bar against the same map without one.
 
 The map scans `T` (1,000 iterations by default) over a vmap of `B` elements whose
-body is a few flops, so that the callback's cost per iteration is as visible as it
-gets. Every program is compiled first, checked to give the values of the map
-without a bar, then timed interleaved with it and with its twin (a second compile of
-the map without a bar: the noise floor); reported are the median and interquartile
-range of the per-round ratios. The bars write to stderr: run with `2>/dev/null` to
-keep them off the terminal (as timed in the docs).
+body is a few flops, so that the cost of the bar's reports is as visible as it gets.
+Every program is compiled first, checked to give the values of the map without a
+bar, then timed interleaved with it and with its twin (a second compile of the map
+without a bar: the noise floor), forward and under `jax.grad`; reported are the
+median and interquartile range of the per-round time ratios (`eqx_multimap.timing`).
+The bars write to stderr: run with `2>/dev/null` to keep them off the terminal.
 
-Run: `python benchmarks/progress.py 2>/dev/null` (`--quick`: fewer rounds).
+Run: `python examples/progress.py 2>/dev/null` (`--quick`: fewer rounds).
 """
 
 import argparse
@@ -54,10 +53,12 @@ def program(transform, progress):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trips", type=int, default=1000)
-    parser.add_argument("--lanes", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--quick", action="store_true", help="about 4 s per table")
+    parser.add_argument("--trips", type=int, default=1000, help="iterations: T")
+    parser.add_argument("--lanes", type=int, default=16, help="vmapped elements: B")
+    parser.add_argument(
+        "--seconds", type=float, default=20.0, help="seconds per table (about)"
+    )
+    parser.add_argument("--quick", action="store_true", help="4 s per table")
     args = parser.parse_args(argv)
     seconds = 4.0 if args.quick else args.seconds
     x = jnp.linspace(0.0, 1.0, args.trips * args.lanes, dtype=jnp.float32)
