@@ -27,8 +27,8 @@ from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
 from ._plan import Plan
-from ._progress_bar import make_meter
 from ._planner import describe_fixed, plan_options, PlanMode, Planner
+from ._progress_bar import make_meter
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
 from ._shard import parse_shard, shard_repr, ShardPlan, ShardSpec

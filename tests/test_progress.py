@@ -4,6 +4,7 @@ inside the compiled program; off by default, and then absent from it."""
 import importlib.util
 import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -229,3 +230,10 @@ def test_overhead_example_runs(capsys):
     for transform in ("forward", "grad"):
         for name in ("progress=False", "twin (noise floor)", "'text'", "'tqdm'"):
             assert f"| {transform} | {name} | " in out
+
+
+def test_without_tqdm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # `import tqdm.auto` fails
+    with pytest.raises(SpecError, match=r"(?s)progress='tqdm'\)` needs `tqdm`"):
+        mapped("tqdm", scan="T")
+    assert "progress='text'" in repr(mapped(True, scan="T"))  # the fallback
