@@ -118,6 +118,11 @@ def test_long_scan_reports_a_hundred_times(bars):
     np.testing.assert_array_equal(f(x), 2 * np.asarray(x))
     assert bars() == [(250, 250, True)]
     assert bars.updates() == [84]
+    # Under `jax.grad` too (the callback sits in a `lax.cond` then).
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(x)
+    np.testing.assert_array_equal(grad, 8 * np.asarray(x))
+    assert bars() == [(250, 250, True)] * 2
+    assert bars.updates() == [84] * 2
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
@@ -169,6 +174,11 @@ def test_shard_reports_one_device(bars):
     np.testing.assert_allclose(out, reference(x, y), rtol=1e-6, atol=1e-6)
     # One bar of T trips, not one per device (8 devices run the scan).
     assert bars() == [(T, T, True)]
+    grad = jax.jit(jax.grad(lambda y: jnp.sum(f(x, y))))(y)
+    ref = lambda y: jnp.sum(jnp.tanh(x * y[None, None]) + y[None, None])  # noqa: E731
+    expected = jax.grad(ref)(y)
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-4)
+    assert bars() == [(T, T, True)] * 2
 
 
 def test_no_scan_no_bar(bars):
