@@ -12,7 +12,7 @@ import dataclasses
 import functools as ft
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload, TypeVar
+from typing import Any, Literal, overload, TypeVar
 
 import equinox as eqx
 import jax
@@ -28,6 +28,7 @@ from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
 from ._plan import Plan
 from ._planner import describe_fixed, plan_options, PlanMode, Planner
+from ._progress_bar import make_meter
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
 from ._shard import parse_shard, shard_repr, ShardPlan, ShardSpec
@@ -52,7 +53,7 @@ def run_call(call: Call) -> Any:
     """Choose the nest of a resolved call, build it, run it; the output pytree."""
     options = call.options
     spec = call.given_nest()
-    build = Build(isolate=call.isolate, checkpoint=options.checkpoint)
+    build = Build(call.isolate, options.checkpoint, make_meter(call))
     diff = None
     forward: NestSpec | Callable[[], NestSpec] = spec
     if options.plan is not None:
@@ -70,7 +71,7 @@ def run_call(call: Call) -> Any:
         def diff() -> tuple[NestSpec, Build]:
             # Planned only when the call is differentiated.
             plan = planner.plan(call, backward=True)
-            return plan.spec, Build(isolate=call.isolate, checkpoint=plan.checkpoint)
+            return plan.spec, dataclasses.replace(build, checkpoint=plan.checkpoint)
 
     reduction = call.reduction
     reduced = ""
@@ -336,6 +337,7 @@ def _describe_wrapper(fun: Callable, options: Options) -> str:
             parts.append(f"memory_budget={options.plan.memory_budget!r}")
     if options.checkpoint:
         parts.append("checkpoint=True")
+    parts += [f"progress={options.progress!r}"] if options.progress else []
     return f"filter_multi_vmap({', '.join(parts)})"
 
 
@@ -355,6 +357,7 @@ def filter_multi_vmap(
     memory_budget: int | float | None = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    progress: bool | Literal["tqdm", "text"] = False,
 ) -> Callable[[Callable[..., _T]], Callable[..., _T]]: ...
 
 
@@ -375,6 +378,7 @@ def filter_multi_vmap(
     memory_budget: int | float | None = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    progress: bool | Literal["tqdm", "text"] = False,
 ) -> Callable[..., _T]: ...
 
 
@@ -395,6 +399,7 @@ def filter_multi_vmap(
     memory_budget: int | float | None = None,
     checkpoint: bool = False,
     verbose: bool = False,
+    progress: Any = False,  # `bool | Literal["tqdm", "text"]`; checked likewise
 ):
     """Map a function over several named dims at once: `shard_map` outermost, then
     `scan`, then `vmap`.
@@ -449,6 +454,9 @@ def filter_multi_vmap(
     - `checkpoint`: wrap each scan body in `jax.checkpoint`, so that reverse-mode
         autodiff stores only each iteration's inputs.
     - `verbose`: print the nest whenever the function is traced.
+    - `progress`: `True` (`tqdm` if installed, else text), `"tqdm"` or `"text"`: a bar
+        over the outermost scan's iterations, one per call, forward pass only; about
+        5 to 10 ms a call; off, none ([more](../strategies.md#progress-on-long-scans)).
 
     **Returns:**
 
@@ -492,6 +500,7 @@ def filter_multi_vmap(
             memory_budget=memory_budget,
             checkpoint=checkpoint,
             verbose=verbose,
+            progress=progress,
         )
     if not callable(fun):
         raise SpecError(
@@ -509,6 +518,7 @@ def filter_multi_vmap(
         plan=plan_options(plan, memory_budget, verbose),
         checkpoint=checkpoint,
         verbose=verbose,
+        progress=progress,
     )
     explicit_mapped(options, fun_name_of(fun))
     check_in_dims_keys(fun, fun_name_of(fun), options.in_dims.value)

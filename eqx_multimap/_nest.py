@@ -37,6 +37,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ._blocks import Block, chunk_key, Level, NestSpec
 from ._dims import axes_of, Dims, EllipsisDim, NamedDim
+from ._progress_bar import Meter, report_for, Report
 from ._reduce import Reduction
 
 
@@ -76,10 +77,13 @@ class Build:
     - `isolate`: the input leaves (by index) that the innermost scan of each block
         slices apart from the body's kernels on CPU (see `isolate_slices`).
     - `checkpoint`: wrap each scan body in `jax.checkpoint`.
+    - `progress`: `progress=`'s bar (`_progress_bar.Meter`), reported from the
+        nest's outermost scan, or `None`.
     """
 
     isolate: frozenset[int] = frozenset()
     checkpoint: bool = False
+    progress: Any = None
 
 
 #
@@ -344,6 +348,7 @@ class _Nest:
     spec: NestSpec
     build: Build
     core: Callable[[Leaves], Leaves]
+    report: Report | None = None  # `progress=`: the outermost scan's iterations
 
     def absent(self, j: int, pending: tuple[Level, ...]) -> set[str]:
         """The dims that the outputs of `level(j, ..., pending)` have no axis for."""
@@ -446,15 +451,22 @@ class _Nest:
             shapes = jax.eval_shape(lambda x: body(take(jnp.int32(0), x)), specs)
             acc, combine = self.accumulator(shapes, self.absent(j + 1, inner_pending))
 
+        # The bar's report takes the index (loop-variant, or `jax.grad` would hoist
+        # it out of the loop), outside `jax.checkpoint` (or the backward pass would
+        # report again).
+        report = self.report if j == 0 else None
+
         def step(carry: tuple[Any, Any], x: Leaves) -> tuple[Any, Any]:
             index, acc = carry
+            if report is not None:
+                report(index)
             ys = body(take(index, x))
             index = None if index is None else index + 1
             if acc is None:
                 return (index, None), ys
             return (index, [f(a, y) for f, a, y in zip(combine, acc, ys)]), None
 
-        index = jnp.int32(0) if sliced or isolated else None
+        index = jnp.int32(0) if sliced or isolated or report else None
         carry, ys = lax.scan(step, (index, acc), list(xs.values()), length=length)
         return ys if acc is None else carry[1]
 
@@ -514,7 +526,11 @@ def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leave
         def core(leaves: Leaves) -> Leaves:
             return reduce.prepare(problem.body(leaves))
 
-    nest = _Nest(problem, spec, build, core)
+    report = None
+    if isinstance(build.progress, Meter) and spec.scan:
+        name, chunk = spec.scan[0]
+        report = report_for(build.progress, problem.sizes[name] // (chunk or 1))
+    nest = _Nest(problem, spec, build, core, report)
     return nest.level(0, list(values), list(problem.leaf_axes), ())
 
 

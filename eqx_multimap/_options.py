@@ -21,6 +21,7 @@ from jax._src import traceback_util
 
 from ._dims import Dims, parse_dims, parse_names
 from ._errors import SpecError
+from ._progress_bar import Kind, parse_progress
 from ._reduce import parse_reduce, ReduceOp
 from ._shard import ShardOptions
 
@@ -89,6 +90,8 @@ class Options:
     - `plan`: `None` for the nest given by the strategies, else the planner's
         options (see `_planner`).
     - `checkpoint`, `verbose`: as given.
+    - `progress`: the kind of bar `progress=` asks for (`"tqdm"` or `"text"`), or
+        `None` (see `_progress_bar`).
     """
 
     in_dims: Frozen
@@ -101,6 +104,7 @@ class Options:
     plan: Any
     checkpoint: bool
     verbose: bool
+    progress: Kind | None = None
 
     @property
     def scan_names(self) -> tuple[str, ...]:
@@ -279,6 +283,7 @@ def parse_options(
     plan: Any,
     checkpoint: bool,
     verbose: bool,
+    progress: Any = False,
 ) -> Options:
     scan_parsed = parse_scan(scan)
     vmap_parsed = parse_names(vmap, "vmap")
@@ -306,4 +311,5 @@ def parse_options(
         plan=plan,
         checkpoint=bool(checkpoint),
         verbose=bool(verbose),
+        progress=parse_progress(progress),
     )

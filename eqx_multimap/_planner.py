@@ -306,8 +306,10 @@ class Planner:
         budget, source = resolve_budget(options.memory_budget)
         sizes, shard = localize(call)
         # The wrapper's options without the planner: plans sit beside the options,
-        # and nothing in a key refers back to the planner.
-        kept = dataclasses.replace(call.options, plan=None, verbose=False)
+        # and nothing in a key refers back to the planner; `progress=` plans alike.
+        kept = dataclasses.replace(
+            call.options, plan=None, verbose=False, progress=None
+        )
         key = (kept, budget, shard, tuple(sizes.items()), backward)
         call, sizes, note = for_every_size(call, sizes)
         collective = collective_dims(call)

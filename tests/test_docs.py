@@ -301,7 +301,9 @@ def test_pages_are_short(site):
     assert not long, long
 
 
-@pytest.mark.parametrize("example", ["calibration.py", "radio_interferometry.py"])
+@pytest.mark.parametrize(
+    "example", ["calibration.py", "progress.py", "radio_interferometry.py"]
+)
 def test_example_help_is_complete(example):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / example), "--help"],
