@@ -5,12 +5,12 @@ import importlib.util
 import pathlib
 import re
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tqdm.auto
 from eqx_multimap import filter_multi_vmap, SpecError
 from jax.sharding import AxisType
 
@@ -39,8 +39,14 @@ class FakeBar:
 
 @pytest.fixture
 def bars(monkeypatch):
+    # A fake `tqdm.auto` module, so the tests run whether `tqdm` is installed or not.
     FakeBar.bars = []
-    monkeypatch.setattr(tqdm.auto, "tqdm", FakeBar)
+    auto = types.ModuleType("tqdm.auto")
+    auto.tqdm = FakeBar
+    package = types.ModuleType("tqdm")
+    package.auto = auto
+    monkeypatch.setitem(sys.modules, "tqdm", package)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", auto)
 
     def reported():
         jax.effects_barrier()  # the callbacks run asynchronously
@@ -231,7 +237,7 @@ def test_bad_progress_raises(bad):
         filter_multi_vmap(body, in_dims=("T", None), out_dims="T", progress=bad)
 
 
-def test_overhead_example_runs(capsys):
+def test_overhead_example_runs(bars, capsys):
     path = pathlib.Path(__file__).parent.parent / "examples" / "progress.py"
     spec = importlib.util.spec_from_file_location("progress_example", path)
     example = importlib.util.module_from_spec(spec)
