@@ -425,7 +425,9 @@ def _element_spec(value: Any, axes: dict | None) -> jax.ShapeDtypeStruct:
     return struct(value, shape)
 
 
-_CHECKED_INIT = re.compile(r"checking the parameters of (\S+)\.__init__")
+# jaxtyping names the check `Cls.__init__`; before 0.3, `Cls` alone, whose value of
+# `self` then shows as `Cls(...)`.
+_CHECKED_INIT = re.compile(r"checking the parameters of (\S+?)(\.__init__)?\.?$", re.M)
 
 
 def _checked_class_note(e: Exception) -> str:
@@ -434,6 +436,8 @@ def _checked_class_note(e: Exception) -> str:
     if found is None or not isinstance(e, jaxtyping.TypeCheckError):
         return ""
     cls = found.group(1).rsplit(".", 1)[-1]
+    if found.group(2) is None and f"'self': {cls}(" not in str(e):
+        return ""  # a function's parameters, not a class's
     return (
         f"\n`{cls}` checks its fields when it is built (it is decorated "
         "`@jaxtyped`), against annotations that describe the whole, batched value, "

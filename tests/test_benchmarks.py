@@ -157,11 +157,17 @@ def test_planner_quick_path_prints_its_summary_lines(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", argv + ["--confirm", "3"])
     planner.main()
     out = capsys.readouterr().out
+    # A row forward and one under `grad`. jaxlib 0.10.0's memory analysis puts every
+    # nest of the gradient over the 1 KiB budget: its row says so and is not counted.
+    rows = 2 if jax.__version_info__ >= (0, 10, 2) else 1
+    if rows == 1:
+        assert "elementwise, grad: no nest fits" in out
     assert re.search(
-        r"auto / best: geometric mean \d\.\d+, max \d\.\d+; [0-2] of 2 within 1\.10x",
+        r"auto / best: geometric mean \d\.\d+, max \d\.\d+; "
+        rf"[0-{rows}] of {rows} within 1\.10x",
         out,
-    )  # forward and grad
-    assert "Over budget: 0 of 2." in out
+    )
+    assert f"Over budget: 0 of {rows}." in out
 
 
 @pytest.mark.slow
