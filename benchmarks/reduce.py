@@ -22,6 +22,7 @@ Programs are compiled first, checked to agree, then timed interleaved
 """
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import os
@@ -84,9 +85,7 @@ def make_programs(chunk: int) -> dict:
     fun = fresh(body)
 
     def hand_scan(x, y, v):
-        def step(c, e):
-            return c + body(e[0], e[1], v), None
-
+        step = lambda c, e: (c + body(e[0], e[1], v), None)  # noqa: E731
         return lax.scan(step, jnp.zeros(x.shape[1:], x.dtype), (x, y))[0]
 
     stacked = filter_multi_vmap(fun, out_dims="T K", **DIMS)
@@ -171,10 +170,9 @@ def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
     nest = dict(scan=plan.scan, vmap=plan.vmap)
     fixed = filter_multi_vmap(fresh(outer_sumexp), **dims, **nest)
     vmapped = filter_multi_vmap(fresh(outer_sumexp), **dims, vmap="N")
-    grad = lambda f: jax.grad(lambda x, y: f(x, y).sum(), (0, 1))  # noqa: E731
-    value_and_grad = lambda f: jax.value_and_grad(  # noqa: E731
-        lambda x, y: f(x, y).sum(), (0, 1)
-    )
+    total = lambda f: lambda x, y: f(x, y).sum()  # noqa: E731
+    grad = lambda f: jax.grad(total(f), (0, 1))  # noqa: E731
+    value_and_grad = lambda f: jax.value_and_grad(total(f), (0, 1))  # noqa: E731
 
     fwd, bwd = plan.chosen.nest(sizes), plan.gradient.chosen.nest(sizes)
     programs = {
@@ -198,10 +196,7 @@ def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
     thunks = [lambda c=c: c(x, y) for c in grads]
     times = time_interleaved(thunks, SIZES[quick]["seconds"], 5, max_rounds)
     vs = [statistics.median(paired_ratios(times[0], t)) for t in times[1:]]
-
-    def of(what: str) -> str:
-        return f"{fmt_bytes(temps[what])} ({temps[what] / B:.2f} B)"
-
+    of = lambda w: f"{fmt_bytes(temps[w])} ({temps[w] / B:.2f} B)"  # noqa: E731
     return [
         f"budget: B = {fmt_bytes(B)}: planned grad {of(names[1])}, "
         f"value_and_grad {of(names[2])}, forward {of(names[0])}; "
@@ -235,10 +230,8 @@ EAGER = {  # each makes a fresh function, as a re-run notebook cell does
 def rss() -> int:
     """The process's resident memory in bytes, after `gc` and `malloc_trim`."""
     gc.collect()
-    try:
+    with contextlib.suppress(OSError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc
-        pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -266,18 +259,14 @@ def run_eager(quick: bool, max_rounds: int, log) -> list[str]:
             compiles[name].append(counts["compiles"] / n)
     log(f"\nRSS growth per 100 fresh functions, median of {rounds} round(s) of {n}")
     log("\n| program | growth per 100 | range | compiles each |\n|---|---:|---|---:|")
+    parts = []
     for name in EAGER:
         g, c = statistics.median(growth[name]), statistics.median(compiles[name])
         spread = f"{fmt_bytes(min(growth[name]))} to {fmt_bytes(max(growth[name]))}"
         log(f"| {name} | {fmt_bytes(g)} | {spread} | {c:g} |")
-    return [
-        "eager: RSS growth per 100 fresh functions (compiles each): "
-        + "; ".join(
-            f"{name} {fmt_bytes(statistics.median(growth[name]))} "
-            f"({statistics.median(compiles[name]):g})"
-            for name in EAGER
-        )
-    ]
+        parts.append(f"{name} {fmt_bytes(g)} ({c:g})")
+    head = "eager: RSS growth per 100 fresh functions (compiles each): "
+    return [head + "; ".join(parts)]
 
 
 def gain(g, m, i, j):
@@ -370,6 +359,9 @@ def run_gains(quick: bool, max_rounds: int, log) -> list[str]:
     return lines
 
 
+RUNS = dict(reduce=run_reduce, budget=run_budget, eager=run_eager, gains=run_gains)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -392,10 +384,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     lines = []
     for section in sections:
-        run = dict(
-            reduce=run_reduce, budget=run_budget, eager=run_eager, gains=run_gains
-        )[section]
-        lines += run(args.quick, max_rounds, lambda s: print(s, flush=True))
+        lines += RUNS[section](args.quick, max_rounds, lambda s: print(s, flush=True))
     print(f"\nSummary (Total: {time.perf_counter() - start:.0f} s)\n")
     print("\n".join(lines))
     return 0

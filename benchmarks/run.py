@@ -81,10 +81,7 @@ def hand(body: Callable, nest: str, k: int) -> Callable:
         both = jax.vmap(row)
         return lambda xs: both(xs)
     if nest == "scan(vmap)":
-
-        def step(c, x):
-            return c, row(x)
-
+        step = lambda c, x: (c, row(x))  # noqa: E731
         return lambda xs: lax.scan(step, None, xs)[1]
     if nest == "chunk":
         return lambda xs: lax.map(row, xs, batch_size=k)
@@ -260,8 +257,7 @@ def measure(sections: list[str], cfg: Config, log: Callable[[str], None]) -> lis
 #
 
 
-def med(xs) -> float:
-    return statistics.median(xs)
+med = statistics.median
 
 
 def summary_table(rows: list[dict]) -> list[list[str]]:
@@ -271,10 +267,8 @@ def summary_table(rows: list[dict]) -> list[list[str]]:
     out = [["ours / hand-written", *NESTS, "twins (noise)", "same HLO (no larger)"]]
     for key in dict.fromkeys((r["kind"], r["transform"], r["body"]) for r in rows):
         group = [r for r in rows if (r["kind"], r["transform"], r["body"]) == key]
-        cols = []
-        for nest in NESTS:
-            ratios = [med(r["ratios"]) for r in group if r["nest"] == nest]
-            cols.append(_spread(ratios))
+        cols = [[med(r["ratios"]) for r in group if r["nest"] == n] for n in NESTS]
+        cols = [_spread(ratios) for ratios in cols]
         twins = _spread([med(r["twin"]) for r in group])
         hlo = [(r["same_hlo"], r["no_larger"]) for r in group if "same_hlo" in r]
         same = f"{sum(h for h, _ in hlo)} ({sum(n for _, n in hlo)}) of {len(hlo)}"
@@ -382,15 +376,11 @@ def plot(rows: list[dict], path: str) -> None:
 
     panels = [p for p in PANELS if any(r["kind"] == p[0] for r in rows)]
     width = max(11, 0.5 * len({r["cell"] for r in rows}) + 4)
-    fig, axes = plt.subplots(
-        len(panels), 1, figsize=(width, 3.6 * len(panels)), squeeze=False
-    )
+    size = (width, 3.6 * len(panels))
+    fig, axes = plt.subplots(len(panels), 1, figsize=size, squeeze=False)
     for ax, (kind, transform, title) in zip(axes[:, 0], panels):
-        sub = [
-            r
-            for r in rows
-            if r["kind"] == kind and transform in (None, r["transform"])
-        ]
+        sub = [r for r in rows if r["kind"] == kind]
+        sub = [r for r in sub if transform in (None, r["transform"])]
         labels = list(dict.fromkeys(_x_label(r, transform) for r in sub))
         band = tuple(np.percentile([med(r["twin"]) for r in sub], [10, 90]))
         meds = [med(r["ratios"]) for r in sub]

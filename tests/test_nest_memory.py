@@ -1,7 +1,8 @@
 """Every nest is the hand-written one in memory: its compiled temporaries are at most
 those of the `lax.map` nest a JAX user writes for it (within 10% and 2 KiB), forward
 and under `jax.grad`, and its optimised HLO copies or concatenates no whole input or
-output where the hand-written one does not (issue 32).
+output where the hand-written one does not (issue 32). Inside `shard_map` too, with
+`pad=True` and an uneven split.
 
 The arrays are big enough (128 KiB) that a whole-array copy exceeds the slack.
 """
@@ -194,3 +195,65 @@ def test_outer_scan_inner_chunks_is_the_hand_written_program(b, transform):
     if transform == "grad":
         f, g = grad_of(f), grad_of(g)
     assert timing.same_hlo(compiled(f, x), compiled(g, x))
+
+
+def hand_sharded(mesh, t, inner):
+    """The hand-written `shard={"T": "x"}, pad=True` nest of `inner` (one device's
+    block): `x` padded along T with copies of its last row to a multiple of the
+    mesh, `inner` inside `jax.shard_map`, the padding sliced off."""
+    n = mesh.shape["x"]
+    t_pad = -(-t // n) * n
+
+    def f(x):
+        if t_pad != t:
+            last = jnp.broadcast_to(x[-1:], (t_pad - t,) + x.shape[1:])
+            x = jnp.concatenate([x, last])
+        spec = jax.P("x", None)
+        return jax.shard_map(inner, mesh=mesh, in_specs=spec, out_specs=spec)(x)[:t]
+
+    return f
+
+
+SHARDED = {
+    "vmap": ({}, jax.vmap(jax.vmap(body))),
+    "scan T": ({"T": None}, lambda x: lax.map(jax.vmap(body), x)),
+    "scan B chunks": (
+        {"B": 1000},
+        lambda x: hand_map(jax.vmap(body), x.T, 1000).T,
+    ),
+    "scan T, B chunks": (
+        {"T": 1, "B": 1000},
+        lambda x: lax.map(lambda r: hand_map(body, r, 1000), x),
+    ),
+}
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
+@pytest.mark.parametrize("t", [8, 10], ids=["even", "padded"])
+@pytest.mark.parametrize("strategy", SHARDED)
+@pytest.mark.parametrize("transform", ["forward", "grad"])
+def test_sharded_nest_as_hand_written(t, strategy, transform):
+    """`shard={"T": "x"}` over 4 devices, even (T=8) and uneven with `pad=True`
+    (T=10, padded to 12), each device's block a nest with B's chunks leaving a
+    remainder: the temporaries of the hand-written `shard_map` nest."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((t, B + 100), dtype=np.float32))
+    scan, inner = SHARDED[strategy]
+    f = filter_multi_vmap(
+        body,
+        in_dims="T B",
+        out_dims="T B",
+        scan=scan or None,
+        shard={"T": "x"},
+        pad=True,
+        mesh=mesh,
+    )
+    g = hand_sharded(mesh, t, inner)
+    reference = np.sin(np.asarray(x, np.float64)) * 2 + 1
+    np.testing.assert_allclose(f(x), reference, rtol=1e-5, atol=1e-5)
+    if transform == "grad":
+        f, g = grad_of(f), grad_of(g)
+        slope = np.cos(np.asarray(x, np.float64)) * 2
+        np.testing.assert_allclose(f(x), slope, rtol=1e-5, atol=1e-5)
+    check(f, g, x, {x.size})
