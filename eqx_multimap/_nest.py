@@ -83,7 +83,7 @@ class Build:
 
     isolate: frozenset[int] = frozenset()
     checkpoint: bool = False
-    progress: Any = None
+    progress: Meter | None = None
 
 
 #
@@ -527,7 +527,7 @@ def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leave
             return reduce.prepare(problem.body(leaves))
 
     report = None
-    if isinstance(build.progress, Meter) and spec.scan:
+    if build.progress is not None and spec.scan:
         name, chunk = spec.scan[0]
         report = report_for(build.progress, problem.sizes[name] // (chunk or 1))
     nest = _Nest(problem, spec, build, core, report)
