@@ -20,8 +20,7 @@ from ._multi_vmap import (
     OutDims as OutDims,
 )
 from ._options import ScanSpec as ScanSpec
-from ._plan import Plan as Plan
-from ._planner import Planner as Planner
+from ._planner import Plan as Plan, Planner as Planner, TimeModel as TimeModel
 from ._reduce import (
     Monoid as Monoid,
     ReduceOp as ReduceOp,
@@ -29,7 +28,6 @@ from ._reduce import (
 )
 from ._shard import ShardSpec as ShardSpec
 from ._shim import multi_vmap as multi_vmap
-from ._time_model import TimeModel as TimeModel
 
 
 # Tracebacks of errors raised through JAX's transforms and our own entry points

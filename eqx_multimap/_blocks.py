@@ -10,7 +10,7 @@ combination of their parts. `_nest` runs each remainder inside the iterations of
 the scans outside its dim, and joins it to the chunks there.
 
 [`blocks`][] enumerates the blocks of a nest once: they are the loop bodies that
-`_nest` runs, and that `_costing` costs.
+`_nest` runs, and that `_planner.cost` costs.
 """
 
 import dataclasses

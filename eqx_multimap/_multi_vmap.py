@@ -26,8 +26,7 @@ from ._blocks import describe_nest, NestSpec
 from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
-from ._plan import Plan
-from ._planner import describe_fixed, plan_options, PlanMode, Planner
+from ._planner import describe_fixed, Plan, plan_options, PlanMode, Planner
 from ._progress_bar import make_meter
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve

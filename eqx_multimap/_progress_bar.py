@@ -1,7 +1,7 @@
 """`progress=`: a bar over the iterations of the outermost scan, reported from
 inside the compiled program.
 
-Not to be confused with `_progress`, which logs the planner's own progress.
+Not to be confused with `_planner.cost`, which logs the planner's own progress.
 
 `filter_multi_vmap(..., progress=True)` puts a [`Meter`][] in the nest's `Build`.
 When `_nest.run` builds the nest of one call, its outermost scan gets a [`Report`][]

@@ -12,11 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eqx_multimap import (
-    _candidates,
-    _costing,
-    _measure,
-    _plan,
-    _progress,
     explain,
     filter_multi_vmap,
     Plan,
@@ -24,12 +19,18 @@ from eqx_multimap import (
     SpecError,
     TimeModel,
 )
-from eqx_multimap import _costing
+from eqx_multimap._planner import (
+    cost as _costing,
+    cost as _measure,
+    cost as _progress,
+    plan as _plan,
+    space as _candidates,
+)
 from eqx_multimap._blocks import NestSpec
 from eqx_multimap._nest import Build, run
-from eqx_multimap._plan_cache import DiskCache
+from eqx_multimap._planner.cache import DiskCache
 from eqx_multimap._resolve import Call, resolve
-from eqx_multimap._time_model import calibrate
+from eqx_multimap._planner.model import calibrate
 from eqx_multimap._timing import fmt_bytes
 
 

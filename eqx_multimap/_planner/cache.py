@@ -41,17 +41,21 @@ from typing import Any
 
 import jax
 import jaxlib
-from jax._src import traceback_util
 
-from ._candidates import block_and_trips, collective_dims, given_dims
-from ._body import struct
-from ._measure import KEEP_WITHIN, MAX_MEASURED
-from ._plan import Plan, PlanCandidate
-from ._reasons import no_fit_message
-from ._resolve import Call
-from ._request import auto_plan, Request
-from ._search import MAX_COMPILES, SEARCH_VERSION
-from ._time_model import machine
+from .._body import struct
+from .._resolve import Call
+from .cost import KEEP_WITHIN, MAX_MEASURED
+from .model import machine
+from .plan import Plan, PlanCandidate
+from .search import MAX_COMPILES, SEARCH_VERSION
+from .space import (
+    auto_plan,
+    block_and_trips,
+    collective_dims,
+    given_dims,
+    no_fit_message,
+    Request,
+)
 
 
 try:
@@ -59,7 +63,6 @@ try:
 except ImportError:  # Windows: the cache is then not locked
     fcntl = None
 
-traceback_util.register_exclusion(__file__)
 
 
 FORMAT = "eqx_multimap.plan_cache"

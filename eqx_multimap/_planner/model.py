@@ -25,16 +25,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import traceback_util
 
-from ._timing import (
+from .._timing import (
     compiled as compile_program,
     fmt_bytes,
     time_interleaved as _time_interleaved,
 )
-
-
-traceback_util.register_exclusion(__file__)
 
 
 DEFAULT_SOURCE = "default constants, set by hand for one 2-core x86-64"

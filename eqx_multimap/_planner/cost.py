@@ -9,7 +9,7 @@ arguments (no data), every input leaf an explicit argument:
   them into an estimated time.
 
 The search compiles full vmap, and costs every other candidate from it
-(`reference`, `_predict`). A fixed nest (`explain` of a nest given in full) is
+(`reference`, `cost`). A fixed nest (`explain` of a nest given in full) is
 costed from its own compile: XLA costs the body of a while loop (a scan) *once*, so
 the body of each block of the nest is also compiled on its own and its cost added
 `trips - 1` more times (`Compiler.corrected_cost`).
@@ -21,22 +21,294 @@ the optimised HLO, before code is emitted, so they are near the default compile'
 (a test checks it): on the benchmarks' workloads, the same temporaries or up to
 256 bytes more, and costs within 7%, for about a quarter of the compile time.
 Programs that measured mode runs are compiled as usual.
+
+Predicting a candidate nest's temporaries and costs from full vmap's, uncompiled.
+
+Full vmap (of the planned dims) is compiled first. From its temporaries and costs,
+and the shapes of the inputs and outputs, [`Reference`][] predicts every other
+candidate of the call:
+
+- **temporaries**: the body's temporaries for one loop iteration's block (full
+  vmap's, scaled by the block); at each scan level, the slice of one iteration of
+  every input it slices (and a transposed copy of what it scans, when its dim is
+  not that array's leading axis) and one iteration's block of every output (or,
+  differentiated, of every cotangent); and a transposed copy of each output whose
+  scanned dims do not lead it. The search uses this to choose which blocks to
+  compile, and corrects it by those compiled (`corrected`).
+- **costs**: every candidate runs the body on every element, so its flops and
+  transcendentals are full vmap's. Its bytes are full vmap's plus the inputs it
+  re-reads on every loop trip: those that no scanned dim slices. Loop trips are
+  priced by the time model.
+
+Progress of a long planning run: logged, and optionally shown on a progress bar.
+
+Measured mode (`Planner(measure=True)`): which candidates are timed, and timing
+them side by side.
+
+The time model cannot see what the chunk shape does to XLA:CPU's code, so measured
+mode runs up to `MAX_MEASURED` candidates that fit on fresh inputs of the call's
+shapes, interleaved round by round, and the fastest wins, unless the model's own
+choice measured within `KEEP_WITHIN` of it: timings of near-equal nests shift with
+the machine's load, the model's ranking does not.
 """
 
 import dataclasses
+import logging
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._blocks import blocks, NestSpec
-from ._body import struct
-from ._nest import Build, build_levels, loop_body_inputs, run
-from ._plan import PlanCandidate
-from ._predict import leaf, Reference
-from ._resolve import Call
-from ._time_model import concrete_inputs, TimeModel
+from .._blocks import blocks, NestSpec
+from .._body import struct
+from .._nest import Build, build_levels, loop_body_inputs, run
+from .._resolve import Call
+from .._timing import time_interleaved
+from .model import concrete_inputs, TimeModel
+from .plan import PlanCandidate
+
+
+# ------------------------------------------------------------------------------
+# Predict
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """An input leaf or output leaf: its bytes, and the axis of each of its mapped
+    dims, in axis order."""
+
+    nbytes: int
+    axes: tuple[tuple[str, int], ...]
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+
+def leaf(shape: Any, dtype: Any, axes: dict[str, int]) -> Leaf:
+    # `itemsize`, not `np.dtype(dtype)`: typed PRNG keys' dtypes are JAX's own.
+    nbytes = math.prod(shape) * int(getattr(dtype, "itemsize", 0) or 0)
+    return Leaf(nbytes, tuple(sorted(axes.items(), key=lambda kv: kv[1])))
+
+
+ScanNest = tuple[tuple[str, int | None], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """Full vmap's compiled figures, and the leaves that every candidate reads and
+    writes (outputs: those whose blocks count, see the module's docstring)."""
+
+    block: int
+    temp: int
+    flops: float
+    transcendentals: float
+    nbytes: float
+    trips: int
+    scan: ScanNest
+    sizes: dict[str, int]
+    inputs: tuple[Leaf, ...]
+    outputs: tuple[Leaf, ...]
+
+    def _fraction(self, scan: ScanNest, dims: tuple[str, ...]) -> float:
+        """The part of a leaf with `dims` that one iteration of the scans `scan`
+        (outermost first) covers."""
+        return float(
+            math.prod(
+                (k or 1) / max(self.sizes[n], 1) for n, k in scan if n in dims
+            )
+        )
+
+    def _input_copies(self, scan: ScanNest, x: Leaf) -> float:
+        """The bytes a nest of scans copies out of an input leaf: at each scan level
+        that slices it, the slice of one iteration, and, when the level's dim is
+        not the leading axis of what it scans, a transposed copy of that."""
+        total, gone, axes = 0.0, set(), dict(x.axes)
+        for level, (name, chunk) in enumerate(scan):
+            if name not in axes:
+                continue
+            if any(a not in gone for a in range(axes[name])):
+                total += x.nbytes * self._fraction(scan[:level], x.dims)
+            total += x.nbytes * self._fraction(scan[: level + 1], x.dims)
+            if chunk is None:
+                gone.add(axes[name])
+        return total
+
+    def _output_blocks(self, scan: ScanNest, y: Leaf) -> float:
+        """The bytes of an output leaf that a nest of scans holds: one iteration's
+        block at each level, and a transposed copy of the whole when the scanned
+        dims do not lead it."""
+        total = sum(
+            y.nbytes * self._fraction(scan[: level + 1], y.dims)
+            for level in range(len(scan))
+        )
+        in_y = [n for n, _ in scan if n in y.dims]
+        if list(y.dims[: len(in_y)]) != in_y:
+            total += y.nbytes  # the stacked blocks, transposed once
+        return total
+
+    def _body(self, c: PlanCandidate) -> float:
+        """The body's temporaries for one loop iteration of `c`: full vmap's,
+        scaled to its block."""
+        return self.temp * c.block / max(self.block, 1)
+
+    def temp_bytes(self, c: PlanCandidate) -> int:
+        """The temporaries of `c`, predicted (see the module's docstring)."""
+        body = self._body(c)
+        if c.scan == self.scan:
+            return int(body)
+        total = body + sum(self._input_copies(c.scan, x) for x in self.inputs)
+        total += sum(self._output_blocks(c.scan, y) for y in self.outputs)
+        return int(total)
+
+    def shared_bytes(self, scan: ScanNest) -> int:
+        """The bytes of the inputs that no dim of `scan` slices: every loop trip
+        reads them whole."""
+        scanned = {n for n, _ in scan}
+        return sum(x.nbytes for x in self.inputs if not scanned & set(x.dims))
+
+    def costs(self, c: PlanCandidate) -> tuple[float, float, float]:
+        """Flops, transcendentals and bytes accessed of `c`."""
+        extra = (c.trips - 1) * self.shared_bytes(c.scan)
+        base = (self.trips - 1) * self.shared_bytes(self.scan)
+        return self.flops, self.transcendentals, max(self.nbytes + extra - base, 0.0)
+
+    def working_set(self, c: PlanCandidate) -> int:
+        """The bytes one loop iteration of `c` touches: its temporaries, its inputs
+        (slices, and the inputs read whole) and its block of every output."""
+        inputs = sum(x.nbytes * self._fraction(c.scan, x.dims) for x in self.inputs)
+        outputs = sum(y.nbytes * self._fraction(c.scan, y.dims) for y in self.outputs)
+        return int(self._body(c) + inputs + outputs)
+
+
+def corrected(
+    ref: Reference, c: PlanCandidate, compiled: list[PlanCandidate]
+) -> float:
+    """The temporaries of `c` predicted, scaled by how the compiled block of its
+    ladder nearest it (by block; those that scan the same dims first) compared with
+    its own prediction."""
+    if not compiled:
+        return float(ref.temp_bytes(c))
+    dims = [n for n, _ in c.scan]
+
+    def rank(k: PlanCandidate) -> tuple[bool, float]:
+        same = [n for n, _ in k.scan] == dims
+        return (not same, abs(math.log(max(k.block, 1) / max(c.block, 1))))
+
+    near = min(compiled, key=rank)
+    ratio = (near.temp_bytes or 0) / max(ref.temp_bytes(near), 1)
+    return ref.temp_bytes(c) * ratio
+
+
+# ------------------------------------------------------------------------------
+# Progress
+
+
+logger = logging.getLogger("eqx_multimap")
+
+# Planning that has taken longer than this reports its progress.
+PROGRESS_AFTER = 1.0
+
+
+class Progress:
+    """Reports what a long planning run is doing.
+
+    Once planning has taken `after` seconds, every step is logged at INFO level on
+    the `"eqx_multimap"` logger and, with `verbose`, shown on a `tqdm` progress bar
+    (if `tqdm` is installed; it is optional)."""
+
+    def __init__(self, what: str, verbose: bool, after: float = PROGRESS_AFTER):
+        self.what = what
+        self.verbose = verbose
+        self.after = after
+        self.start = time.perf_counter()
+        self.n = 0
+        self.bar: Any = None
+        self.reported = False
+
+    def step(self, doing: str) -> None:
+        self.n += 1
+        elapsed = time.perf_counter() - self.start
+        if elapsed < self.after:
+            return
+        self.reported = True
+        logger.info(
+            "%s: %s (step %d, %.1f s so far)", self.what, doing, self.n, elapsed
+        )
+        if self.verbose and self.bar is None:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:  # optional: the `bench` extra installs it
+                self.verbose = False
+            else:
+                self.bar = tqdm(desc=self.what, initial=self.n - 1, leave=False)
+        if self.bar is not None:
+            self.bar.set_postfix_str(doing, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.reported:
+            logger.info(
+                "%s: planned in %.1f s (%d steps)",
+                self.what,
+                time.perf_counter() - self.start,
+                self.n,
+            )
+
+
+# ------------------------------------------------------------------------------
+# Measure
+
+
+# How many candidates are timed, and for about how long.
+MAX_MEASURED = 12
+MEASURE_SECONDS = 2.0
+# The time model's choice is kept unless another candidate measured faster than it
+# by more than this factor.
+KEEP_WITHIN = 1.10
+
+
+def measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
+    """The candidates measured mode times: `first` (the model's choice), then, of
+    the rest `ranked` by estimate, all if they are few, else the best half of
+    `MAX_MEASURED` and an even spread over the others. The estimates cannot see
+    the chunk-shape effects that measuring is for, so a candidate far down the
+    ranking (many small blocks) can be the fastest; a spread samples it."""
+    rest = [k for k in ranked if k != first]
+    room = MAX_MEASURED - 1
+    if len(rest) > room:
+        head, tail = rest[: room // 2], rest[room // 2 :]
+        m = room - len(head)
+        picks = [tail[round(i * (len(tail) - 1) / max(m - 1, 1))] for i in range(m)]
+        rest = head + list(dict.fromkeys(picks))
+    return [first, *rest]
+
+
+
+def time_candidates(
+    cands: list[PlanCandidate],
+    programs: list[Any],
+    args: Any,
+    step: Callable[[str], None],
+) -> dict[tuple, float]:
+    """Run each candidate's compiled program on `args`, side by side; the median
+    seconds per call of each, by candidate key."""
+    fns = [lambda p=p: p(args) for p in programs]
+
+    def on_round(r: int, rounds: int) -> None:
+        step(f"timing {len(cands)} candidates, round {r + 1}")
+
+    times = time_interleaved(fns, MEASURE_SECONDS, drop_above=1.25, on_round=on_round)
+    return {c.key: float(np.median(ts)) for c, ts in zip(cands, times)}
+
+
+# ------------------------------------------------------------------------------
+# Costing
 
 
 # XLA options for programs that are analysed, never run; on CPU, with `CPU_ONLY`.
@@ -166,7 +438,7 @@ class Compiler:
 
     def reference(self, full: PlanCandidate) -> Reference:
         """What the search predicts every candidate from: full vmap (`full`,
-        compiled for its memory), its costs, and the leaves (see `_predict`)."""
+        compiled for its memory), its costs, and the leaves (see `cost`)."""
         assert full.temp_bytes is not None
         compiled = self.programs[full.spec]
         if full.scan:  # given scans: XLA costs their loop body once

@@ -2,8 +2,8 @@
 
 A plan picks, for the mapped dims of one call signature that no strategy names,
 which to scan, in which order and with which chunk sizes; the rest are vmapped
-(`_search` says how). A [`Planner`][] owns the plan cache (in memory, and on disk:
-`_plan_cache`), the time model (calibrated on first use: `_time_model`) and its
+(`search` says how). A [`Planner`][] owns the plan cache (in memory, and on disk:
+`cache`), the time model (calibrated on first use: `model`) and its
 statistics. A wrapper holds none of them: `plan="auto"` uses the default planner of
 the process that runs the call (`default_planner`), and `plan=Planner(...)` gives
 a wrapper its own. `for_every_size` plans dims of symbolic size (`jax.export`);
@@ -20,15 +20,11 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-from jax._src import traceback_util
 
-from ._blocks import plural
-from ._budget import check_budget, MemoryBudget, resolve_budget
-from ._candidates import candidate, collective_dims, localize
-from ._costing import Compiler
-from ._errors import SpecError
-from ._plan import Plan
-from ._plan_cache import (
+from .._blocks import plural
+from .._errors import SpecError
+from .._resolve import Call
+from .cache import (
     calibration_key,
     cand_json,
     default_cache_dir,
@@ -38,15 +34,22 @@ from ._plan_cache import (
     plan_json,
     plan_key,
 )
-from ._progress import Progress
-from ._reasons import NoFit
-from ._resolve import Call
-from ._request import plan_for, Request
-from ._search import Search
-from ._time_model import calibrate, TimeModel
+from .cost import Compiler, Progress
+from .model import calibrate, TimeModel
+from .plan import Plan
+from .search import Search
+from .space import (
+    candidate,
+    check_budget,
+    collective_dims,
+    localize,
+    MemoryBudget,
+    NoFit,
+    plan_for,
+    Request,
+    resolve_budget,
+)
 
-
-traceback_util.register_exclusion(__file__)
 
 logger = logging.getLogger("eqx_multimap")
 

@@ -3,17 +3,17 @@
 A [`Plan`][] is what [`eqx_multimap.explain`][] returns and `verbose=True` prints:
 the nest chosen for one call signature, every candidate considered (compiled or
 not) with its numbers and the reason it was or was not chosen, and where the plan
-came from. The search that fills it in is `_search`; this module only holds and
+came from. The search that fills it in is `search`; this module only holds and
 prints it.
 """
 
 import dataclasses
 from typing import Literal
 
-from ._blocks import describe_nest, NestSpec, plural
-from ._shard import axes_str, describe_split
-from ._time_model import TimeModel
-from ._timing import fmt_bytes, fmt_seconds
+from .._blocks import describe_nest, NestSpec, plural
+from .._shard import axes_str, describe_split
+from .._timing import fmt_bytes, fmt_seconds
+from .model import TimeModel
 
 
 ScanNest = tuple[tuple[str, int | None], ...]

@@ -4,18 +4,18 @@ A plan picks, for the mapped dims of one call signature that no strategy names,
 which to scan, in which order and with which chunk sizes; the rest are vmapped. Dims
 named by `scan=`, `vmap=` or `shard=` keep the strategy given (the given scans
 outermost, in their order, with their chunks), and dims that the body uses in
-collectives are never scanned. Candidates (`_candidates`) are
-compiled and costed by `_costing`; their temporary memory must fit the budget.
+collectives are never scanned. Candidates (`space`) are
+compiled and costed by `cost`; their temporary memory must fit the budget.
 
 The search is bounded:
 
 1. Full vmap (of the planned dims) is compiled first and chosen if it fits, unless
    its temporaries are allocated afresh on every call (see 3.) or the planner
-   measures. Every other candidate is predicted from it (`_predict`): its costs
+   measures. Every other candidate is predicted from it (`cost`): its costs
    (the same flops; bytes plus the inputs re-read on every loop trip), and its
    temporaries, until compiled.
 2. Otherwise the candidates form ladders, one per order of the dims (the output's
-   layout, the inputs' layout, by size; see `_candidates`), sorted by the number of
+   layout, the inputs' layout, by size; see `space`), sorted by the number of
    elements of one loop iteration (the block), which temporary memory grows
    with. The largest block that fits is found by prediction (`Search.first_within`):
    the largest block predicted to fit is compiled, and the prediction corrected by
@@ -39,10 +39,10 @@ The search is bounded:
    every block that fits in the ladders searched: the model's best estimates, and
    an even spread over the rest, `measured_pool`) are compiled and run side by
    side, and the fastest wins unless the model's own choice measured within
-   `KEEP_WITHIN` of it (see `_measure`).
+   `KEEP_WITHIN` of it (see `cost`).
 
 Every candidate compiled outside measured mode is compiled for its analyses only
-(`_costing.ANALYSIS_OPTIONS`). With `shard=`, the plan is of the local nest of one
+(`cost.ANALYSIS_OPTIONS`). With `shard=`, the plan is of the local nest of one
 device (`localize`): the sharded dims keep their strategy, at their local sizes,
 and the budget is per device.
 """
@@ -50,26 +50,36 @@ and the budget is per device.
 import dataclasses
 import time
 
-from ._candidates import (
+from .._timing import fmt_bytes, fmt_seconds
+from .cost import (
+    Compiler,
+    corrected,
+    KEEP_WITHIN,
+    MAX_MEASURED,
+    measured_pool,
+    Progress,
+    Reference,
+    time_candidates,
+)
+from .plan import Plan, PlanCandidate
+from .space import (
+    auto_plan,
     candidate,
     collective_dims,
     dim_orders,
     given_dims,
     ladder,
+    no_fit_message,
+    NoFit,
+    Request,
+    summary,
+    with_reason,
 )
-from ._costing import Compiler
-from ._measure import KEEP_WITHIN, MAX_MEASURED, measured_pool, time_candidates
-from ._plan import Plan, PlanCandidate
-from ._predict import corrected, Reference
-from ._progress import Progress
-from ._reasons import no_fit_message, NoFit, summary, with_reason
-from ._request import auto_plan, Request
-from ._timing import fmt_bytes, fmt_seconds
 
 
 # Once planning has compiled this many programs, it searches no further ladders.
 MAX_COMPILES = 12
-# A block is not compiled, only predicted (`_predict`), when its prediction is at
+# A block is not compiled, only predicted (`cost`), when its prediction is at
 # most this fraction of the budget (a prediction that far within the budget cannot
 # break it: predictions are within 0.35-3x of XLA's figure on the benchmarks'
 # workloads), or of the fresh threshold (a matter of speed only: predictions are
@@ -147,7 +157,7 @@ class Search:
 
     def prediction(self, steps: list[PlanCandidate], c: PlanCandidate) -> float:
         """The temporaries of `c`, a step of `steps`, predicted from full vmap's and
-        corrected by the steps compiled (`_predict.corrected`)."""
+        corrected by the steps compiled (`cost.corrected`)."""
         assert self.ref is not None
         known = (self.known.get(s.key) for s in steps)
         compiled = [k for k in known if k is not None and not k.predicted]

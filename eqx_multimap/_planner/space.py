@@ -1,0 +1,491 @@
+"""The planner's search space: the candidate nests of one call.
+
+A candidate scans a prefix of the planned dims (in one of a few orders: `dim_orders`)
+and vmaps the rest; the scanned prefix's outer dims go one element at a time and its
+last dim in chunks from a small geometric set (`chunk_options`). One order gives one
+*ladder* of candidates, sorted by the number of elements of one loop iteration (the
+block), which memory grows with. The dims whose strategy is given (`scan=`, `vmap=`,
+`shard=`) or that the body uses in collectives are never planned, and with `shard=`
+the sizes are those of one device's block (`localize`).
+
+The planner's memory budget: `memory_budget=` checked, and resolved to bytes.
+
+What one plan is for (`Request`), and the `Plan` made for it (`plan_for`): by
+the search or read back from the disk cache (`auto_plan`), or of a fixed nest.
+
+Why a plan is what it is: its summary sentence, a reason per candidate, and the
+error when no candidate fits.
+"""
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import jax
+
+from .._errors import SpecError
+from .._resolve import Call
+from .._timing import fmt_bytes, fmt_seconds
+from .cost import KEEP_WITHIN, MAX_MEASURED
+from .model import TimeModel
+from .plan import dims_of, Plan, PlanCandidate, ScanNest, ShardDim
+
+
+# ------------------------------------------------------------------------------
+# Budget
+
+
+MemoryBudget = int | float | None
+"""Bytes as an `int`, a fraction of device memory as a `float` in `(0, 1]`."""
+
+DEFAULT_BUDGET_FRACTION = 0.5
+"""The budget when `plan="auto"` is given without `memory_budget`."""
+
+
+def check_budget(plan: Any, memory_budget: Any) -> None:
+    """Check `memory_budget=` at decoration time: it needs `plan=`, and bytes or a
+    fraction."""
+    if plan is None:
+        raise SpecError(
+            f"`filter_multi_vmap(..., memory_budget={memory_budget!r})` is only used "
+            "by the planner: pass `plan='auto'` too, or drop `memory_budget`."
+        )
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+        raise SpecError(
+            "`filter_multi_vmap(..., memory_budget=...)` must be an `int` (bytes) or "
+            "a `float` in (0, 1] (a fraction of device memory), but got "
+            f"{memory_budget!r} of type `{type(memory_budget).__name__}`."
+        )
+    if isinstance(memory_budget, int):
+        if memory_budget < 1:
+            raise SpecError(
+                f"`filter_multi_vmap(..., memory_budget={memory_budget!r})`: a budget "
+                "in bytes must be a positive `int`."
+            )
+    elif not (0.0 < memory_budget <= 1.0):
+        raise SpecError(
+            f"`filter_multi_vmap(..., memory_budget={memory_budget!r})`: a `float` "
+            "budget is a fraction of device memory and must be in (0, 1]; give "
+            "bytes as an `int`, e.g. `memory_budget=2**30`."
+        )
+
+
+def _device_memory() -> tuple[int, str]:
+    device = jax.local_devices()[0]
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends do not implement it
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"memory of {device}"
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 0
+    if ram <= 0:
+        raise SpecError(
+            f"`filter_multi_vmap(..., plan='auto')`: a fractional `memory_budget` "
+            f"needs the memory size of {device}, which is unavailable, and so is the "
+            "size of physical RAM; give the budget in bytes as an `int`."
+        )
+    return int(ram), (
+        f"physical RAM (os.sysconf), as {device.platform} reports no device memory"
+    )
+
+
+def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
+    """The budget in bytes, and a description of where it came from."""
+    if isinstance(memory_budget, int):
+        return memory_budget, f"memory_budget={memory_budget}"
+    fraction = DEFAULT_BUDGET_FRACTION if memory_budget is None else memory_budget
+    total, where = _device_memory()
+    given = "default " if memory_budget is None else ""
+    return int(total * fraction), (
+        f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
+    )
+
+
+
+def over_budget(temp: int, budget: int) -> str:
+    """`1.2 GiB > 512.0 MiB`, in bytes when the two would print alike."""
+    a, b = fmt_bytes(temp), fmt_bytes(budget)
+    if a == b:
+        a, b = f"{temp:,} B", f"{budget:,} B"
+    return f"{a} > {b}"
+
+
+# ------------------------------------------------------------------------------
+# Candidates
+
+
+def chunk_options(n: int) -> list[int | None]:
+    """Chunk sizes for a dim of size `n`, largest first; `None` is one at a time.
+
+    About `n / m` for `m = 2, 4, 8, ...` chunks, moved to a divisor of `n` within a
+    factor of `sqrt(2)` when there is one (so that no remainder block is needed).
+    """
+    divisors = set()
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            divisors.update((d, n // d))
+    out: list[int | None] = []
+    m = 2
+    while n // m >= 2:
+        ideal = n / m
+        near = [d for d in divisors if ideal / 2**0.5 <= d <= ideal * 2**0.5]
+        near = [d for d in near if 2 <= d <= n // 2]
+        c = min(near, key=lambda d: abs(math.log(d / ideal))) if near else n // m
+        if c not in out:
+            out.append(c)
+        m *= 2
+    out.append(None)
+    return out
+
+
+def block_and_trips(
+    scan: ScanNest, vmap: tuple[str, ...], sizes: dict[str, int]
+) -> tuple[int, int]:
+    """The elements of one loop iteration, and the number of iterations."""
+    block = math.prod(sizes[n] for n in vmap)
+    trips = 1
+    for name, chunk in scan:
+        if chunk is None:
+            trips *= sizes[name]
+        else:
+            block *= chunk
+            trips *= max(1, sizes[name] // chunk)
+    return block, trips
+
+
+def candidate(
+    scan: ScanNest, vmap: tuple[str, ...], sizes: dict[str, int], source: str
+) -> PlanCandidate:
+    """The candidate of a nest, with its block and trips."""
+    block, trips = block_and_trips(scan, vmap, sizes)
+    return PlanCandidate(scan, vmap, block, trips, source)
+
+
+def ladder(
+    order: tuple[str, ...],
+    layout: tuple[str, ...],
+    sizes: dict[str, int],
+    fixed: ScanNest = (),
+    frozen: frozenset[str] = frozenset(),
+) -> list[PlanCandidate]:
+    """Scanned candidates, largest block first (full vmap excluded).
+
+    Scans a prefix of `order` (dims of size 1 and `frozen` dims skipped): the outer
+    dims of the prefix one element at a time, the last in chunks, inside the `fixed`
+    scans. The remaining dims are vmapped, in the order of `layout`.
+    """
+    scannable = [n for n in order if sizes[n] > 1 and n not in frozen]
+    fixed_names = {n for n, _ in fixed}
+    out = []
+    for k in range(1, len(scannable) + 1):
+        outer, inner = scannable[: k - 1], scannable[k - 1]
+        scanned = fixed_names.union(scannable[:k])
+        vmap = tuple(n for n in layout if n not in scanned)
+        for chunk in chunk_options(sizes[inner]):
+            scan = fixed + tuple((n, None) for n in outer) + ((inner, chunk),)
+            out.append(candidate(scan, vmap, sizes, "ladder"))
+    out.sort(key=lambda c: -c.block)  # stable: fewer scanned dims first on ties
+    return out
+
+
+def dim_orders(
+    call: Call, sizes: dict[str, int], names: tuple[str, ...] | None = None
+) -> list[tuple[str, ...]]:
+    """Orders in which the planner scans the mapped dims (or `names` of them),
+    the first one the layout.
+
+    The layout is the order of the mapped dims in the first output's dims: scanning
+    (and vmapping) in that order stacks the output without a transpose. Then the
+    order in which the inputs name them (scanning an input's leading axis needs no
+    copy), then by size, largest first (the fewest scans for a given block).
+    """
+    mapped = call.mapped if names is None else names
+    names_out = call.out.dims[0].names if call.out.dims else ()
+    first = [n for n in names_out if n in mapped]
+    layout = tuple(first) + tuple(n for n in mapped if n not in first)
+    inputs = tuple(n for n in call.check.seen if n in mapped)
+    inputs += tuple(n for n in mapped if n not in inputs)
+    by_size = tuple(sorted(layout, key=lambda n: -sizes[n]))
+    return list(dict.fromkeys([layout, inputs, by_size]))
+
+
+def localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
+    """The mapped sizes as one device sees them, and the sharded dims.
+
+    With `shard=`, the sharded dims are split outside the nest (`shard_map`), so the
+    planner plans, and compiles, the local nest of one device.
+    """
+    sp = call.shard
+    if sp is None:
+        return call.mapped_sizes, ()
+    dims = tuple(
+        ShardDim(
+            name,
+            sp.sizes[name],
+            axes,
+            math.prod(sp.mesh.shape[a] for a in axes),
+            sp.local_sizes[name],
+        )
+        for name, axes in sp.dims
+    )
+    return {n: sp.local_sizes[n] for n in call.mapped}, dims
+
+
+def given_dims(call: Call) -> tuple[str, ...]:
+    """The mapped dims whose strategy the user gave, in nest order."""
+    named = set(call.options.scan_names) | set(call.options.vmap)
+    named |= set(call.options.shard_names)
+    return tuple(n for n in call.given_nest().dims if n in named)
+
+
+def collective_dims(call: Call) -> tuple[str, ...]:
+    """The mapped dims the body uses in collectives: never scanned."""
+    used = call.collective_dims
+    return tuple(n for n in call.mapped if n in used)
+
+
+# ------------------------------------------------------------------------------
+# Request
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one plan is for: a resolved call; its mapped sizes as one device sees
+    them and its sharded dims (`localize`); the memory budget and where it came
+    from; whether the nest is differentiated; the time model; whether the planner
+    measures; and the time model as the disk cache's keys hold it (`None`: its
+    constants)."""
+
+    call: Call
+    sizes: dict[str, int]
+    shard: tuple[ShardDim, ...]
+    budget: int
+    source: str
+    backward: bool
+    model: TimeModel
+    measure: bool = False
+    model_key: Any = None
+
+
+def plan_for(
+    call: Call,
+    sizes: dict[str, int],
+    chosen: PlanCandidate,
+    candidates: tuple[PlanCandidate, ...],
+    **fields: Any,
+) -> Plan:
+    """The `Plan` of `call` at its mapped `sizes` (as one device sees them): the
+    nest chosen among `candidates`, and the other `fields` of `Plan`."""
+    return Plan(
+        fun_name=call.fun_name,
+        sizes=tuple({**call.sizes, **sizes}.items()),
+        dims=dims_of(chosen, sizes),
+        chosen=chosen,
+        candidates=candidates,
+        **fields,
+    )
+
+
+def auto_plan(
+    request: Request,
+    chosen: PlanCandidate,
+    candidates: tuple[PlanCandidate, ...],
+    **fields: Any,
+) -> Plan:
+    """The `Plan` of `plan="auto"`: planned now, or read from the disk cache."""
+    call = request.call
+    return plan_for(
+        call,
+        request.sizes,
+        chosen,
+        candidates,
+        auto=True,
+        budget_bytes=request.budget,
+        budget_source=request.source,
+        shard=request.shard,
+        backward=request.backward,
+        given=given_dims(call),
+        collective=collective_dims(call),
+        **fields,
+    )
+
+
+# ------------------------------------------------------------------------------
+# Reasons
+
+
+def summary(
+    chosen: PlanCandidate,
+    full: PlanCandidate,
+    compared: list[PlanCandidate],
+    timed: dict[tuple, float],
+    searched: bool,
+    free: bool,
+    budget: int,
+    model: TimeModel,
+    sizes: dict[str, int],
+    measure_note: str,
+) -> str:
+    """One sentence: what was chosen, and why."""
+    nest = chosen.nest(sizes)
+    temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(budget)
+    if not free:
+        return (
+            f"Chose {nest}: every mapped dim has a strategy given (`scan=`, `vmap=`, "
+            f"`shard=`), so there was nothing to plan; it needs {temp} of the {b} "
+            "budget."
+        )
+    whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
+    if not searched:
+        return (
+            f"Chose {nest}: {whole} fits the budget ({temp} <= {b}) and reuses its "
+            "temporaries from call to call, so nothing else was compiled."
+        )
+    if not full.fits:
+        why = f"{whole} needs {temp} > {b} budget"
+    elif full.fresh_bytes:
+        threshold = fmt_bytes(model.fresh_threshold or 0)
+        why = (
+            f"{whole} fits ({temp} <= {b}) but allocates {temp} afresh on every "
+            f"call (above {threshold})"
+        )
+    else:
+        why = f"{whole} fits ({temp} <= {b})"
+    n = len(compared)
+    if timed and timed[chosen.key] > min(timed.values()):
+        how = (
+            f"of the {n} candidates that fit and were timed, this one, the time "
+            f"model's choice, measured {fmt_seconds(timed[chosen.key])}, within "
+            f"{KEEP_WITHIN}x of the fastest ({fmt_seconds(min(timed.values()))}), "
+            "so it was kept"
+        )
+    elif timed:
+        others = sorted(t for k, t in timed.items() if k != chosen.key)
+        nxt = f"; next {fmt_seconds(others[0])}" if others else ""
+        how = (
+            f"of the {n} candidates that fit and were timed, this one was the "
+            f"fastest (measured {fmt_seconds(timed[chosen.key])}{nxt})"
+        )
+    elif n == 1:
+        reuses = ""
+        if model.fresh_threshold is not None and not chosen.fresh_bytes:
+            reuses = " and reuses its temporaries from call to call"
+        how = (
+            f"it is the largest block that fits{reuses}, and the only candidate "
+            "costed (smaller blocks loop more)"
+        )
+        if chosen.predicted:
+            how = (
+                f"it is the largest block predicted far within its limits{reuses} "
+                "(larger ones that fit are est. at most 5% faster: not worth a "
+                "compile), and the only candidate costed"
+            )
+        if measure_note:
+            how += f" ({measure_note})"
+    else:
+        how = (
+            f"of the {n} candidates that fit and were costed, this one is the "
+            "fastest by the time model's estimate"
+        )
+        if measure_note:
+            how += f" ({measure_note})"
+    return f"Chose {nest}: {why}; {how}."
+
+
+def with_reason(
+    c: PlanCandidate,
+    chosen: PlanCandidate,
+    note: str | None,
+    timed: dict[tuple, float],
+    measure: bool,
+    budget: int,
+    compared: list[PlanCandidate],
+) -> PlanCandidate:
+    """`c` with the reason it was, or was not, chosen (and its measured time)."""
+    measured = timed.get(c.key)
+    c = dataclasses.replace(c, measured=measured)
+    if c.key == chosen.key:
+        if measured is not None and measured > min(timed.values()):
+            why = (
+                f"chosen: the time model's choice, measured within {KEEP_WITHIN}x "
+                f"of the fastest ({fmt_seconds(measured)} vs "
+                f"{fmt_seconds(min(timed.values()))})"
+            )
+        elif measured is not None:
+            why = f"chosen: fastest measured ({fmt_seconds(measured)})"
+        elif c.temp_bytes is None:
+            why = "chosen: nothing to compile"
+        elif len(compared) <= 1:
+            why = "chosen: the only candidate that fits and was costed"
+        else:
+            why = "chosen: fastest by the estimate"
+        if c.predicted:
+            far = note or "far within the budget"
+            why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
+        return dataclasses.replace(c, reason=why)
+    if c.temp_bytes is None:
+        return dataclasses.replace(c, reason=note or "not compiled")
+    if not c.fits:
+        return dataclasses.replace(
+            c,
+            reason=f"over budget: {over_budget(c.temp_bytes, budget)}",
+        )
+    if measured is not None and chosen.key in timed:
+        vs = f"measured {fmt_seconds(measured)} vs {fmt_seconds(timed[chosen.key])}"
+        why = (
+            f"faster, {vs}, but within {KEEP_WITHIN}x: the time model's choice "
+            "was kept"
+            if measured < timed[chosen.key]
+            else f"slower: {vs}"
+        )
+    elif c.seconds is not None and chosen.seconds is not None:
+        est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
+        why = (
+            f"not measured: {est}, not among the {MAX_MEASURED} measured"
+            if measure and timed
+            else f"slower ({est})"
+        )
+    else:
+        why = note or (
+            "fits, not costed: a smaller block than the largest that fits in its ladder"
+        )
+    return dataclasses.replace(c, reason=why)
+
+
+class NoFit(Exception):
+    """No candidate fits the budget: the error's message, the smallest candidate
+    compiled, and how many were."""
+
+    def __init__(self, message: str, smallest: PlanCandidate, n: int):
+        super().__init__(message)
+        self.smallest = smallest
+        self.n = n
+
+
+def no_fit_message(
+    call: Call,
+    budget: int,
+    smallest: PlanCandidate,
+    n: int,
+    sizes: dict[str, int],
+    backward: bool,
+) -> str:
+    """The `SpecError` message when no candidate fits the budget."""
+    what = "the derivative (reverse mode) of " if backward else ""
+    given = ""
+    if given_dims(call):
+        given = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
+    return (
+        f"`{call.fun_name}` with `plan='auto'`: no nest fits "
+        f"`memory_budget={call.options.plan.memory_budget!r}` ({fmt_bytes(budget)} "
+        f"of temporary memory){' under differentiation' if backward else ''}. The "
+        f"smallest of the {n} compiled candidates needs "
+        f"{fmt_bytes(smallest.temp_bytes or 0)} for {what}{smallest.nest(sizes)}. "
+        f"Raise `memory_budget`, or map fewer dims{given}."
+    )
