@@ -298,6 +298,11 @@ def parse_names(value, argname: str) -> tuple[str, ...]:
                 f"`filter_multi_vmap(..., {argname}=...)` must be a dims string such "
                 f"as 'T F', or a sequence of dim names, but got {value!r}."
             ) from None
+    # A variadic dim may be named as annotated: `scan="*batch"` is the dim `batch`.
+    names = tuple(
+        n[1:] if isinstance(n, str) and n[:1] == "*" and is_dim_name(n[1:]) else n
+        for n in names
+    )
     for name in names:
         if not is_dim_name(name):
             raise SpecError(

@@ -147,8 +147,9 @@ def parse_chunk(name: str, chunk: Any) -> int | None:
 
 def parse_scan(scan: ScanSpec) -> tuple[tuple[str, int | None], ...]:
     if isinstance(scan, Mapping):
-        names = parse_names(tuple(scan.keys()), "scan")
-        return tuple((name, parse_chunk(name, scan[name])) for name in names)
+        keys = tuple(scan.keys())
+        names = parse_names(keys, "scan")
+        return tuple((n, parse_chunk(n, scan[k])) for n, k in zip(names, keys))
     return tuple((name, None) for name in parse_names(scan, "scan"))
 
 

@@ -381,6 +381,10 @@ VARIADIC_STRATEGIES = {
     "vmap": lambda: {},
     "scan": lambda: {"scan": "batch"},
     "chunked": lambda: {"scan": {"batch": 3}},
+    # Named as annotated, star included.
+    "scan_star": lambda: {"scan": "*batch"},
+    "chunked_star": lambda: {"scan": {"*batch": 3}},
+    "vmap_star": lambda: {"vmap": "*batch"},
     "auto": lambda: {"plan": "auto"},
     "shard": lambda: {"shard": {"batch": "d"}, "mesh": _mesh()},
 }
