@@ -130,17 +130,22 @@ def chunk_key(dim: str) -> str:
     return dim + "/k"
 
 
+def known(size: int) -> bool:
+    """Whether a size is concrete: not symbolic (`jax.export`)."""
+    return not jax.export.is_symbolic_dim(size)
+
+
 def split(dim: str, n: int, chunk: int) -> tuple[int, int]:
     """`divmod(n, chunk)`: the whole chunks of `dim`'s `n` elements and the
     remainder. For a symbolic size (`jax.export`), the remainder is
     `n - chunk * (n // chunk)`, which is `0` where `chunk` divides every size (`n` is
     `4*t`, `chunk` is 2). A chunked scan needs a whole chunk: a `SpecError` names
     the dim when a symbolic size may be smaller than its chunk."""
-    if not jax.export.is_symbolic_dim(n):
+    if known(n):
         return divmod(n, chunk)
     n_full = n // chunk
     rest = n - chunk * n_full
-    if jax.export.is_symbolic_dim(rest):
+    if not known(rest):
         try:
             enough = bool(n >= chunk)
         except jax.errors.InconclusiveDimensionOperation:

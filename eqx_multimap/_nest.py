@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from jax._src import traceback_util
 from jax.custom_derivatives import SymbolicZero
 
-from ._blocks import Block, chunk_key, Level, NestSpec, split
+from ._blocks import Block, chunk_key, known, Level, NestSpec, split
 from ._dims import axes_of, Dims, EllipsisDim, NamedDim
+from ._errors import SpecError
 from ._progress_bar import Meter, report_for, Report
 from ._reduce import Reduction
 
@@ -326,11 +327,6 @@ def _move_axis(x: Any, source: int, destination: int) -> Any:
     return jnp.moveaxis(x, source, destination)
 
 
-def _known(size: Any) -> bool:
-    """Whether a size is concrete: not symbolic (`jax.export`)."""
-    return not jax.export.is_symbolic_dim(size)
-
-
 def _rename(axes: Axes, key: str, new: str) -> Axes:
     return {(new if k == key else k): a for k, a in axes.items()}
 
@@ -424,7 +420,7 @@ class _Nest:
             xs = {}
             for i in mapped:
                 x = _move_axis(values[i], axes[i][name], 0)
-                if length and j == 0 and _known(length):
+                if length and j == 0 and known(length):
                     if axes[i][name] != 0 or x.shape[0] != length * k:
                         continue
                 if length and x.shape[0] != length * k:
@@ -435,7 +431,7 @@ class _Nest:
         sliced = [i for i in mapped if i not in xs]
         later = self.spec.scan[j + 1 :]
         sizes = self.problem.sizes
-        innermost = all(c and _known(sizes[d]) and sizes[d] < c for d, c in later)
+        innermost = all(c and known(sizes[d]) and sizes[d] < c for d, c in later)
         isolated = [i for i in mapped if innermost and i in build.isolate]
         inner = ft.partial(self.level, j + 1, axes=inner_axes, pending=inner_pending)
         body = jax.checkpoint(inner) if build.checkpoint else inner
@@ -476,7 +472,7 @@ class _Nest:
 
         index = jnp.int32(0) if sliced or isolated or report else None
         # `lax.scan` needs an `int` length: a symbolic one is that of the `xs`.
-        trips = length if _known(length) else None
+        trips = length if known(length) else None
         carry, ys = lax.scan(step, (index, acc), list(xs.values()), length=trips)
         return ys if acc is None else carry[1]
 
@@ -539,7 +535,13 @@ def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leave
     report = None
     if build.progress is not None and spec.scan:
         name, chunk = spec.scan[0]
-        report = report_for(build.progress, problem.sizes[name] // (chunk or 1))
+        if not known(size := problem.sizes[name]):
+            raise SpecError(
+                f"`progress=` needs the number of iterations of the outermost scan, "
+                f"over dim {name!r}, whose size {size} is symbolic (`jax.export`); "
+                "nor can `jax.export` serialise its callback. Drop `progress=`."
+            )
+        report = report_for(build.progress, size // (chunk or 1))
     nest = _Nest(problem, spec, build, core, report)
     return nest.level(0, list(values), list(problem.leaf_axes), ())
 

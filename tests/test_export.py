@@ -114,6 +114,14 @@ export_and_run(
 export_and_run("chunked_fixed_remainder", wrap(scan={"T": 3}), spec(3 * t + 2))
 export_and_run("chunked_divides", wrap(scan={"T": 3}), spec(3 * t), ((6,), (9,)))
 export_and_run("chunked_unconstrained", wrap(scan={"T": 3}), spec(t))
+# Two chunked dims: every combination of their chunks and remainders.
+(p, q) = jax.export.symbolic_shape("p, q", constraints=("p >= 3", "q >= 2"))
+two = wrap(dims="T F", scan={"T": 3, "F": 2})
+export_and_run("chunked_two_dims", two, spec(p, q), ((5, 3), (6, 4)))
+export_and_run(
+    "chunked_two_dims_grad", summed(two), spec(p, q), ((5, 3), (7, 2)), reference_grad
+)
+export_and_run("progress", wrap(scan="T", progress="text"), spec(t))
 export_and_run(
     "reduce",
     filter_multi_vmap(
@@ -183,6 +191,8 @@ def exported() -> dict:
         "chunked_grad",
         "chunked_fixed_remainder",
         "chunked_divides",
+        "chunked_two_dims",
+        "chunked_two_dims_grad",
         "reduce",
         "auto",
         "auto_budget",
@@ -205,6 +215,12 @@ def test_chunks_a_symbolic_size_may_not_hold_are_named(exported):
     assert "symbolic size t (as `jax.export` gives it)" in error
     assert "may be smaller than a chunk of 3" in error
     assert "'t >= 3'" in error and "`3*t`" in error and "`scan='T'`" in error
+
+
+def test_progress_needs_a_concrete_number_of_iterations(exported):
+    error = " ".join(exported["progress"].split())
+    assert error.startswith("SpecError in _nest.py: `progress=` needs the number ")
+    assert "over dim 'T', whose size t is symbolic (`jax.export`)" in error
 
 
 def test_a_symbolic_size_a_mesh_may_not_divide_is_named(exported):
