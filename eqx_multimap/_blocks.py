@@ -9,6 +9,10 @@ no padding ever reaches the body. With several chunked dims the blocks are every
 combination of their parts. `_nest` runs each remainder inside the iterations of
 the scans outside its dim, and joins it to the chunks there.
 
+A dim of symbolic size (`jax.export`) is cut the same way, for every size at once
+([`split`][]): its remainder has a symbolic size (from 0 to `k - 1`) unless `k`
+divides the size whatever it is.
+
 [`blocks`][] enumerates the blocks of a nest once: they are the loop bodies that
 `_nest` runs, and that `_planner.cost` costs.
 """
@@ -18,7 +22,10 @@ import itertools as it
 import math
 from typing import Literal
 
+import jax
 from jax._src import traceback_util
+
+from ._errors import SpecError
 
 
 traceback_util.register_exclusion(__file__)
@@ -123,12 +130,45 @@ def chunk_key(dim: str) -> str:
     return dim + "/k"
 
 
+def known(size: int) -> bool:
+    """Whether a size is concrete: not symbolic (`jax.export`)."""
+    return not jax.export.is_symbolic_dim(size)
+
+
+def split(dim: str, n: int, chunk: int) -> tuple[int, int]:
+    """`divmod(n, chunk)`: the whole chunks of `dim`'s `n` elements and the
+    remainder. For a symbolic size (`jax.export`), the remainder is
+    `n - chunk * (n // chunk)`, which is `0` where `chunk` divides every size (`n` is
+    `4*t`, `chunk` is 2). A chunked scan needs a whole chunk: a `SpecError` names
+    the dim when a symbolic size may be smaller than its chunk."""
+    if known(n):
+        return divmod(n, chunk)
+    n_full = n // chunk
+    rest = n - chunk * n_full
+    if not known(rest):
+        try:
+            enough = bool(n >= chunk)
+        except jax.errors.InconclusiveDimensionOperation:
+            enough = False
+        if not enough:
+            raise SpecError(
+                f"`scan={{{dim!r}: {chunk}}}`: dim {dim!r} has symbolic size {n} (as "
+                f"`jax.export` gives it), which may be smaller than a chunk of "
+                f"{chunk}: a chunked scan needs at least one whole chunk. Constrain "
+                f"the size (`jax.export.symbolic_shape(..., constraints=[...])`, "
+                f"e.g. '{n} >= {chunk}'), give one that {chunk} divides (e.g. "
+                f"`{chunk}*t`), or scan {dim!r} one element at a time "
+                f"(`scan={dim!r}`)."
+            )
+    return n_full, rest
+
+
 def _parts(dim: str, n: int, chunk: int) -> list[Part]:
-    n_full, rest = divmod(n, chunk)
+    n_full, rest = split(dim, n, chunk)
     parts = []
-    if n_full > 0 or n == 0:
+    if n_full != 0 or n == 0:
         parts.append(Part(dim, 0, n_full * chunk, n_full, chunk))
-    if rest > 0:
+    if rest != 0:  # for a symbolic size, unless it is 0 for every size
         parts.append(Part(dim, n - rest, n, None, chunk))
     return parts
 
@@ -172,8 +212,8 @@ def describe_nest(spec: NestSpec, sizes: dict[str, int]) -> str:
         if chunk is None:
             parts.append(f"scan({name}={sizes[name]})")
         else:
-            n_full, rest = divmod(sizes[name], chunk)
-            extra = f" + vmap({name} remainder={rest})" if rest else ""
+            n_full, rest = split(name, sizes[name], chunk)
+            extra = f" + vmap({name} remainder={rest})" if rest != 0 else ""
             parts.append(f"scan({name}: {plural(n_full, 'chunk')} of {chunk}){extra}")
     parts.extend(f"vmap({name}={sizes[name]})" for name in spec.vmap)
     return " -> ".join(parts + ["body"])

@@ -9,7 +9,8 @@ chunked dim, with `lax.dynamic_slice` where the scan's `xs` would copy the input
 vmaps run innermost, and each scan stacks its outputs at its dim's axis. A chunked dim's
 remainder (`_blocks`: `n % k` elements, vmapped) runs inside the iterations of the
 scans outside it, and is joined to its chunks there, so that no level copies more
-than its own part of the inputs or outputs.
+than its own part of the inputs or outputs. A symbolic size (`jax.export`) is
+scanned and chunked alike (`_blocks.split`).
 
 A level of a reduced dim (`Problem.reduce`, see `_reduce`) leaves no axis: a vmap
 level reduces its output right after the level, a scan level accumulates in its
@@ -35,8 +36,9 @@ import jax.numpy as jnp
 from jax._src import traceback_util
 from jax.custom_derivatives import SymbolicZero
 
-from ._blocks import Block, chunk_key, Level, NestSpec
+from ._blocks import Block, chunk_key, known, Level, NestSpec, split
 from ._dims import axes_of, Dims, EllipsisDim, NamedDim
+from ._errors import SpecError
 from ._progress_bar import Meter, report_for, Report
 from ._reduce import Reduction
 
@@ -368,14 +370,14 @@ class _Nest:
         if chunk in (None, 1):  # chunks of 1 are the elements: the plain scan
             ys = self.loop(j, values, axes, pending, None)
             return self.placed(j, pending, ys, chunked=False)
-        n_full, rest = divmod(n, chunk)
+        n_full, rest = split(name, n, chunk)
         main = rem = None
-        if n_full or not rest:
+        if n_full != 0 or rest == 0:
             ys = self.loop(j, values, axes, pending, chunk)
             main = self.placed(j, pending, ys, chunked=True)
-        if rest:  # the remainder: `name` vmapped inside, over its last `rest` elements
+        if rest != 0:  # the remainder: `name` vmapped inside, over its last elements
             cut = [
-                lax.slice_in_dim(x, n - rest, n, axis=a[name]) if name in a else x
+                lax.slice_in_dim(x, n_full * chunk, n, axis=a[name]) if name in a else x
                 for x, a in zip(values, axes)
             ]
             vmapped = Level(name, name, "vmap", rest, False)
@@ -414,10 +416,11 @@ class _Nest:
             # would copy the whole input first (a remainder, or an axis not
             # leading); a scan inside another scans `xs` as `lax.map` does (a copy
             # of its part of the iteration outside, or one XLA hoists out of it).
+            # A symbolic length (`jax.export`) is given by the `xs`: no slicing.
             xs = {}
             for i in mapped:
                 x = _move_axis(values[i], axes[i][name], 0)
-                if length and j == 0:
+                if length and j == 0 and known(length):
                     if axes[i][name] != 0 or x.shape[0] != length * k:
                         continue
                 if length and x.shape[0] != length * k:
@@ -427,7 +430,8 @@ class _Nest:
             inner_pending = pending + (Level(chunk_key(name), name, "vmap", k, False),)
         sliced = [i for i in mapped if i not in xs]
         later = self.spec.scan[j + 1 :]
-        innermost = all(c and self.problem.sizes[d] < c for d, c in later)
+        sizes = self.problem.sizes
+        innermost = all(c and known(sizes[d]) and sizes[d] < c for d, c in later)
         isolated = [i for i in mapped if innermost and i in build.isolate]
         inner = ft.partial(self.level, j + 1, axes=inner_axes, pending=inner_pending)
         body = jax.checkpoint(inner) if build.checkpoint else inner
@@ -467,7 +471,9 @@ class _Nest:
             return (index, [f(a, y) for f, a, y in zip(combine, acc, ys)]), None
 
         index = jnp.int32(0) if sliced or isolated or report else None
-        carry, ys = lax.scan(step, (index, acc), list(xs.values()), length=length)
+        # `lax.scan` needs an `int` length: a symbolic one is that of the `xs`.
+        trips = length if known(length) else None
+        carry, ys = lax.scan(step, (index, acc), list(xs.values()), length=trips)
         return ys if acc is None else carry[1]
 
     def accumulator(self, shapes: list, absent: set[str]) -> tuple[Leaves, list]:
@@ -529,7 +535,13 @@ def run(problem: Problem, spec: NestSpec, build: Build, values: Leaves) -> Leave
     report = None
     if build.progress is not None and spec.scan:
         name, chunk = spec.scan[0]
-        report = report_for(build.progress, problem.sizes[name] // (chunk or 1))
+        if not known(size := problem.sizes[name]):
+            raise SpecError(
+                f"`progress=` needs the number of iterations of the outermost scan, "
+                f"over dim {name!r}, whose size {size} is symbolic (`jax.export`); "
+                "nor can `jax.export` serialise its callback. Drop `progress=`."
+            )
+        report = report_for(build.progress, size // (chunk or 1))
     nest = _Nest(problem, spec, build, core, report)
     return nest.level(0, list(values), list(problem.leaf_axes), ())
 

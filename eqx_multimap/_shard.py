@@ -137,16 +137,21 @@ class ShardOptions:
             n = check.sizes[name]
             count = math.prod(mesh.shape[a] for a in axes)
             n_local = -(-n // count)
-            if n % count:
+            if n % count:  # for a symbolic size, unless `count` divides every size
                 if not self.pad:
+                    desc = _axes_desc(axes, mesh)
+                    size, to, eg = f"size {n}", n_local * count, ""
+                    if jax.export.is_symbolic_dim(n):
+                        size = f"symbolic size {n} (as `jax.export` gives it)"
+                        to, eg = f"a multiple of {count}", f" (e.g. `{count}*t`)"
                     raise ShapeError(
-                        f"{where}: dim '{name}' has size {n}, which the "
-                        f"{_axes_desc(axes, mesh)} does not divide: every device "
-                        f"must get the same number of elements. The size of '{name}' "
-                        f"was bound by {_seen_desc(check.seen.get(name, []))}. Pass "
-                        f"`pad=True` to pad '{name}' to {n_local * count} with copies "
-                        "of its last element (the outputs are trimmed back to "
-                        f"{n}), or use a size that is a multiple of {count}."
+                        f"{where}: dim '{name}' has {size}, which the {desc} does "
+                        "not divide: every device must get the same number of "
+                        f"elements. The size of '{name}' was bound by "
+                        f"{_seen_desc(check.seen.get(name, []))}. Pass `pad=True` "
+                        f"to pad '{name}' to {to} with copies of its last element "
+                        f"(the outputs are trimmed back to {n}), or use a size that "
+                        f"is a multiple of {count}{eg}."
                     )
                 padded[name] = n_local * count
             local[name] = n_local

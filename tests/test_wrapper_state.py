@@ -1,7 +1,7 @@
 """A wrapper is a value: it copies, pickles, compares and ships like
 `eqx.filter_vmap`'s, whatever the process planned before; the planner's state (plans,
 calibration) sits beside it, safe under threads and processes; and it works under
-`checkify` and `jax.export`, under every strategy.
+`checkify`, under every strategy (`jax.export`: `test_export.py`).
 
 Each test compares against an independent reference (a Python loop and `np.stack`,
 or a hand-written nest); upstream failures are pinned by tests that fail once
@@ -18,7 +18,6 @@ import pathlib
 import pickle
 import subprocess
 import sys
-import textwrap
 import threading
 import weakref
 
@@ -37,7 +36,6 @@ from eqx_multimap import (
     Monoid,
     multi_vmap,
     Planner,
-    SpecError,
     TimeModel,
 )
 from eqx_multimap import _multi_vmap, _planner
@@ -406,155 +404,6 @@ def test_plain_shard_map_checkify_fails_too(kind):
     x = jax.device_put(inputs(), NamedSharding(m, P("d")))
     with jax.set_mesh(m), pytest.raises(ValueError, match="mesh"):
         checkify.checkify(plain)(x)
-
-
-#
-# jax.export with symbolic dims (issue 30, C: the planner's part).
-#
-
-
-# Run in a process of its own: the test session type-checks the library's
-# annotations (`--jaxtyping-packages`), whose sizes are `int`s, not symbolic.
-_SYMBOLIC = """
-import json, traceback
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from eqx_multimap import explain, filter_multi_vmap, multi_vmap, Planner, TimeModel
-from tests.test_wrapper_state import B, body, inputs, reference
-
-(t,) = jax.export.symbolic_shape("t")
-spec = jax.ShapeDtypeStruct((t, B), jnp.float32)
-results = {}
-
-
-def wrap(**kw):
-    return filter_multi_vmap(body, in_dims="T B", out_dims="T B", core="B", **kw)
-
-
-def export_and_run(name, f, spec=spec, place=lambda x: x, reference=reference):
-    try:
-        loaded = exported = jax.export.export(jax.jit(f))(spec)
-        try:
-            loaded = jax.export.deserialize(exported.serialize())
-        except ImportError:  # serialising needs `flatbuffers`
-            pass
-        for n in (5, 8):
-            out = jax.jit(loaded.call)(place(inputs(n)))
-            np.testing.assert_allclose(out, reference(inputs(n)), rtol=1e-5)
-        results[name] = "ok"
-    except Exception as e:
-        frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
-        ours = [f.rsplit("/", 1)[-1] for f in frames if "eqx_multimap" in f]
-        results[name] = f"{type(e).__name__} in {ours[-1] if ours else '?'}: {e}"
-
-
-export_and_run("vmap", wrap())
-export_and_run("scan", wrap(scan="T"))
-export_and_run("chunked", wrap(scan={"T": 3}))
-export_and_run("shim", multi_vmap(body, "[T]", "[T,...]"))
-mesh = jax.make_mesh((4,), ("d",), (AxisType.Auto,), devices=jax.devices()[:4])
-# Elementwise: a matmul in a body exported with a symbolic size over a mesh crashes
-# XLA (upstream: see `test_plain_shard_map_export_crashes_too`).
-export_and_run(
-    "shard",
-    filter_multi_vmap(
-        jnp.sin, in_dims="T B", out_dims="T B", shard={"T": "d"}, mesh=mesh, pad=True
-    ),
-    place=lambda x: jax.device_put(x, NamedSharding(mesh, P())),
-    reference=np.sin,
-)
-export_and_run("auto", wrap(plan="auto"))
-export_and_run("vmap_auto", wrap(vmap="T", plan="auto"))
-(b,) = jax.export.symbolic_shape("b")
-export_and_run("core", wrap(plan="auto"), jax.ShapeDtypeStruct((8, b), jnp.float32))
-plan = explain(wrap(plan=Planner(cache_dir=False, time_model=TimeModel())), spec)
-results["plan_scan"] = [list(s) for s in plan.chosen.scan]
-results["summary"] = plan.summary
-print(json.dumps(results))
-"""
-
-
-@pytest.fixture(scope="module")
-def symbolic() -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _SYMBOLIC],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env={**os.environ, "JAX_TRACEBACK_FILTERING": "off"},
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[-1])
-
-
-_NEST = "_nest.py and _blocks.py (issue 32): a scan over a symbolic length"
-
-
-@pytest.mark.parametrize("strategy", ["vmap", "scan", "chunked", "shim", "shard"])
-def test_export_symbolic(symbolic, strategy):
-    result = symbolic[strategy]
-    if result.split(": ")[0] in (
-        "InconclusiveDimensionOperation in _nest.py",
-        "InconclusiveDimensionOperation in _blocks.py",
-    ):
-        pytest.xfail(f"{_NEST}: {result.splitlines()[0]}")
-    assert result == "ok"
-
-
-_PLAIN_SHARD_EXPORT = """
-import jax, jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from tests.test_wrapper_state import B, body
-
-(t,) = jax.export.symbolic_shape("t")
-mesh = jax.make_mesh((4,), ("d",), (AxisType.Auto,), devices=jax.devices()[:4])
-plain = jax.shard_map(jax.vmap(body), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-spec = jax.ShapeDtypeStruct((4 * t, B), jnp.float32)
-exported = jax.export.export(jax.jit(plain))(spec)
-x = jax.device_put(jnp.ones((8, B)), NamedSharding(mesh, P()))
-jax.jit(exported.call)(x).block_until_ready()
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="a segfault's return code")
-def test_plain_shard_map_export_crashes_too():
-    """A hand-written `jax.shard_map` of `jax.vmap(body)` (a matmul), exported with
-    a symbolic size and run, crashes XLA (JAX 0.10.2, CPU), as ours does: the
-    `shard` export above runs an elementwise body. When this test fails, upstream
-    has fixed it: export `body` there."""
-    out = subprocess.run(
-        [sys.executable, "-c", _PLAIN_SHARD_EXPORT],
-        capture_output=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert out.returncode == -11  # SIGSEGV
-
-
-def test_plan_for_a_symbolic_dim_holds_for_every_size(symbolic):
-    # Scanned one element at a time, outermost: no divisibility, and memory that
-    # does not grow with its size.
-    assert symbolic["plan_scan"][0] == ["T", None]
-    assert symbolic["summary"].startswith(
-        "Symbolic sizes: 'T' (size t, planned at 2) scanned outermost"
-    )
-
-
-def test_export_symbolic_plan_auto(symbolic):
-    result = symbolic["auto"]
-    if result.startswith("InconclusiveDimensionOperation in _nest.py"):
-        # The plan scans the symbolic dim (see above), which `_nest` cannot yet.
-        pytest.xfail(f"{_NEST}: {result.splitlines()[0]}")
-    assert result == "ok"
-
-
-def test_symbolic_dim_the_planner_cannot_plan_is_named(symbolic):
-    assert symbolic["vmap_auto"].startswith("SpecError")
-    assert "cannot plan dim 'T' of symbolic size t" in symbolic["vmap_auto"]
-    assert "`vmap=` names it" in symbolic["vmap_auto"]
-    assert "cannot plan dim 'B' of symbolic size b" in symbolic["core"]
-    assert "a core dim" in symbolic["core"]
 
 
 #
