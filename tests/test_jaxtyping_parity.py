@@ -385,6 +385,7 @@ VARIADIC_STRATEGIES = {
     "scan_star": lambda: {"scan": "*batch"},
     "chunked_star": lambda: {"scan": {"*batch": 3}},
     "vmap_star": lambda: {"vmap": "*batch"},
+    "shard_star": lambda: {"shard": {"*batch": "d"}, "mesh": _mesh()},
     "auto": lambda: {"plan": "auto"},
     "shard": lambda: {"shard": {"batch": "d"}, "mesh": _mesh()},
 }
