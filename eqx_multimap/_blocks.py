@@ -177,3 +177,15 @@ def describe_nest(spec: NestSpec, sizes: dict[str, int]) -> str:
             parts.append(f"scan({name}: {plural(n_full, 'chunk')} of {chunk}){extra}")
     parts.extend(f"vmap({name}={sizes[name]})" for name in spec.vmap)
     return " -> ".join(parts + ["body"])
+
+
+def wrap_nest(line: str, width: int = 100, indent: str = "    ") -> str:
+    """A line holding a nest, broken before its arrows where it is longer than
+    `width` columns; each continuation line starts `indent` and `-> `."""
+    lines: list[str] = []
+    for piece in line.split(" -> "):
+        if lines and len(lines[-1]) + 4 + len(piece) <= width:
+            lines[-1] += " -> " + piece
+        else:
+            lines.append(piece if not lines else f"{indent}-> {piece}")
+    return "\n".join(lines)
