@@ -21,9 +21,8 @@ WIDTH = 100  # the widest line of a plan's text: a docs page's code block at 1,2
 PROSE = 88  # where prose wraps
 
 _LEGEND = (
-    "temp: temporary memory (~: predicted, not compiled); bytes: bytes accessed; "
-    "work set: memory one loop iteration touches; fresh: allocated afresh per call; "
-    "est.: estimated time"
+    "temp: temporary memory (~: predicted); bytes: bytes accessed; work set: of one "
+    "loop iteration; fresh: allocated afresh per call; est.: estimated time"
 )
 
 
