@@ -163,7 +163,8 @@ class Plan:
                 "scan bodies checkpointed: the backward pass recomputes each block"
             )
         if full and self.auto and self.time_model is not None:
-            lines += ["", *map(_prose, self.time_model.describe().splitlines())]
+            model = self.time_model.describe().splitlines()
+            lines += ["", *(_prose(ln) if len(ln) > WIDTH else ln for ln in model)]
         g = self.gradient
         if g is not None:
             differs = isinstance(g, str) or g.spec != self.spec

@@ -18,8 +18,7 @@ from .model import TimeModel
 from .plan import dims_of, Plan, PlanCandidate, ScanNest, ShardDim
 
 
-# ------------------------------------------------------------------------------
-# Budget
+# --- Budget
 
 
 MemoryBudget = int | float | None
@@ -59,7 +58,6 @@ def check_budget(plan: Any, memory_budget: Any) -> None:
 
 def _device_memory() -> tuple[int, str]:
     device = jax.local_devices()[0]
-    stats = None
     try:
         stats = device.memory_stats()
     except Exception:  # some backends do not implement it
@@ -93,17 +91,7 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
     )
 
 
-
-def over_budget(temp: int, budget: int) -> str:
-    """`1.2 GiB > 512.0 MiB`, in bytes when the two would print alike."""
-    a, b = fmt_bytes(temp), fmt_bytes(budget)
-    if a == b:
-        a, b = f"{temp:,} B", f"{budget:,} B"
-    return f"{a} > {b}"
-
-
-# ------------------------------------------------------------------------------
-# Candidates
+# --- Candidates
 
 
 def chunk_options(n: int) -> list[int | None]:
@@ -236,8 +224,7 @@ def collective_dims(call: Call) -> tuple[str, ...]:
     return tuple(n for n in call.mapped if n in used)
 
 
-# ------------------------------------------------------------------------------
-# Request
+# --- Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,8 +289,7 @@ def auto_plan(
     )
 
 
-# ------------------------------------------------------------------------------
-# Reasons
+# --- Reasons
 
 
 def summary(
@@ -397,7 +383,10 @@ def with_reason(
     elif c.temp_bytes is None:
         why = note or "not compiled"
     elif not c.fits:
-        why = f"over budget: {over_budget(c.temp_bytes, budget)}"
+        a, b = fmt_bytes(c.temp_bytes), fmt_bytes(budget)
+        if a == b:  # in bytes when the two would print alike
+            a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
+        why = f"over budget: {a} > {b}"
     elif t is not None and chosen.key in timed:
         vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(timed[chosen.key])}"
         why = f"slower: {vs}"
