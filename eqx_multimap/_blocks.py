@@ -16,6 +16,7 @@ the scans outside its dim, and joins it to the chunks there.
 import dataclasses
 import itertools as it
 import math
+import re
 from typing import Literal
 
 from jax._src import traceback_util
@@ -180,12 +181,16 @@ def describe_nest(spec: NestSpec, sizes: dict[str, int]) -> str:
 
 
 def wrap_nest(line: str, width: int = 100, indent: str = "    ") -> str:
-    """A line holding a nest, broken before its arrows where it is longer than
-    `width` columns; each continuation line starts `indent` and `-> `."""
-    lines: list[str] = []
-    for piece in line.split(" -> "):
-        if lines and len(lines[-1]) + 4 + len(piece) <= width:
-            lines[-1] += " -> " + piece
+    """A line holding a nest, broken where it is longer than `width` columns: before
+    an arrow (the next line starts `indent` and `-> `), else after a `;`."""
+    parts = re.split(r"( -> |; )", line)
+    lines = [parts[0]]
+    for sep, piece in zip(parts[1::2], parts[2::2]):
+        if len(lines[-1]) + len(sep) + len(piece) <= width:
+            lines[-1] += sep + piece
+        elif sep == "; ":
+            lines[-1] += ";"
+            lines.append(f"{indent}   {piece}")
         else:
-            lines.append(piece if not lines else f"{indent}-> {piece}")
+            lines.append(f"{indent}-> {piece}")
     return "\n".join(lines)

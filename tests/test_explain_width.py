@@ -150,6 +150,12 @@ def test_wrap_nest():
     assert wrap_nest(line, 50) == (
         "f: scan(T: 2 chunks of 4) + vmap(T remainder=2)\n    -> vmap(F=3) -> body"
     )
+    # A piece with no arrow in it (the shard_map of several dims) breaks after `;`.
+    line = "f: shard_map(T=8 over 'x': 2 shards of 4; F=3 over 'y': 1 shard of 3) -> body"
+    assert wrap_nest(line, 50) == (
+        "f: shard_map(T=8 over 'x': 2 shards of 4;\n"
+        "       F=3 over 'y': 1 shard of 3) -> body"
+    )
 
 
 # A symbolic size (jax.export) is planned at a stand-in size; in a process of its
