@@ -274,6 +274,7 @@ def test_blocks_fit_the_page(site):
 
 
 _MAX_WORDS = 2500  # a page that a reader reads through
+_MAX_WORDS_OF = {"planner/index.html": 1500}  # a user's page, not a design note
 _BLOCK_TAG = re.compile(
     r"</?(?:p|li|div|pre|h\d|tr|td|th|br|ul|ol|table|blockquote|details)\b[^>]*>"
 )
@@ -292,7 +293,7 @@ def test_pages_are_short(site):
             text = _BLOCK_TAG.sub(" ", article.group(1))  # words end at blocks,
             text = re.sub(r"<[^>]+>", "", text)  # not at a highlighted token
             words = len(html.unescape(text).split())
-            if words > _MAX_WORDS:
+            if words > _MAX_WORDS_OF.get(page, _MAX_WORDS):
                 long[page] = words
     assert not long, long
 
