@@ -151,7 +151,8 @@ def test_wrap_nest():
         "f: scan(T: 2 chunks of 4) + vmap(T remainder=2)\n    -> vmap(F=3) -> body"
     )
     # A piece with no arrow in it (the shard_map of several dims) breaks after `;`.
-    line = "f: shard_map(T=8 over 'x': 2 shards of 4; F=3 over 'y': 1 shard of 3) -> body"
+    line = "f: shard_map(T=8 over 'x': 2 shards of 4; F=3 over 'y': 1 shard of 3)"
+    line += " -> body"
     assert wrap_nest(line, 50) == (
         "f: shard_map(T=8 over 'x': 2 shards of 4;\n"
         "       F=3 over 'y': 1 shard of 3) -> body"

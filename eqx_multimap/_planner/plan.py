@@ -166,18 +166,16 @@ class Plan:
             model = self.time_model.describe().splitlines()
             lines += ["", *(_prose(ln) if len(ln) > WIDTH else ln for ln in model)]
         g = self.gradient
-        if g is not None:
-            differs = isinstance(g, str) or g.spec != self.spec
-            if gradient or (gradient is None and (differs or full)):
-                lines += ["", _prose(g) if isinstance(g, str) else g.describe(full)]
-            else:
-                ckpt = ", its scan bodies checkpointed" if g.checkpoint else ""
-                lines.append(
-                    _prose(
-                        f"under differentiation: the same nest{ckpt} "
-                        "(`plan.describe(gradient=True)` shows its candidates)"
-                    )
-                )
+        if g is None:
+            return "\n".join(lines)
+        if isinstance(g, str):
+            lines += ["", _prose(g)]  # the error differentiating would raise
+        elif gradient or (gradient is None and (g.spec != self.spec or full)):
+            lines += ["", g.describe(full)]
+        else:
+            ckpt = ", its scan bodies checkpointed" if g.checkpoint else ""
+            same = f"under differentiation: the same nest{ckpt} "
+            lines.append(_prose(same + "(`plan.describe(gradient=True)` shows it)"))
         return "\n".join(lines)
 
     def _head(self) -> list[str]:

@@ -343,7 +343,7 @@ def summary(
             "at most 5% faster: not worth a compile)"
         )
     elif n == 1:
-        how = "the largest block that fits, the only one costed (smaller ones loop more)"
+        how = "the largest block that fits, the only one costed (smaller loop more)"
     else:
         how = f"the fastest by the time model of the {n} candidates that fit"
     if measure_note and not timed:
@@ -391,7 +391,7 @@ def with_reason(
         vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(timed[chosen.key])}"
         why = f"slower: {vs}"
         if t < timed[chosen.key]:
-            why = f"faster, {vs}, but within {KEEP_WITHIN}x: the model's choice was kept"
+            why = f"faster, {vs}, but within {KEEP_WITHIN}x: the model's pick was kept"
     elif c.seconds is not None and chosen.seconds is not None:
         est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
         why = f"slower ({est})"
