@@ -20,8 +20,8 @@ COLUMNS = 100
 
 def _texts(plan: Plan) -> list[str]:
     """Every text a plan prints."""
-    texts = [str(plan), plan.describe(full=True), plan.describe(gradient=True)]
-    return texts + [plan.table(all=True)]
+    texts = [str(plan), plan.describe(full=True), plan.table(all=True)]
+    return texts + [plan.describe(gradient=g) for g in (True, False)]
 
 
 def _check(text: str) -> None:
@@ -115,22 +115,32 @@ def test_measured():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
-def test_shard():
+@pytest.mark.parametrize("planned", [False, True])
+def test_shard(planned, capsys):
     mesh = jax.make_mesh((4, 2), ("devices_a", "devices_b"))
+    # Two sharded dims make the longest nest line; planned, one, on all 8 devices.
+    shard = {"time": "devices_a", "frequency": "devices_b"}
+    plan = {}
+    if planned:
+        shard = {"time": ("devices_a", "devices_b")}
+        plan = dict(plan=_planner(), memory_budget=20 * _ONE)
     f = filter_multi_vmap(
         _sumexp,
-        in_dims=("time frequency baseline K", "time K"),
-        out_dims="time frequency baseline",
-        shard={"time": ("devices_a", "devices_b")},
+        **_DIMS,
+        shard=shard,
         mesh=mesh,
         pad=True,
-        plan=_planner(),
-        memory_budget=20 * _ONE,
+        verbose=True,
+        **plan,
     )
     plan = explain(f, *_ARGS)
-    assert plan.shard and plan.n_compiled > 1
+    assert plan.shard and plan.auto == planned
+    if planned:
+        assert plan.n_compiled > 1
     for text in _texts(plan):
         _check(text)
+    f(*[jnp.ones(a.shape, a.dtype) for a in _ARGS])
+    _check(capsys.readouterr().out)  # verbose: the plan, or the nest
 
 
 def test_verbose(capsys):
@@ -156,6 +166,10 @@ def test_wrap_nest():
     assert wrap_nest(line, 50) == (
         "f: shard_map(T=8 over 'x': 2 shards of 4;\n"
         "       F=3 over 'y': 1 shard of 3) -> body"
+    )
+    line = "f: shard_map(T=16 over ('x', 'y'): 8 shards of 2) -> body"
+    assert wrap_nest(line, 40) == (
+        "f:\n       shard_map(T=16 over ('x', 'y'): 8 shards of 2)\n    -> body"
     )
 
 
