@@ -20,6 +20,7 @@ divides the size whatever it is.
 import dataclasses
 import itertools as it
 import math
+import re
 from typing import Literal
 
 import jax
@@ -217,3 +218,23 @@ def describe_nest(spec: NestSpec, sizes: dict[str, int]) -> str:
             parts.append(f"scan({name}: {plural(n_full, 'chunk')} of {chunk}){extra}")
     parts.extend(f"vmap({name}={sizes[name]})" for name in spec.vmap)
     return " -> ".join(parts + ["body"])
+
+
+def wrap_nest(line: str, width: int = 100, indent: str = "    ") -> str:
+    """A line holding a nest, broken where it is longer than `width` columns: before
+    an arrow (the next line starts `indent` and `-> `), else after a `;`, or after
+    the line's title (`f: `)."""
+    parts = re.split(r"( -> |; )", line)
+    lines = [parts[0]]
+    if len(parts[0]) > width and ": " in parts[0]:
+        title, first = parts[0].split(": ", 1)
+        lines = [f"{title}:", f"{indent}   {first}"]
+    for sep, piece in zip(parts[1::2], parts[2::2]):
+        if len(lines[-1]) + len(sep) + len(piece) <= width:
+            lines[-1] += sep + piece
+        elif sep == "; ":
+            lines[-1] += ";"
+            lines.append(f"{indent}   {piece}")
+        else:
+            lines.append(f"{indent}-> {piece}")
+    return "\n".join(lines)

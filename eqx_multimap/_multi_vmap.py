@@ -22,7 +22,7 @@ from jax._src import traceback_util
 from jaxtyping import PyTree
 
 from ._args import check_in_dims_keys
-from ._blocks import describe_nest, NestSpec
+from ._blocks import describe_nest, NestSpec, wrap_nest
 from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
@@ -79,7 +79,8 @@ def run_call(call: Call) -> Any:
         reduced = f"; reduce={{{ops}}}"
     if options.shard is None:
         if options.verbose:
-            print(f"{call.fun_name}: {describe_nest(spec, call.mapped_sizes)}{reduced}")
+            nest = describe_nest(spec, call.mapped_sizes)
+            print(wrap_nest(f"{call.fun_name}: {nest}{reduced}"))
         fn = mapped_function(call.problem(), forward, build, diff)
         outs = fn(list(call.values))
     else:
@@ -88,7 +89,7 @@ def run_call(call: Call) -> Any:
         local_sizes = {name: shard.local_sizes[name] for name in call.mapped}
         if options.verbose:
             nest = describe_nest(spec, local_sizes)
-            print(shard.describe(f"{call.fun_name}: {nest}") + reduced)
+            print(wrap_nest(shard.describe(f"{call.fun_name}: {nest}") + reduced))
         problem = call.problem(local_sizes)
         values, leaf_axes = list(call.values), list(call.leaf_axes)
         padded = [n for n in shard.padded if reduction and n in reduction.dims]

@@ -435,10 +435,10 @@ def test_verbose_prints_shard_map_outermost(capsys):
     )
     wrapped(*data(3, 12, 2))
     printed = capsys.readouterr().out.strip()
-    assert printed == (
-        "filter_multi_vmap(body): shard_map(F=12 over 'y': 4 shards of 3; T=3 over "
-        "'x': 2 shards of 2, padded to 4) -> scan(F: 1 chunk of 2) + vmap(F "
-        "remainder=1) -> vmap(T=2) -> vmap(B=2) -> body"
+    assert printed == (  # broken after a `;` and before an arrow: 100 columns
+        "filter_multi_vmap(body): shard_map(F=12 over 'y': 4 shards of 3;\n"
+        "       T=3 over 'x': 2 shards of 2, padded to 4) -> scan(F: 1 chunk of 2) + "
+        "vmap(F remainder=1)\n    -> vmap(T=2) -> vmap(B=2) -> body"
     )
 
 

@@ -1,36 +1,36 @@
 """What a plan is, and how it reads: `Plan`, its candidates and dims, and its text.
 
-A [`Plan`][] is what [`eqx_multimap.explain`][] returns and `verbose=True` prints:
-the nest chosen for one call signature, every candidate considered (compiled or
-not) with its numbers and the reason it was or was not chosen, and where the plan
-came from. The search that fills it in is `search`; this module only holds and
-prints it.
+Every line of the text is at most `WIDTH` columns: prose is wrapped at `PROSE`, a
+nest is broken before its arrows, and a candidate's reason goes under its row.
 """
 
 import dataclasses
+import textwrap
 from typing import Literal
 
-from .._blocks import describe_nest, NestSpec, plural
-from .._shard import axes_str, describe_split
+from .._blocks import describe_nest, NestSpec, plural, wrap_nest
+from .._shard import describe_split
 from .._timing import fmt_bytes, fmt_seconds
 from .model import TimeModel
 
 
 ScanNest = tuple[tuple[str, int | None], ...]
 
-# How many candidates besides the chosen one `str(plan)` shows.
-RUNNERS_UP = 5
+RUNNERS_UP = 5  # how many candidates besides the chosen one `str(plan)` shows
+WIDTH = 100  # the widest line of a plan's text: a docs page's code block at 1,280 px
+PROSE = 88  # where prose wraps
+
+_LEGEND = (
+    "temp: temporary memory (~: predicted); bytes: bytes accessed; work set: of one "
+    "loop iteration; fresh: allocated afresh per call; est.: estimated time"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanDim:
-    """How one mapped dim is mapped.
-
-    - `name`, `size`: the dim and its size.
-    - `strategy`: `"scan"` or `"vmap"`.
-    - `chunk`: for a scanned dim, the chunk size (`None`: one element at a time).
-    - `order`: its position in the nest, `0` being outermost.
-    """
+    """One mapped dim: its `name` and `size`, its `strategy` (`"scan"` or `"vmap"`),
+    its `chunk` when scanned (`None`: one element at a time), and its `order` in
+    the nest (`0` outermost)."""
 
     name: str
     size: int
@@ -41,13 +41,8 @@ class PlanDim:
 
 @dataclasses.dataclass(frozen=True)
 class ShardDim:
-    """A dim split over a device mesh by `shard=`, outside the planned nest.
-
-    - `name`, `size`: the dim and its global size.
-    - `mesh_axes`: the mesh axes it is split over.
-    - `shards`: the number of blocks (devices along those axes).
-    - `local_size`: the size of one device's block (after padding, with `pad=True`).
-    """
+    """A dim split over a mesh by `shard=`, outside the planned nest: its global
+    `size`, its `mesh_axes`, the number of `shards` and one shard's `local_size`."""
 
     name: str
     size: int
@@ -58,19 +53,10 @@ class ShardDim:
 
 @dataclasses.dataclass(frozen=True)
 class PlanCandidate:
-    """One nest the planner considered, with its compiled estimates.
-
-    `temp_bytes`, `flops`, `transcendentals`, `bytes_accessed`, `working_set` (the
-    memory one loop iteration touches), `fresh_bytes` (the temporary bytes allocated,
-    and page-faulted in, afresh on every call: see `fresh_threshold`) and `seconds`
-    (the estimated run time) are `None` when the candidate was not compiled, or not
-    costed. `fits` is `None` when there is no budget (a fixed nest) or the
-    candidate was not compiled. `measured` is its median time per call when the
-    planner ran it (`Planner(measure=True)`), and `reason` says why it was, or was
-    not, chosen. `predicted` is whether `temp_bytes` was predicted from full vmap's
-    instead of compiled: for a block chosen below the fresh threshold, far within
-    the budget.
-    """
+    """One nest the planner considered: its costs and estimated `seconds` (`None`
+    when not compiled or costed; `predicted`: `temp_bytes` predicted, not compiled),
+    whether it `fits` (`None` without a budget), its `measured` time per call when
+    the planner ran it, and the `reason` it was, or was not, chosen."""
 
     scan: ScanNest
     vmap: tuple[str, ...]
@@ -103,47 +89,21 @@ class PlanCandidate:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The nest chosen for one call signature, and how it was chosen.
+    """The nest chosen for one call signature, and how it was chosen: what
+    [`eqx_multimap.explain`][] returns, and `verbose=True` prints when planning.
 
-    Returned by [`eqx_multimap.explain`][]; printed by `verbose=True` when planning.
-    `str(plan)` (that is, `plan.describe()`) opens with `summary` and the chosen nest,
-    then shows the compiled runners-up with their reasons; `plan.describe(full=True)`
-    adds every candidate and the time model, and `plan.table(all=True)` is the table
-    of every candidate alone.
-
-    - `fun_name`: the wrapped function, as in error messages.
-    - `auto`: `True` for a planned nest, `False` for a fixed nest.
-    - `summary`: one sentence: what was chosen, and why.
-    - `sizes`: `(name, size)` of every dim bound by the arguments.
-    - `dims`: one `PlanDim` (name, size, strategy, chunk, order) per mapped dim, in
-        nest order.
-    - `scan`, `vmap`: the chosen strategies, as `filter_multi_vmap` takes them.
-    - `chosen`: the chosen candidate.
-    - `candidates`: every `PlanCandidate` considered, compiled or not, each with
-        the reason it was or was not chosen; compiled ones carry their temporary
-        memory, trip-count-corrected cost, working set, estimated (and, when
-        measured, measured) time and whether they fit.
-    - `budget_bytes`, `budget_source`: the memory budget and where it came from.
-    - `n_compiled`: how many compiles planning took here (candidates and loop
-        bodies; `0` when the plan was read from the disk cache).
-    - `seconds`: how long planning (or reading the plan) took.
-    - `measured`: whether candidates were timed (`Planner(measure=True)`).
-    - `given`: the mapped dims whose strategy was given (`scan=`, `vmap=`,
-        `shard=`), which the planner kept; `collective`: the dims the body uses in
-        collectives, which it never scans.
-    - `cache`: where the plan came from: planned now (and written to the disk
-        cache, or not), from this process's cache (planned, or read from disk, by
-        an earlier call), or from the disk cache; `cache_path`: its file in the
-        disk cache, if it has one.
-    - `shard`: with `shard=`, one `ShardDim` per sharded dim. The nest is then
-        `shard_map` outermost, and `sizes`, `dims`, the candidates and the budget
-        are *per device* (the local nest on one device's block).
-    - `backward`: `True` for the plan of the nest run under differentiation: its
-        candidates' memory is that of their reverse-mode derivative, and
-        `checkpoint` says whether its scan bodies are checkpointed.
-    - `gradient`: from `explain`, the plan of the nest that differentiation runs
-        (or, if none fits the budget, the error that differentiating would raise).
-    - `time_model`: the time model that ranked the candidates.
+    Its fields: `fun_name`; `auto` (planned, or a fixed nest); `summary` (one
+    sentence: what was chosen, and why); `sizes` and `dims` (a `PlanDim` per mapped
+    dim); `chosen` and every `candidates` considered (`PlanCandidate`s);
+    `budget_bytes` and `budget_source`; `n_compiled` and `seconds` (what planning
+    cost here: `0` compiles when read from disk); `measured` (candidates were
+    timed); `given` (dims whose strategy was given) and `collective` (dims used in
+    collectives, never scanned); `cache` and `cache_path` (where the plan came
+    from); `shard` (a `ShardDim` per dim of `shard=`: sizes and budget are then per
+    device); `backward` and `checkpoint` (the plan under differentiation); from
+    `explain`, `gradient` (that plan, or the error differentiating would raise);
+    `time_model`. `scan` and `vmap` are the chosen strategies, as
+    `filter_multi_vmap` takes them.
     """
 
     fun_name: str
@@ -190,64 +150,48 @@ class Plan:
         return self.describe()
 
     def describe(self, full: bool = False, gradient: bool | None = None) -> str:
-        """The plan as text; `str(plan)` is `plan.describe()`.
-
-        **Arguments:**
-
-        - `full`: `False` (the default) gives the summary, the chosen nest, the
-            compiled runners-up (at most five) with their reasons, and one line
-            counting the rest. `True` adds the table of the mapped dims, every
-            candidate (as `plan.table(all=True)`) and the time model.
-        - `gradient`: whether to describe `plan.gradient` (the plan of the nest run
-            under differentiation) in full. `None` (the default): only when its nest
-            differs from this plan's (or no nest fits it), or with `full`;
-            otherwise one line says it is the same nest.
-        """
+        """The plan as text, each line at most 100 columns: the summary, the nest,
+        and the compiled runners-up (at most five) with their reasons. `full=True`
+        adds the mapped dims, every candidate and the time model. `gradient`: show
+        `plan.gradient` in full (`None`: when its nest differs, or with `full`)."""
         lines = self._head()
         if full:
-            lines.append("")
-            lines.extend(self._dims_table())
-        lines.append("")
-        lines.append(self.table(all=full))
+            lines += ["", *self._dims_table()]
+        lines += ["", self.table(all=full)]
         if self.backward and self.checkpoint:
             lines.append(
                 "scan bodies checkpointed: the backward pass recomputes each block"
             )
         if full and self.auto and self.time_model is not None:
-            lines.append("")
-            lines.append(self.time_model.describe())
+            model = self.time_model.describe().splitlines()
+            lines += ["", *(_prose(ln) if len(ln) > WIDTH else ln for ln in model)]
         g = self.gradient
         if g is None:
             return "\n".join(lines)
-        differs = isinstance(g, str) or g.spec != self.spec
-        if gradient or (gradient is None and (differs or full)):
-            lines.append("")
-            lines.append(g if isinstance(g, str) else g.describe(full))
+        if isinstance(g, str):
+            lines += ["", _prose(g)]  # the error differentiating would raise
+        elif gradient or (gradient is None and (g.spec != self.spec or full)):
+            lines += ["", g.describe(full)]
         else:
             ckpt = ", its scan bodies checkpointed" if g.checkpoint else ""
-            lines.append(
-                f"under differentiation: the same nest{ckpt} "
-                "(`plan.describe(gradient=True)` shows its candidates)"
-            )
+            same = f"under differentiation: the same nest{ckpt} "
+            lines.append(_prose(same + "(`plan.describe(gradient=True)` shows it)"))
         return "\n".join(lines)
 
     def _head(self) -> list[str]:
         """The title, the summary, the budget, the nest, and where it came from."""
-        if not self.auto:
-            head = "fixed nest"
-        else:
+        head = "fixed nest"
+        if self.auto:
             head = "plan='auto'" + (", measured" if self.measured else "")
         if self.backward:
             head += ", under differentiation (reverse mode)"
         lines = [f"{self.fun_name}: {head}"]
         if self.summary:
-            lines.append(self.summary)
+            lines.append(_prose(self.summary))
         if self.budget_bytes is not None:
             what = "of the derivative" if self.backward else "of temporary memory"
-            lines.append(
-                f"memory budget: {fmt_bytes(self.budget_bytes)} {what} "
-                f"({self.budget_source})"
-            )
+            budget = f"{fmt_bytes(self.budget_bytes)} {what} ({self.budget_source})"
+            lines.append(_prose(f"memory budget: {budget}"))
         nest = self.chosen.nest(dict(self.sizes))
         if self.shard:
             parts = "; ".join(
@@ -255,10 +199,8 @@ class Plan:
                 for d in self.shard
             )
             nest = f"shard_map({parts}) -> {nest}"
-            lines.append(
-                "sharded: sizes, candidates and the budget below are per device"
-            )
-        lines.append(f"nest: {nest}")
+            lines.append("sharded: sizes, candidates and the budget are per device")
+        lines.append(wrap_nest(f"nest: {nest}", WIDTH))
         if self.auto and self.given:
             planned = [d.name for d in self.dims if d.name not in self.given]
             lines.append(
@@ -266,61 +208,41 @@ class Plan:
                 f"{', '.join(planned) or 'none'}"
             )
         if self.collective:
-            lines.append(
-                f"used in collectives, never scanned: {', '.join(self.collective)}"
-            )
+            used = ", ".join(self.collective)
+            lines.append(f"used in collectives, never scanned: {used}")
         if self.cache:
-            lines.append(f"this plan: {self.cache}")
+            lines.append(_prose(f"this plan: {self.cache}"))
         return lines
 
     def _dims_table(self) -> list[str]:
-        """One row per mapped dim: size, strategy, chunk, order (and its shards)."""
-        sharded = {d.name: d for d in self.shard}
+        """One row per mapped dim (the sharded ones are in the nest's line)."""
         rows = [("dim", "size", "strategy", "chunk", "order")]
-        if sharded:
-            rows = [rows[0] + ("sharded",)]
         for d in self.dims:
-            chunk = "1" if d.chunk is None else str(d.chunk)
-            chunk = "-" if d.strategy == "vmap" else chunk
-            row = (d.name, str(d.size), d.strategy, chunk, str(d.order))
-            if sharded:
-                s = sharded.get(d.name)
-                row += (
-                    "-"
-                    if s is None
-                    else f"{s.size} over {axes_str(s.mesh_axes)} "
-                    f"({plural(s.shards, 'shard')})",
-                )
-            rows.append(row)
-        return _table(rows)
+            chunk = "-" if d.strategy == "vmap" else str(d.chunk or 1)
+            rows.append((d.name, str(d.size), d.strategy, chunk, str(d.order)))
+        return _columns(rows)
 
     def table(self, all: bool = False) -> str:
-        """The candidates as a table, each with its numbers and reason.
-
-        With `all=False` (as `str(plan)` shows), the chosen candidate and the best
-        five others that were compiled (those that fit, fastest first, then those
-        over budget), and a line counting the rest; with `all=True`, every
-        candidate considered, compiled or not, in the order of their blocks.
-        """
-        n_cand = sum(
-            c.temp_bytes is not None and not c.predicted for c in self.candidates
-        )
-        n_timed = sum(c.measured is not None for c in self.candidates)
-        timed = f", {n_timed} measured" if self.measured else ""
+        """The candidates, each with its numbers and its reason: the chosen one and
+        the best five others compiled (those that fit, fastest first), or `all`."""
+        compiled = [
+            c for c in self.candidates if c.temp_bytes is not None and not c.predicted
+        ]
+        timed = sum(c.measured is not None for c in self.candidates)
+        n_timed = f", {timed} measured" if self.measured else ""
         lines = [
-            f"candidates: {self.n_candidates} considered, {n_cand} compiled{timed} "
-            f"({plural(self.n_compiled, 'compile')}, "
-            f"{self.seconds:.2f} s)"
+            f"candidates: {self.n_candidates} considered, {len(compiled)} compiled"
+            f"{n_timed} ({plural(self.n_compiled, 'compile')}, {self.seconds:.2f} s)",
+            *_prose(_LEGEND, "  ").splitlines(),
         ]
         shown = list(self.candidates) if all else self._runners_up()
         lines.extend(self._rows(shown))
         rest = [c for c in self.candidates if c not in shown]
         if rest:
-            compiled = sum(c.temp_bytes is not None and not c.predicted for c in rest)
+            n = sum(c in compiled for c in rest)
             lines.append(
-                f"... and {plural(len(rest), 'more candidate')} ({compiled} "
-                f"compiled, {len(rest) - compiled} not): "
-                "`print(plan.table(all=True))` lists them all"
+                f"... and {plural(len(rest), 'more candidate')} ({n} compiled, "
+                f"{len(rest) - n} not): `print(plan.table(all=True))` lists them all"
             )
         return "\n".join(lines)
 
@@ -328,65 +250,69 @@ class Plan:
         """The chosen candidate, then the best `n` others compiled."""
 
         def rank(c: PlanCandidate) -> tuple:
-            time = c.measured if c.measured is not None else c.seconds
+            time = c.seconds if c.measured is None else c.measured
             if c.fits is not False and time is not None:
                 return (0, time)
             return (1, c.temp_bytes or 0)
 
-        others = [
-            c for c in self.candidates if c != self.chosen and c.temp_bytes is not None
-        ]
+        compiled = [c for c in self.candidates if c.temp_bytes is not None]
+        others = [c for c in compiled if c != self.chosen]
         return [self.chosen, *sorted(others, key=rank)[:n]]
 
     def _rows(self, cands: list[PlanCandidate]) -> list[str]:
-        """One row per candidate, the chosen one marked `*`."""
+        """A row of numbers per candidate, the chosen one marked `*`, its nest last
+        (broken before its arrows if need be), and its reason under it."""
         sizes = dict(self.sizes)
-        header = (
-            "",
-            "nest",
-            "temp memory",
-            "flops",
-            "bytes accessed",
-            "working set",
-            "fresh",
-            "est. time",
-        )
-        header += ("measured",) if self.measured else ()
-        rows = [header + ("fits", "why")]
+        head = ("", "temp", "flops", "bytes", "work set", "fresh", "est.")
+        head += ("measured",) if self.measured else ()
+        rows = [head + ("fits",)]
         for c in cands:
-            mark = "*" if c == self.chosen else ""
-            fits = "-" if c.fits is None else ("yes" if c.fits else "no")
+            temp = "-" if c.temp_bytes is None else fmt_bytes(c.temp_bytes)
             row = (
-                mark,
-                c.nest(sizes),
-                "-"
-                if c.temp_bytes is None
-                else ("~" if c.predicted else "") + fmt_bytes(c.temp_bytes),
-                _fmt_num(c.flops),
-                _fmt_num(c.bytes_accessed),
+                "*" if c == self.chosen else "",
+                ("~" if c.predicted else "") + temp,
+                _num(c.flops),
+                _num(c.bytes_accessed),
                 "-" if c.working_set is None else fmt_bytes(c.working_set),
                 "-" if c.fresh_bytes is None else fmt_bytes(c.fresh_bytes),
                 "-" if c.seconds is None else fmt_seconds(c.seconds),
             )
             if self.measured:
                 row += ("-" if c.measured is None else fmt_seconds(c.measured),)
-            rows.append(row + (fits, c.reason))
-        return _table(rows)
+            rows.append(row + ("-" if c.fits is None else "yes" if c.fits else "no",))
+        numbers = _columns(rows, rstrip=False)
+        out = [numbers[0] + "  nest"]
+        for c, line in zip(cands, numbers[1:]):
+            nest = c.nest(sizes)
+            if len(line) + 2 + len(nest.split(" -> ")[0]) > WIDTH:
+                out.append(line.rstrip())  # the nest goes under the numbers
+                line = "     "
+            out += wrap_nest(f"{line}  {nest}", WIDTH, "      ").splitlines()
+            out += _prose(c.reason, "      ").splitlines()
+        return out
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _columns(rows: list[tuple[str, ...]], rstrip: bool = True) -> list[str]:
+    """Rows as left-aligned columns two spaces apart."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for j, r in enumerate(rows):
-        out.append(" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if j == 0:
-            out.append("-+-".join("-" * w for w in widths))
-    return out
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return [line.rstrip() for line in lines] if rstrip else lines
 
 
-def _fmt_num(x: float | None) -> str:
+def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
+
+def _prose(text: str, indent: str = "") -> str:
+    """`text` wrapped at `PROSE` columns, never inside a word."""
+    return textwrap.fill(
+        text,
+        PROSE,
+        initial_indent=indent,
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def dims_of(cand: PlanCandidate, sizes: dict[str, int]) -> tuple[PlanDim, ...]:

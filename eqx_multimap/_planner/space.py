@@ -1,21 +1,7 @@
-"""The planner's search space: the candidate nests of one call.
-
-A candidate scans a prefix of the planned dims (in one of a few orders: `dim_orders`)
-and vmaps the rest; the scanned prefix's outer dims go one element at a time and its
-last dim in chunks from a small geometric set (`chunk_options`). One order gives one
-*ladder* of candidates, sorted by the number of elements of one loop iteration (the
-block), which memory grows with. The dims whose strategy is given (`scan=`, `vmap=`,
-`shard=`) or that the body uses in collectives are never planned, and with `shard=`
-the sizes are those of one device's block (`localize`).
-
-The planner's memory budget: `memory_budget=` checked, and resolved to bytes.
-
-What one plan is for (`Request`), and the `Plan` made for it (`plan_for`): by
-the search or read back from the disk cache (`auto_plan`), or of a fixed nest.
-
-Why a plan is what it is: its summary sentence, a reason per candidate, and the
-error when no candidate fits.
-"""
+"""The planner's search space and its words: the memory budget; the candidate nests
+of one call (`ladder`s of scanned prefixes, in a few `dim_orders`); what one plan is
+for (`Request`) and the `Plan` made for it; and why: its summary, a reason per
+candidate, and the error when none fits."""
 
 import dataclasses
 import math
@@ -32,8 +18,7 @@ from .model import TimeModel
 from .plan import dims_of, Plan, PlanCandidate, ScanNest, ShardDim
 
 
-# ------------------------------------------------------------------------------
-# Budget
+# --- Budget
 
 
 MemoryBudget = int | float | None
@@ -73,7 +58,6 @@ def check_budget(plan: Any, memory_budget: Any) -> None:
 
 def _device_memory() -> tuple[int, str]:
     device = jax.local_devices()[0]
-    stats = None
     try:
         stats = device.memory_stats()
     except Exception:  # some backends do not implement it
@@ -107,17 +91,7 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
     )
 
 
-
-def over_budget(temp: int, budget: int) -> str:
-    """`1.2 GiB > 512.0 MiB`, in bytes when the two would print alike."""
-    a, b = fmt_bytes(temp), fmt_bytes(budget)
-    if a == b:
-        a, b = f"{temp:,} B", f"{budget:,} B"
-    return f"{a} > {b}"
-
-
-# ------------------------------------------------------------------------------
-# Candidates
+# --- Candidates
 
 
 def chunk_options(n: int) -> list[int | None]:
@@ -250,8 +224,7 @@ def collective_dims(call: Call) -> tuple[str, ...]:
     return tuple(n for n in call.mapped if n in used)
 
 
-# ------------------------------------------------------------------------------
-# Request
+# --- Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,8 +289,7 @@ def auto_plan(
     )
 
 
-# ------------------------------------------------------------------------------
-# Reasons
+# --- Reasons
 
 
 def summary(
@@ -333,69 +305,50 @@ def summary(
     measure_note: str,
 ) -> str:
     """One sentence: what was chosen, and why."""
-    nest = chosen.nest(sizes)
+    head = f"Chose {chosen.nest(sizes)}: "
     temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(budget)
     if not free:
-        return (
-            f"Chose {nest}: every mapped dim has a strategy given (`scan=`, `vmap=`, "
-            f"`shard=`), so there was nothing to plan; it needs {temp} of the {b} "
-            "budget."
+        return head + (
+            "every mapped dim has a strategy given, so there was nothing to plan; it "
+            f"needs {temp} of the {b} budget."
         )
     whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
     if not searched:
-        return (
-            f"Chose {nest}: {whole} fits the budget ({temp} <= {b}) and reuses its "
-            "temporaries from call to call, so nothing else was compiled."
+        return head + (
+            f"{whole} fits ({temp} <= {b}) and reuses its temporaries from call to "
+            "call; nothing else was compiled."
         )
+    why = f"{whole} fits ({temp} <= {b})"
     if not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
-    elif full.fresh_bytes:
-        threshold = fmt_bytes(model.fresh_threshold or 0)
-        why = (
-            f"{whole} fits ({temp} <= {b}) but allocates {temp} afresh on every "
-            f"call (above {threshold})"
-        )
-    else:
-        why = f"{whole} fits ({temp} <= {b})"
+    if full.fits and full.fresh_bytes:
+        limit = fmt_bytes(model.fresh_threshold or 0)
+        why += f" but allocates it afresh on every call (above {limit})"
     n = len(compared)
-    if timed and timed[chosen.key] > min(timed.values()):
+    if timed:
+        mine, best = timed[chosen.key], min(timed.values())
+        how = f"of the {n} candidates that fit and were timed, this one "
+        if mine > best:
+            how += (
+                f"(the time model's choice) measured {fmt_seconds(mine)}, within "
+                f"{KEEP_WITHIN}x of the fastest ({fmt_seconds(best)}): kept"
+            )
+        else:
+            rest = sorted(t for k, t in timed.items() if k != chosen.key)
+            nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
+            how += f"was the fastest (measured {fmt_seconds(mine)}{nxt})"
+    elif n == 1 and chosen.predicted:
         how = (
-            f"of the {n} candidates that fit and were timed, this one, the time "
-            f"model's choice, measured {fmt_seconds(timed[chosen.key])}, within "
-            f"{KEEP_WITHIN}x of the fastest ({fmt_seconds(min(timed.values()))}), "
-            "so it was kept"
-        )
-    elif timed:
-        others = sorted(t for k, t in timed.items() if k != chosen.key)
-        nxt = f"; next {fmt_seconds(others[0])}" if others else ""
-        how = (
-            f"of the {n} candidates that fit and were timed, this one was the "
-            f"fastest (measured {fmt_seconds(timed[chosen.key])}{nxt})"
+            "the largest block predicted far within its limits (larger ones are est. "
+            "at most 5% faster: not worth a compile)"
         )
     elif n == 1:
-        reuses = ""
-        if model.fresh_threshold is not None and not chosen.fresh_bytes:
-            reuses = " and reuses its temporaries from call to call"
-        how = (
-            f"it is the largest block that fits{reuses}, and the only candidate "
-            "costed (smaller blocks loop more)"
-        )
-        if chosen.predicted:
-            how = (
-                f"it is the largest block predicted far within its limits{reuses} "
-                "(larger ones that fit are est. at most 5% faster: not worth a "
-                "compile), and the only candidate costed"
-            )
-        if measure_note:
-            how += f" ({measure_note})"
+        how = "the largest block that fits, the only one costed (smaller loop more)"
     else:
-        how = (
-            f"of the {n} candidates that fit and were costed, this one is the "
-            "fastest by the time model's estimate"
-        )
-        if measure_note:
-            how += f" ({measure_note})"
-    return f"Chose {nest}: {why}; {how}."
+        how = f"the fastest by the time model of the {n} candidates that fit"
+    if measure_note and not timed:
+        how += f" ({measure_note})"
+    return f"{head}{why}; {how}."
 
 
 def with_reason(
@@ -408,17 +361,16 @@ def with_reason(
     compared: list[PlanCandidate],
 ) -> PlanCandidate:
     """`c` with the reason it was, or was not, chosen (and its measured time)."""
-    measured = timed.get(c.key)
-    c = dataclasses.replace(c, measured=measured)
+    t = timed.get(c.key)
     if c.key == chosen.key:
-        if measured is not None and measured > min(timed.values()):
+        if t is not None and t > min(timed.values()):
+            best = fmt_seconds(min(timed.values()))
             why = (
-                f"chosen: the time model's choice, measured within {KEEP_WITHIN}x "
-                f"of the fastest ({fmt_seconds(measured)} vs "
-                f"{fmt_seconds(min(timed.values()))})"
+                f"chosen: the time model's choice, measured within {KEEP_WITHIN}x of "
+                f"the fastest ({fmt_seconds(t)} vs {best})"
             )
-        elif measured is not None:
-            why = f"chosen: fastest measured ({fmt_seconds(measured)})"
+        elif t is not None:
+            why = f"chosen: fastest measured ({fmt_seconds(t)})"
         elif c.temp_bytes is None:
             why = "chosen: nothing to compile"
         elif len(compared) <= 1:
@@ -428,34 +380,26 @@ def with_reason(
         if c.predicted:
             far = note or "far within the budget"
             why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
-        return dataclasses.replace(c, reason=why)
-    if c.temp_bytes is None:
-        return dataclasses.replace(c, reason=note or "not compiled")
-    if not c.fits:
-        return dataclasses.replace(
-            c,
-            reason=f"over budget: {over_budget(c.temp_bytes, budget)}",
-        )
-    if measured is not None and chosen.key in timed:
-        vs = f"measured {fmt_seconds(measured)} vs {fmt_seconds(timed[chosen.key])}"
-        why = (
-            f"faster, {vs}, but within {KEEP_WITHIN}x: the time model's choice "
-            "was kept"
-            if measured < timed[chosen.key]
-            else f"slower: {vs}"
-        )
+    elif c.temp_bytes is None:
+        why = note or "not compiled"
+    elif not c.fits:
+        a, b = fmt_bytes(c.temp_bytes), fmt_bytes(budget)
+        if a == b:  # in bytes when the two would print alike
+            a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
+        why = f"over budget: {a} > {b}"
+    elif t is not None and chosen.key in timed:
+        vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(timed[chosen.key])}"
+        why = f"slower: {vs}"
+        if t < timed[chosen.key]:
+            why = f"faster, {vs}, but within {KEEP_WITHIN}x: the model's pick was kept"
     elif c.seconds is not None and chosen.seconds is not None:
         est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
-        why = (
-            f"not measured: {est}, not among the {MAX_MEASURED} measured"
-            if measure and timed
-            else f"slower ({est})"
-        )
+        why = f"slower ({est})"
+        if measure and timed:
+            why = f"not measured: {est}, not among the {MAX_MEASURED} measured"
     else:
-        why = note or (
-            "fits, not costed: a smaller block than the largest that fits in its ladder"
-        )
-    return dataclasses.replace(c, reason=why)
+        why = note or "fits, not costed: smaller than the largest block that fits"
+    return dataclasses.replace(c, measured=t, reason=why)
 
 
 class NoFit(Exception):
