@@ -12,7 +12,7 @@ from jax._src import traceback_util
 from jax._src.tree_util import prefix_errors
 
 from ._dims import Dims, parse_dims
-from ._errors import ShapeError, SpecError
+from ._errors import ShapeError, SpecError, wrap
 
 
 traceback_util.register_exclusion(__file__)
@@ -166,11 +166,12 @@ class _Params:
             if unknown:
                 # Python names a missing argument first; the typo is the cause.
                 why = f"unexpected keyword arguments {tuple(unknown)}"
-            raise TypeError(
-                f"`{fun_name}` was called with bad arguments: {why}. The parameters "
+            message = (
+                f"`{fun_name}` was called with bad arguments:\n{why}. The parameters "
                 f"are {tuple(self.signature.parameters)}."
                 + did_you_mean(unknown, self.named)
-            ) from None
+            )
+            raise TypeError(wrap(message, len("TypeError: "))) from None
 
     def check_keys(self, in_dims: Any, fun_name: str) -> None:
         """Every key of a dict `in_dims` names a parameter (unless the function

@@ -18,7 +18,9 @@ the message's subject (`` `filter_multi_vmap(f)`: ``); else between words, outsi
 brackets if it can be. A `backticked` or 'quoted' name is never broken. So a phrase
 that a test or a search looks for is rarely split (a test can match any whitespace
 where a message may break). The message as raised, one line per thought, stays in
-`error.args[0]`.
+`error.args[0]`. `wrap` wraps the message of an error that is not ours (a
+`TypeError` for bad call arguments, as Python raises it) and the note added to an
+error the body raises.
 """
 
 import re
@@ -80,7 +82,7 @@ def _break_at(line: str, offset: int) -> int | None:
     return breaks[0][0] if breaks else None
 
 
-def _wrap(message: str, prefix: int) -> str:
+def wrap(message: str, prefix: int = 0) -> str:
     """`message` with each line longer than `_LONG` columns broken (its first line
     starting `prefix` columns in). A continuation is indented as its line, or under
     its bullet."""
@@ -112,7 +114,7 @@ class _Wrapped:
         if len(self.args) != 1 or not isinstance(self.args[0], str):
             return message
         cls = type(self)
-        return _wrap(message, len(f"{cls.__module__}.{cls.__qualname__}: "))
+        return wrap(message, len(f"{cls.__module__}.{cls.__qualname__}: "))
 
 
 class ShapeError(_Wrapped, TypeError):

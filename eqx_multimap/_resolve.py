@@ -52,7 +52,7 @@ from ._blocks import NestSpec
 from ._body import Body, collectives, inputs_to_isolate, struct, trace_body
 from ._check import check_inputs, check_output, describe, InputCheck
 from ._dims import Dims, parse_dims
-from ._errors import SpecError
+from ._errors import SpecError, wrap
 from ._nest import Axes, Problem
 from ._options import (
     check_out_leaf,
@@ -348,7 +348,8 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         body, out = trace_body(fun, bound, dyn_index, element_specs, axis_env, shard)
     except Exception as e:
         # The user's own exception, kept as it is, with what the body was given.
-        if not any(_NOTE_MARK in n for n in getattr(e, "__notes__", ())):
+        notes = getattr(e, "__notes__", ())
+        if not any(_NOTE_MARK in " ".join(n.split()) for n in notes):
             e.add_note(
                 _body_note(
                     fun_name,
@@ -466,7 +467,7 @@ def _body_note(
     argument is on one element, which dims are mapped, which core and why, and a
     did-you-mean for a core dim whose name is close to a mapped dim's."""
     lines = [
-        f"`{fun_name}` {_NOTE_MARK}, which it calls with each argument without its "
+        f"`{fun_name}` {_NOTE_MARK},\nwhich it calls with each argument without its "
         "mapped dims:"
     ]
     for i, leaf in enumerate(bound.leaves):
@@ -522,7 +523,7 @@ def _body_note(
                 f"Did you mean {close[0]!r} for {name!r}? {name!r} is named by no "
                 f"output, so it is a core dim, while {close[0]!r} is mapped."
             )
-    return "\n".join(lines)
+    return wrap("\n".join(lines))
 
 
 def _check_collectives(
