@@ -493,17 +493,14 @@ class Compiler:
     def _with_costs(
         self, cand: PlanCandidate, flops: float, trans: float, nbytes: float, ws: int
     ) -> PlanCandidate:
-        assert cand.temp_bytes is not None
         trips = cand.trips if cand.scan else 0
-        fresh = self.model.fresh(cand.temp_bytes)
         return dataclasses.replace(
             cand,
             flops=flops,
             transcendentals=trans,
             bytes_accessed=nbytes,
             working_set=ws,
-            fresh_bytes=fresh,
-            seconds=self.model.seconds(flops, trans, nbytes, trips, float(fresh)),
+            seconds=self.model.seconds(flops, trans, nbytes, trips, ws),
         )
 
     def evaluate(self, cand: PlanCandidate, budget: int | None) -> PlanCandidate:

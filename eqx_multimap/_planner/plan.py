@@ -61,15 +61,13 @@ class PlanCandidate:
     """One nest the planner considered, with its compiled estimates.
 
     `temp_bytes`, `flops`, `transcendentals`, `bytes_accessed`, `working_set` (the
-    memory one loop iteration touches), `fresh_bytes` (the temporary bytes allocated,
-    and page-faulted in, afresh on every call: see `fresh_threshold`) and `seconds`
+    memory one loop iteration touches) and `seconds`
     (the estimated run time) are `None` when the candidate was not compiled, or not
     costed. `fits` is `None` when there is no budget (a fixed nest) or the
     candidate was not compiled. `measured` is its median time per call when the
     planner ran it (`Planner(measure=True)`), and `reason` says why it was, or was
     not, chosen. `predicted` is whether `temp_bytes` was predicted from full vmap's
-    instead of compiled: for a block chosen below the fresh threshold, far within
-    the budget.
+    instead of compiled.
     """
 
     scan: ScanNest
@@ -84,7 +82,6 @@ class PlanCandidate:
     working_set: int | None = None
     seconds: float | None = None
     fits: bool | None = None
-    fresh_bytes: int | None = None
     measured: float | None = None
     reason: str = ""
     predicted: bool = False
@@ -348,7 +345,6 @@ class Plan:
             "flops",
             "bytes accessed",
             "working set",
-            "fresh",
             "est. time",
         )
         header += ("measured",) if self.measured else ()
@@ -365,7 +361,6 @@ class Plan:
                 _fmt_num(c.flops),
                 _fmt_num(c.bytes_accessed),
                 "-" if c.working_set is None else fmt_bytes(c.working_set),
-                "-" if c.fresh_bytes is None else fmt_bytes(c.fresh_bytes),
                 "-" if c.seconds is None else fmt_seconds(c.seconds),
             )
             if self.measured:

@@ -344,19 +344,14 @@ def summary(
     whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
     if not searched:
         return (
-            f"Chose {nest}: {whole} fits the budget ({temp} <= {b}) and reuses its "
-            "temporaries from call to call, so nothing else was compiled."
+            f"Chose {nest}: {whole} fits the budget ({temp} <= {b}) and its working "
+            "set is within the last level of cache, so nothing else was compiled."
         )
     if not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
-    elif full.fresh_bytes:
-        threshold = fmt_bytes(model.fresh_threshold or 0)
-        why = (
-            f"{whole} fits ({temp} <= {b}) but allocates {temp} afresh on every "
-            f"call (above {threshold})"
-        )
     else:
-        why = f"{whole} fits ({temp} <= {b})"
+        ws = fmt_bytes(full.working_set or 0)
+        why = f"{whole} fits ({temp} <= {b}) but its working set ({ws}) is past cache"
     n = len(compared)
     if timed and timed[chosen.key] > min(timed.values()):
         how = (
@@ -373,16 +368,13 @@ def summary(
             f"fastest (measured {fmt_seconds(timed[chosen.key])}{nxt})"
         )
     elif n == 1:
-        reuses = ""
-        if model.fresh_threshold is not None and not chosen.fresh_bytes:
-            reuses = " and reuses its temporaries from call to call"
         how = (
-            f"it is the largest block that fits{reuses}, and the only candidate "
+            f"it is the largest block that fits, and the only candidate "
             "costed (smaller blocks loop more)"
         )
         if chosen.predicted:
             how = (
-                f"it is the largest block predicted far within its limits{reuses} "
+                f"it is the largest block predicted far within its limits "
                 "(larger ones that fit are est. at most 5% faster: not worth a "
                 "compile), and the only candidate costed"
             )
