@@ -271,6 +271,9 @@ def _key(nest: tuple, checkpoint: bool = False) -> tuple:
     return nest[0], frozenset(nest[1]), checkpoint and bool(nest[0])
 
 
+AUTO = ("auto", "measure")  # the planners whose budget is checked
+
+
 def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     """One row: the workload planned and timed `forward` or under `grad`."""
     full_vmap = filter_multi_vmap(w.body, **w.kw)
@@ -355,7 +358,7 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         sizes=" ".join(f"{n}={s}" for n, s in sizes.items()),
         budget=budget,
         auto=nest(auto_key),
-        over=sum(temp_bytes(programs[n]) > budget for n in planners if n != "no hierarchy"),
+        over=sum(temp_bytes(programs[n]) > budget for n in planners if n in AUTO),
         ratio=statistics.median(paired_ratios(pair[0], pair[1])),
         first=med[-1] / by_key[best],
         noise=statistics.median(paired_ratios(pair[2], pair[0])),
@@ -365,6 +368,7 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         simple_ratio=by_key[simple] / by_key[best] if simple else float("nan"),
         measure=by_plan.get("measure", float("nan")) / by_key[best],
         flat=by_plan["no hierarchy"] / by_key[best],
+        flat_nest=nest(_key(picks["no hierarchy"], plans["no hierarchy"].checkpoint)),
         cold=cold["auto"] / compile_s[auto_key],
         cold_measure=cold.get("measure", float("nan"))
         / compile_s[pick_keys[1] if "measure" in picks else auto_key],
@@ -468,7 +472,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{w.name}, {mode}: auto {r['auto']} / best {r['best']} = "
                 f"{r['ratio']:.3f} (twin {r['noise']:.3f}); simple {r['simple']} "
-                f"{r['simple_ratio']:.2f}; cold plan / compile {r['cold']:.2f}",
+                f"{r['simple_ratio']:.2f}; one bandwidth {r['flat_nest']} "
+                f"{r['flat']:.2f}; cold plan / compile {r['cold']:.2f}",
                 flush=True,
             )
     print()

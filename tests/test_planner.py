@@ -408,7 +408,7 @@ def test_explain_table(getkey):
     assert header in (" ".join(text.split()))
     # The time model is spelled out, with its cache levels and where the
     # constants come from.
-    assert lines[-1].startswith("est. time = max(flops / 5e+10 + ")
+    assert lines[-1].startswith("est. time = flops / 5e+10 + ")
     assert "2.5e+11 within 48.0 KiB, 2e+11 within 1.0 MiB" in lines[-1]
     assert lines[-1].endswith(
         "Constants not calibrated: default constants, set by hand for one 2-core "

@@ -56,13 +56,14 @@ def test_seconds_is_monotone_in_the_working_set():
     assert times == sorted(times)
     # Each boundary crossed costs more: the bandwidths fall level by level.
     for size, rate in model.levels:
-        assert model.seconds(1.0, 0.0, 1e9, 0, size) == pytest.approx(1e9 / rate)
+        assert model.seconds(0.0, 0.0, 1e9, 0, size) == pytest.approx(1e9 / rate)
         assert model.seconds(1.0, 0.0, 1e9, 0, size + 1) > 1e9 / rate
-    assert model.seconds(1.0, 0.0, 1e9, 0, 2**40) == pytest.approx(1e9 / 1e10)
-    # Compute-bound, a roofline: the larger of the two, plus the loop trips.
-    compute = 1e12 / model.flops
-    assert model.seconds(1e12, 0.0, 1e9, 10, 1) == pytest.approx(
-        compute + 10 * model.loop_overhead
+    assert model.seconds(0.0, 0.0, 1e9, 0, 2**40) == pytest.approx(1e9 / 1e10)
+    # Compute and traffic are added (not overlapped), plus the loop trips.
+    compute = 1e12 / model.flops + 1e9 / model.transcendentals
+    memory = 1e9 / model.levels[0][1]
+    assert model.seconds(1e12, 1e9, 1e9, 10, 1) == pytest.approx(
+        compute + memory + 10 * model.loop_overhead
     )
 
 

@@ -88,18 +88,19 @@ class TimeModel:
     def seconds(
         self, flops: float, trans: float, nbytes: float, trips: int, working_set: int
     ) -> float:
-        """Estimated run time, roofline-like: the larger of compute and memory
-        traffic (the bytes at the bandwidth of the smallest level that holds one
-        loop iteration's `working_set`), plus loop overhead.
+        """Estimated run time: compute, plus memory traffic (the bytes at the
+        bandwidth of the smallest level that holds one loop iteration's
+        `working_set`), plus loop overhead.
 
-        A rough model: it only ranks candidates that already fit the budget, and
-        those do nearly the same flops; when memory-bound, it separates them by
-        the level their working set fits and by the bytes they move (a small block
-        re-reads shared operands once per iteration); when compute-bound, by their
-        loop trips."""
+        A rough model: it only ranks candidates that fit the budget, and those do
+        the same flops; it separates them by the level their working set fits, by
+        the bytes they move (a small block re-reads shared operands once per
+        iteration) and by their loop trips. Compute and traffic are added, not
+        overlapped as in a roofline: on CPU a compute-heavy body still slows down
+        when its working set leaves the caches (`docs/design.md`)."""
         compute = flops / self.flops + trans / self.transcendentals
         memory = nbytes / self.bandwidth_at(working_set)
-        return max(compute, memory) + trips * self.loop_overhead
+        return compute + memory + trips * self.loop_overhead
 
     def describe(self) -> str:
         levels = ", ".join(
@@ -111,8 +112,8 @@ class TimeModel:
             else f"not calibrated: {DEFAULT_SOURCE}"
         )
         return (
-            f"est. time = max(flops / {self.flops:.2g} + transcendentals / "
-            f"{self.transcendentals:.2g}, bytes accessed / bandwidth) + loop trips x "
+            f"est. time = flops / {self.flops:.2g} + transcendentals / "
+            f"{self.transcendentals:.2g} + bytes accessed / bandwidth + loop trips x "
             f"{self.loop_overhead:.2g} s; bandwidth: that of the smallest level "
             f"holding one iteration's working set ({levels}; else "
             f"{self.bandwidth:.2g}). Constants {where}."

@@ -1,13 +1,13 @@
 """The planner's search: which candidate nests it compiles, and which it chooses.
 
-Full vmap (of the planned dims) is compiled first; every other candidate is predicted
-from it (`cost`). The candidates form ladders, one per dim order (`space`), largest
-block first. On each ladder searched, the boundary candidates are costed: the
-largest block that fits the budget (compiled, unless predicted far within it), and
-the largest whose predicted working set fits each level of the memory hierarchy
-(`TimeModel.levels`); the cheapest by the time model wins, and is compiled to check
-its budget if it was only predicted to fit. Full vmap is kept without a search if it
-fits and its working set is within the last level. See `docs/design.md`.
+Full vmap (of the planned dims) is compiled first, and every other candidate is
+predicted from it (`cost`). The candidates form ladders, one per dim order (`space`),
+largest block first. On each ladder searched, the boundary blocks are costed: the
+largest that fits the budget (compiled, unless predicted far within it) and the
+largest whose predicted working set fits each level of the memory hierarchy
+(`TimeModel.levels`). The cheapest by the time model wins, compiled first to check
+the budget if it was only predicted to fit. Full vmap is kept without a search if
+it fits and its working set is within the last level. See `docs/design.md`.
 """
 
 import dataclasses
@@ -46,9 +46,9 @@ MAX_COMPILES = 12
 # is not compiled to check it: predictions are within 0.35-3x of XLA's figure on the
 # benchmarks' workloads.
 SAFE_FRACTION = 1 / 8
-# Another ladder is searched, and a larger block that fits the budget compiled, only
-# if it may be estimated this much faster: smaller differences are within the time
-# model's error, and not worth a compile.
+# Another ladder is searched, or a larger block that fits compiled, only if it may
+# be estimated this much faster: smaller differences are within the time model's
+# error, and not worth a compile.
 MATERIAL = 1.05
 # Bumped whenever the search changes what it chooses: plans on disk from another
 # version are not used.
@@ -57,14 +57,11 @@ SEARCH_VERSION = 8
 
 @dataclasses.dataclass
 class Ladder:
-    """One ladder, as searched: the index of its largest block that fits (`j`), and
-    of each boundary block costed (`edges`: `j`, and the largest inside each level
-    of the memory hierarchy)."""
+    """One ladder, as searched: the index of its largest block that fits (`j`)."""
 
     steps: list[PlanCandidate]
     searched: bool = False
     j: int | None = None
-    edges: tuple[int, ...] = ()
 
     @property
     def edge(self) -> int | None:
@@ -76,26 +73,17 @@ class Search:
     learnt about each, and says why each was or was not chosen."""
 
     def __init__(self, request: Request, progress: Progress):
-        self.request = request
-        self.call = request.call
-        self.sizes = request.sizes
-        self.budget = request.budget
-        self.model = request.model
-        self.measure = request.measure
+        self.request, self.call = request, request.call
+        self.sizes, self.budget = request.sizes, request.budget
+        self.model, self.measure = request.model, request.measure
         self.progress = progress
         self.compiler = Compiler(
-            self.call,
-            self.sizes,
-            self.model,
-            request.backward,
-            progress.step,
+            self.call, self.sizes, self.model, request.backward, progress.step,
             runs=self.measure,
-        )
+        )  # fmt: skip
         # By key: the candidates compiled, or taken as predicted (`predicted`).
         self.known: dict[tuple, PlanCandidate] = {}
         self.notes: dict[tuple, str] = {}  # by key: why an uncompiled one was not
-        # By key: temporaries predicted above the budget, for blocks not compiled.
-        self.predicted: dict[tuple, int] = {}
         # Full vmap's figures, once compiled: what the others are predicted from.
         self.ref: Reference | None = None
 
@@ -119,33 +107,25 @@ class Search:
         corrected by the steps compiled (`cost.corrected`)."""
         assert self.ref is not None
         known = (self.known.get(s.key) for s in steps)
-        compiled = [k for k in known if k is not None and not k.predicted]
-        return corrected(self.ref, c, compiled)
-
-    def cautious(self, steps: list[PlanCandidate], c: PlanCandidate) -> int:
-        """The larger of `prediction` and the uncorrected prediction: a correction
-        scales by a neighbour's ratio, which a fusion XLA makes at one block and not
-        at the next breaks."""
-        assert self.ref is not None
-        return int(max(self.prediction(steps, c), self.ref.temp_bytes(c)))
+        return corrected(self.ref, c, [k for k in known if k and not k.predicted])
 
     def seconds_at(self, c: PlanCandidate) -> float:
         """The estimated time of `c`, its costs predicted from full vmap's."""
         assert self.ref is not None
-        guess = dataclasses.replace(c, temp_bytes=0)
-        return self.compiler.predicted_costs(guess, self.ref).seconds or 0.0
+        return self.compiler.predicted_costs(c, self.ref).seconds or 0.0
 
     def taken(self, steps: list[PlanCandidate], c: PlanCandidate, why: str) -> None:
-        """Cost `c` uncompiled, its temporaries predicted (it is checked against the
-        budget if chosen: `check`); compiled instead if the planner measures (it
-        runs what it compiles)."""
+        """Cost `c` uncompiled, its temporaries predicted: the larger of `prediction`
+        and the uncorrected one (a correction scales by a neighbour's ratio, which a
+        fusion XLA makes at one block and not at the next breaks). `pick` checks it
+        against the budget if it wins. Compiled if the planner measures (it runs
+        what it compiles)."""
+        assert self.ref is not None
         if self.measure:
             self.costed(c)
         elif c.key not in self.known:
-            assert self.ref is not None
-            guess = dataclasses.replace(
-                c, temp_bytes=self.cautious(steps, c), fits=True, predicted=True
-            )
+            temp = int(max(self.prediction(steps, c), self.ref.temp_bytes(c)))
+            guess = dataclasses.replace(c, temp_bytes=temp, fits=True, predicted=True)
             self.known[c.key] = self.compiler.predicted_costs(guess, self.ref)
             self.notes[c.key] = why
 
@@ -158,13 +138,11 @@ class Search:
         largest whose predicted working set fits each level of the memory
         hierarchy, and cost them (and their ties: the same block)."""
         assert self.ref is not None
-        steps, sizes = lad.steps, self.sizes
-        lad.searched = True
-        j = 0 if full.fits else self.first_within(steps)
-        lad.j = j
+        steps, lad.searched = lad.steps, True
+        lad.j = j = 0 if full.fits else self.first_within(steps)
         if j is None:
-            for i in range(len(steps)):
-                self._note_over(steps, i)
+            for c in steps:
+                self.note(c, "not compiled: a smaller block is over budget")
             return
         ws = [self.ref.working_set(c) for c in steps]
         edges = {j: "the largest block of its ladder that fits the budget"}
@@ -175,50 +153,23 @@ class Search:
                     f"the largest block of its ladder whose working set "
                     f"({fmt_bytes(ws[i])}) fits {fmt_bytes(size)} of cache"
                 )
-        lad.edges = tuple(sorted(edges))
         for e, why in edges.items():
             for c in steps:
-                if c.block == steps[e].block:
-                    if c.key in self.known:
-                        self.costed(c)
-                    else:
-                        self.taken(steps, c, why)
+                if c.block == steps[e].block and c.key in self.known:
+                    self.costed(c)
+                elif c.block == steps[e].block:
+                    self.taken(steps, c, why)
         for i, c in enumerate(steps):
-            if c.key in self.known:
-                continue
             if i < j:
-                self._note_over(steps, i)
-                continue
-            e = steps[max(k for k in lad.edges if k <= i)]
-            self.note(
-                c,
-                f"not compiled: a smaller block than {e.nest(sizes)}, whose working "
-                "set fits the same level of the memory hierarchy: more loop trips",
-            )
-
-    def _note_over(self, steps: list[PlanCandidate], i: int) -> None:
-        """Why `steps[i]`, a block larger than the largest that fits, was not
-        compiled: a smaller block is over budget, or predicted to be."""
-        c, sizes = steps[i], self.sizes
-        for s in steps[i:]:
-            known = self.known.get(s.key)
-            if known is not None and known.fits is False:
+                over = "over budget, or predicted to be"
+                self.note(c, f"not compiled: a larger block than one {over}")
+            elif c.key not in self.known:
+                e = steps[max(k for k in edges if k <= i)].nest(self.sizes)
                 self.note(
                     c,
-                    f"not compiled: a larger block than {s.nest(sizes)}, which is "
-                    "over budget",
+                    f"not compiled: a smaller block than {e}, whose working set "
+                    "fits the same level of the memory hierarchy: more loop trips",
                 )
-                return
-            if self.predicted.get(s.key, 0) > self.budget:
-                what = "it" if s is c else f"{s.nest(sizes)}, a smaller block,"
-                self.note(
-                    c,
-                    f"not compiled: {what} is predicted to need "
-                    f"{fmt_bytes(self.predicted[s.key])} > {fmt_bytes(self.budget)} "
-                    "(from full vmap's, corrected by the blocks of its ladder "
-                    "compiled)",
-                )
-                return
 
     def first_within(self, steps: list[PlanCandidate]) -> int | None:
         """The first step (the largest block) whose temporaries fit the budget.
@@ -228,46 +179,44 @@ class Search:
         known not to, or predicted not to when it scans the same dims (only a
         chunk differs: temporaries affine in the block); unless a block predicted
         far within the budget is taken as predicted (`take_predicted`)."""
-        limit = self.budget
         lo, hi = 0, len(steps)  # the answer is in steps[lo:hi], or None
         while lo < hi:
-            guesses = {i: self.prediction(steps, steps[i]) for i in range(lo, hi)}
-            within = [i for i, t in guesses.items() if t <= limit]
+            guesses = [self.prediction(steps, steps[i]) for i in range(lo, hi)]
+            within = [lo + k for k, t in enumerate(guesses) if t <= self.budget]
             taken = self.take_predicted(steps, within)
             if taken is not None:
                 return taken
             i = within[0] if within else hi - 1
             c = self.memory(steps[i])
-            if (c.temp_bytes or 0) > limit:
+            if not c.fits:
                 lo = i + 1
                 continue
-            hi = i
-            if i == lo:
-                break
-            prev = steps[i - 1]
-            larger = self.prediction(steps, prev)
+            hi, prev = i, steps[i - 1]
             same = [n for n, _ in prev.scan] == [n for n, _ in c.scan]
-            if same and larger > limit and prev.block > c.block:
-                self.predicted[prev.key] = int(larger)
+            if i == lo or same and self.prediction(steps, prev) > self.budget:
                 break
         return hi if hi < len(steps) else None
 
-    def take_predicted(self, steps: list[PlanCandidate], within: list[int]) -> int | None:
+    def take_predicted(
+        self, steps: list[PlanCandidate], within: list[int]
+    ) -> int | None:
         """The largest block of `within` (the steps predicted to fit, largest
         first) predicted far within the budget (`SAFE_FRACTION`), taken as
         predicted, uncompiled, if its estimate is at most `MATERIAL` slower than
-        that of any larger one: a compile is worth a material difference only. `None` if
-        none, or if the planner measures (it runs what it compiles)."""
-        safe = self.budget * SAFE_FRACTION
-        cautious = {i: self.cautious(steps, steps[i]) for i in within}
-        s = next((i for i in within if cautious[i] <= safe), None)
+        that of any larger one: a compile is worth a material difference only.
+        `None` if none, or if the planner measures (it runs what it compiles)."""
+        assert self.ref is not None
+        ref, safe = self.ref, self.budget * SAFE_FRACTION
+        temp = lambda c: max(self.prediction(steps, c), ref.temp_bytes(c))  # noqa: E731
+        s = next((i for i in within if temp(steps[i]) <= safe), None)
         if s is None or self.measure:
             return None
-        c = steps[s]
-        best = min(self.seconds_at(steps[i]) for i in within[: within.index(s) + 1])
-        if self.seconds_at(c) > MATERIAL * best:
+        c, larger = steps[s], within[: within.index(s)]
+        if self.seconds_at(c) > MATERIAL * min(
+            (self.seconds_at(steps[i]) for i in larger), default=float("inf")
+        ):
             return None
-        for i in within[: within.index(s)]:
+        for i in larger:
             self.note(
                 steps[i],
                 f"not compiled: predicted to fit, est. at most {MATERIAL - 1:.0%} "
@@ -290,9 +239,8 @@ class Search:
             return None
         best = min(costed, key=lambda c: c.seconds or 0.0)
         for c in lad.steps:
-            if self.prediction(lad.steps, c) > self.budget:
-                continue
-            if self.seconds_at(c) * MATERIAL < (best.seconds or 0.0):
+            fits = self.prediction(lad.steps, c) <= self.budget
+            if fits and self.seconds_at(c) * MATERIAL < (best.seconds or 0.0):
                 return None
         return (
             "not compiled: no block of its ladder predicted to fit is est. "
@@ -314,43 +262,31 @@ class Search:
         full, ladders, considered, free = self._space()
         timed: dict[tuple, float] = {}
         compared: list[PlanCandidate] = []
-        sizes = self.sizes
-        if any(sizes[n] == 0 for n in self.call.mapped):
+        if any(self.sizes[n] == 0 for n in self.call.mapped):
             chosen = full  # nothing to run; no need to compile anything
             for c in considered.values():
                 self.note(c, "not compiled: a mapped dim has size 0")
             text = (
-                f"Chose {full.nest(sizes)}: a mapped dim has size 0, so nothing "
+                f"Chose {full.nest(self.sizes)}: a mapped dim has size 0, so nothing "
                 "runs and nothing was compiled."
             )
         else:
-            chosen, compared, timed, text = self._choose(
-                full, ladders, considered, free
-            )
+            chosen, compared, timed, text = self._choose(full, ladders, free)
         candidates = tuple(
             with_reason(
-                self.known.get(k, c),
-                chosen,
-                self.notes.get(k),
-                timed,
-                self.measure,
-                self.budget,
-                compared,
-            )
+                self.known.get(k, c), chosen, self.notes.get(k), timed,
+                self.measure, self.budget, compared,
+            )  # fmt: skip
             for k, c in considered.items()
         )
         chosen = next(c for c in candidates if c.key == chosen.key)
         return auto_plan(
-            self.request,
-            chosen,
-            candidates,
+            self.request, chosen, candidates,
             n_compiled=self.compiler.n_compiled,
             seconds=time.perf_counter() - start,
             checkpoint=self.compiler.build(chosen.spec).checkpoint,
-            time_model=self.model,
-            summary=text,
-            measured=self.measure,
-        )
+            time_model=self.model, summary=text, measured=self.measure,
+        )  # fmt: skip
 
     def _space(
         self,
@@ -363,18 +299,13 @@ class Search:
         free = tuple(n for n in call.mapped if n not in frozen)
         # Unscanned dims are vmapped: those of `vmap=` in the order given, then the
         # others in the order of the output's dims (no transpose).
-        scanned = set(call.options.scan_names)
+        given = call.options.vmap + call.options.scan_names
         layout = call.options.vmap + tuple(
-            n
-            for n in dim_orders(call, sizes)[0]
-            if n not in call.options.vmap and n not in scanned
+            n for n in dim_orders(call, sizes)[0] if n not in given
         )
-        source = "full vmap" if not fixed else "given scans"
-        full = candidate(fixed, layout, sizes, source)
+        full = candidate(fixed, layout, sizes, "given scans" if fixed else "full vmap")
         orders = dim_orders(call, sizes, free) if free else []
-        ladders = [
-            Ladder(ladder(order, layout, sizes, fixed, frozen)) for order in orders
-        ]
+        ladders = [Ladder(ladder(o, layout, sizes, fixed, frozen)) for o in orders]
         considered = {full.key: full}
         steps = (c for lad in ladders for c in lad.steps)
         for c in sorted(steps, key=lambda c: -c.block):
@@ -382,11 +313,7 @@ class Search:
         return full, ladders, considered, bool(free)
 
     def _choose(
-        self,
-        full: PlanCandidate,
-        ladders: list[Ladder],
-        considered: dict[tuple, PlanCandidate],
-        free: bool,
+        self, full: PlanCandidate, ladders: list[Ladder], free: bool
     ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
         """Search the ladders: the chosen candidate, those compared, their measured
         times (measured mode), and the summary."""
@@ -395,45 +322,34 @@ class Search:
         # Full vmap is kept if it fits, its working set is within the last level of
         # the memory hierarchy, and the planner does not measure.
         last = max((size for size, _ in self.model.levels), default=0)
-        big = (f.working_set or 0) > last
-        go = bool(ladders) and (not f.fits or big or self.measure)
+        go = bool(ladders) and (
+            not f.fits or (f.working_set or 0) > last or self.measure
+        )
         for i, lad in enumerate(ladders if go else []):
+            why = None
             if i > 0 and self.compiler.n_compiled >= MAX_COMPILES:
-                for c in lad.steps:
-                    self.note(
-                        c, f"not compiled: beyond the compile cap ({MAX_COMPILES} "
-                        "compiles)"
-                    )
-                continue  # the first ladder is always searched
-            why = self.cannot_win(lad) if i > 0 else None
-            if why is not None:
-                for c in lad.steps:
-                    self.note(c, why)
-                continue
-            self.search(lad, f)
-        if not go:
-            why = (
-                f"full vmap fits, and its working set ({fmt_bytes(f.working_set or 0)})"
-                f" is within {fmt_bytes(last)} of cache: nothing else needed"
+                why = f"not compiled: beyond the compile cap ({MAX_COMPILES} compiles)"
+            elif i > 0:  # the first ladder is always searched
+                why = self.cannot_win(lad)
+            if why is None:
+                self.search(lad, f)
+            for c in lad.steps if why else []:
+                self.note(c, why)
+        ws = fmt_bytes(f.working_set or 0)
+        for c in (c for lad in ladders for c in lad.steps) if not go else ():
+            self.note(
+                c,
+                f"not compiled: full vmap fits, and its working set ({ws}) is "
+                f"within {fmt_bytes(last)} of cache: nothing else needed",
             )
-            for c in considered.values():
-                self.note(c, f"not compiled: {why}")
         fitting, chosen = self.pick()
         compared, timed, note = fitting, {}, ""
         if self.measure and (go or len(fitting) > 1):
             chosen, compared, timed, note = self.measured(ladders, full, chosen)
         text = summary(
-            chosen,
-            self.known[full.key],
-            compared,
-            timed,
-            go,
-            free,
-            self.budget,
-            self.model,
-            self.sizes,
-            note,
-        )
+            chosen, self.known[full.key], compared, timed, go, free, self.budget,
+            self.model, self.sizes, note,
+        )  # fmt: skip
         return chosen, compared, timed, text
 
     def pick(self) -> tuple[list[PlanCandidate], PlanCandidate]:
@@ -443,32 +359,23 @@ class Search:
         while True:
             fitting = [c for c in self.known.values() if c.fits and c.seconds]
             if not fitting:
-                evaluated = list(self.known.values())
-                smallest = min(evaluated, key=lambda c: c.temp_bytes or 0)
+                tried = list(self.known.values())
+                smallest = min(tried, key=lambda c: c.temp_bytes or 0)
                 message = no_fit_message(
-                    self.call,
-                    self.budget,
-                    smallest,
-                    len(evaluated),
-                    self.sizes,
+                    self.call, self.budget, smallest, len(tried), self.sizes,
                     self.compiler.backward,
-                )
-                raise NoFit(message, smallest, len(evaluated))
-            chosen = min(fitting, key=lambda c: c.seconds or 0.0)
-            if not chosen.predicted or (
-                (chosen.temp_bytes or 0) <= self.budget * SAFE_FRACTION
-            ):
-                return fitting, chosen
-            temp = self.compiler.memory(chosen)
+                )  # fmt: skip
+                raise NoFit(message, smallest, len(tried))
+            c = min(fitting, key=lambda c: c.seconds or 0.0)
+            if not c.predicted or (c.temp_bytes or 0) <= self.budget * SAFE_FRACTION:
+                return fitting, c
+            temp = self.compiler.memory(c)
             fits = temp <= self.budget
-            self.known[chosen.key] = dataclasses.replace(
-                chosen,
-                temp_bytes=temp,
-                fits=fits,
-                predicted=False,
-                seconds=chosen.seconds if fits else None,
-            )
-            self.notes.pop(chosen.key, None)
+            self.known[c.key] = dataclasses.replace(
+                c, temp_bytes=temp, fits=fits, predicted=False,
+                seconds=c.seconds if fits else None,
+            )  # fmt: skip
+            self.notes.pop(c.key, None)
 
     def measured(
         self,
