@@ -80,10 +80,8 @@ class TimeModel:
 
     def bandwidth_at(self, working_set: int) -> float:
         """The bandwidth of the smallest level that holds `working_set` bytes."""
-        for size, rate in self.levels:
-            if working_set <= size:
-                return rate
-        return self.bandwidth
+        fits = (rate for size, rate in self.levels if working_set <= size)
+        return next(fits, self.bandwidth)
 
     def seconds(
         self, flops: float, trans: float, nbytes: float, trips: int, working_set: int
@@ -103,14 +101,9 @@ class TimeModel:
         return compute + memory + trips * self.loop_overhead
 
     def describe(self) -> str:
-        levels = ", ".join(
-            f"{rate:.2g} within {fmt_bytes(size)}" for size, rate in self.levels
-        )
-        where = (
-            f"calibrated: {self.calibration}"
-            if self.calibrated
-            else f"not calibrated: {DEFAULT_SOURCE}"
-        )
+        levels = ", ".join(f"{r:.2g} within {fmt_bytes(s)}" for s, r in self.levels)
+        where = f"calibrated: {self.calibration}" if self.calibrated else None
+        where = where or f"not calibrated: {DEFAULT_SOURCE}"
         return (
             f"est. time = flops / {self.flops:.2g} + transcendentals / "
             f"{self.transcendentals:.2g} + bytes accessed / bandwidth + loop trips x "
@@ -132,12 +125,10 @@ class TimeModel:
             _positive(data[name], name)
         levels = data["levels"]
         if not isinstance(levels, list) or not all(
-            isinstance(x, list) and len(x) == 2 for x in levels
+            isinstance(x, list) and len(x) == 2 and type(x[0]) is int for x in levels
         ):
             raise ValueError(f"bad levels {levels!r}")
         for size, rate in levels:
-            if isinstance(size, bool) or not isinstance(size, int):
-                raise ValueError(f"bad level size {size!r}")
             _positive(size, "level size")
             _positive(rate, "level bandwidth")
         if not (data["calibration"] is None or isinstance(data["calibration"], str)):
@@ -180,13 +171,11 @@ def cache_levels(root: str = SYSFS_CACHES) -> tuple[int, ...]:
 
 def _cpu_model() -> str:
     try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
+        lines = []
+    names = (x.split(":", 1)[1].strip() for x in lines if x.startswith("model name"))
+    return next(names, None) or platform.processor() or platform.machine() or "?"
 
 
 def machine() -> dict[str, Any]:
@@ -200,9 +189,7 @@ def machine() -> dict[str, Any]:
         "n_devices": jax.device_count(),
     }
     if device.platform == "cpu":
-        out["cpu"] = _cpu_model()
-        out["cores"] = os.cpu_count()
-        out["arch"] = platform.machine()
+        out.update(cpu=_cpu_model(), cores=os.cpu_count(), arch=platform.machine())
         out["caches"] = list(cache_levels())
     return out
 
@@ -257,19 +244,15 @@ def best_of(fn: Callable[[], Any], repeats: int, timer: Callable = time.perf_cou
     return min(times)
 
 
-def _timed(fn: Callable, specs: list, repeats: int) -> tuple[Any, float]:
+def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | None:
+    """The best seconds of `fn`'s compiled program, or with `key`, XLA's
+    `cost_analysis()[key]` over them."""
     compiled = compile_program(fn, *specs)
     args = concrete_inputs(specs)
-    return compiled, best_of(lambda: compiled(*args), repeats)
-
-
-def _rate(fn: Callable, specs: list, key: str, repeats: int) -> float | None:
-    """XLA's `cost_analysis()[key]` of `fn` over its best time."""
-    compiled, seconds = _timed(fn, specs, repeats)
-    ca = compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    amount = float((ca or {}).get(key, 0.0))
+    seconds = best_of(lambda: compiled(*args), repeats)
+    ca = compiled.cost_analysis() if key else {}
+    ca = (ca[0] if ca else {}) if isinstance(ca, (list, tuple)) else ca
+    amount = float((ca or {}).get(key, 1.0))
     return amount / seconds if amount > 0 and seconds > 0 else None
 
 
@@ -283,8 +266,8 @@ def stream_bandwidth(nbytes: int, repeats: int = 7) -> float | None:
     def loop(x: Any) -> Any:
         return jax.lax.fori_loop(0, reps, body, x)
 
-    _, seconds = _timed(loop, [jax.ShapeDtypeStruct((n,), jnp.float32)], repeats)
-    return 8 * n * reps / seconds if seconds > 0 else None
+    per_second = _timed(loop, [jax.ShapeDtypeStruct((n,), jnp.float32)], repeats)
+    return 8 * n * reps * per_second if per_second else None
 
 
 def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
@@ -300,8 +283,8 @@ def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
         return jax.lax.scan(step, jnp.zeros((), xs.dtype), xs)[1]
 
     spec = jax.ShapeDtypeStruct((trips, 16), jnp.float32)
-    _, seconds = _timed(steps, [spec], repeats)
-    return seconds / trips if seconds > 0 else None
+    per_second = _timed(steps, [spec], repeats)
+    return 1 / (per_second * trips) if per_second else None
 
 
 def calibrate(repeats: int = 7) -> TimeModel:
@@ -312,12 +295,9 @@ def calibrate(repeats: int = 7) -> TimeModel:
     constant that cannot be measured keeps its default."""
     start = time.perf_counter()
     default = TimeModel.for_backend(jax.default_backend())
-    f32, n = jnp.float32, 256
-    matmul = [jax.ShapeDtypeStruct((n, n), f32)] * 2
-    flops = _rate(lambda a, b: a @ b, matmul, "flops", repeats)
+    matmul = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
+    vector = [jax.ShapeDtypeStruct((2**20,), jnp.float32)]
     exp = lambda x: jnp.sum(jnp.exp(x))  # noqa: E731
-    vector = [jax.ShapeDtypeStruct((2**20,), f32)]
-    trans = _rate(exp, vector, "transcendentals", repeats)
     sizes = [size for size, _ in default.levels]
     rates = [stream_bandwidth(size // 2, repeats) for size in sizes]
     memory = stream_bandwidth(min(4 * max(sizes, default=2**24), 2**28), repeats)
@@ -327,8 +307,8 @@ def calibrate(repeats: int = 7) -> TimeModel:
         floor = max(rate or old, floor)
         levels.insert(0, (size, floor))
     measured = {
-        "flops": flops,
-        "transcendentals": trans,
+        "flops": _timed(lambda a, b: a @ b, matmul, repeats, "flops"),
+        "transcendentals": _timed(exp, vector, repeats, "transcendentals"),
         "bandwidth": memory,
         "loop_overhead": _loop_overhead(repeats),
     }
@@ -339,6 +319,4 @@ def calibrate(repeats: int = 7) -> TimeModel:
     note = f"{describe_machine(machine())}, in {seconds:.2f} s on {when}"
     if missing:
         note += f" ({', '.join(missing)}: default, not measurable here)"
-    return dataclasses.replace(
-        default, levels=tuple(levels), calibration=note, **kept
-    )
+    return dataclasses.replace(default, levels=tuple(levels), calibration=note, **kept)
