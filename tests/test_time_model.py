@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from eqx_multimap import explain, filter_multi_vmap, Planner, TimeModel
 from eqx_multimap._planner import model as _model
+from eqx_multimap._resolve import resolve
 
 
 KiB = 1024
@@ -227,3 +228,59 @@ def test_simulated_accelerator_prefers_the_block_on_chip(getkey):
     # With a kernel launch 100x dearer, fewer trips win: full vmap.
     dear = _plan(dataclasses.replace(device, loop_overhead=1e-4), getkey)
     assert dear.scan == {}
+
+
+#
+# A while loop in lockstep.
+#
+
+
+def _halve_until_small(x):
+    # Each element loops until its own norm is small: a data-dependent trip count.
+    def cond(y):
+        return jnp.sum(y * y) > 1e-6
+
+    return jax.lax.while_loop(cond, lambda y: y * 0.5, x)
+
+
+def _halve_ten_times(x):
+    return jax.lax.fori_loop(0, 10, lambda i, y: y * 0.5, x)
+
+
+def test_lockstep_is_found_in_the_vmapped_program():
+    import equinox.internal as eqxi
+    from eqx_multimap._planner.cost import lockstep
+
+    x = jnp.ones((4, 8))
+    vmapped = lambda f: jax.make_jaxpr(jax.vmap(f))(x).jaxpr  # noqa: E731
+    assert lockstep(vmapped(_halve_until_small))
+    assert not lockstep(jax.make_jaxpr(_halve_until_small)(x[0]).jaxpr)
+    assert not lockstep(vmapped(_halve_ten_times))
+
+    def unvmapped(x):  # as equinox's loops reduce a batched predicate
+        cond = lambda y: eqxi.unvmap_any(jnp.sum(y * y) > 1e-6)  # noqa: E731
+        return jax.lax.while_loop(cond, lambda y: y * 0.5, x)
+
+    assert lockstep(vmapped(unvmapped))
+    assert not lockstep(jax.make_jaxpr(unvmapped)(x[0]).jaxpr)
+
+
+@pytest.mark.parametrize("body", [_halve_until_small, _halve_ten_times])
+def test_a_while_loop_in_lockstep_plans_one_element_per_trip(getkey, body):
+    # Full vmap fits and is within the cache: kept, unless the body's while loop
+    # runs in lockstep when vmapped; then the smallest block is costed, and wins
+    # when its estimate is within 5% (here loop trips are nearly free).
+    scale = 10.0 ** jnp.arange(6, dtype=jnp.float32)[None, :, None]
+    x = jax.random.normal(getkey(), (8, 6, 16)) * scale
+    model = TimeModel(loop_overhead=1e-12)
+    planner = Planner(cache_dir=False, time_model=model)
+    kw = dict(in_dims="T B K", out_dims="T B K", core="K")
+    f = filter_multi_vmap(body, plan=planner, **kw)
+    plan = planner.plan(resolve(f._fun, f._options, (x,), {}))  # forward only
+    if body is _halve_until_small:
+        assert plan.chosen.block == 1 and set(plan.scan) == {"T", "B"}
+        assert "lockstep" in plan.chosen.reason
+    else:
+        assert plan.scan == {} and plan.n_compiled == 1
+    want = np.stack([np.stack([body(xb) for xb in xt]) for xt in x])
+    np.testing.assert_allclose(f(x), want, rtol=1e-6)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from .._blocks import blocks, NestSpec
-from .._body import struct
+from .._body import _sub_jaxprs, struct
 from .._nest import Build, build_levels, loop_body_inputs, run
 from .._resolve import Call
 from .._timing import time_interleaved
@@ -304,6 +304,7 @@ class Compiler:
                 shape[ax] = sizes[name]
             self.specs.append(struct(v, tuple(shape)))
         self.n_compiled = 0
+        self.jaxpr: Any = None  # of the program compiled last
         # The compiled program of each candidate compiled for its memory (the
         # forward nest, or its derivative), by nest: what measured mode runs.
         self.programs: dict[NestSpec, Any] = {}
@@ -320,8 +321,9 @@ class Compiler:
         if self.on_compile is not None:
             self.on_compile(what or "compiling a loop body")
         self.n_compiled += 1
-        lowered = jax.jit(fn).lower(specs)
-        return lowered.compile() if runs else analysed(lowered)
+        traced = jax.jit(fn).trace(specs)
+        self.jaxpr = traced.jaxpr.jaxpr
+        return traced.lower().compile() if runs else analysed(traced.lower())
 
     def build(self, spec: NestSpec) -> Build:
         """How a candidate is built: under differentiation, every scan body
@@ -466,6 +468,28 @@ class Compiler:
         if not looped:
             ws = _footprint(compiled)
         return total[0], total[1], total[2], ws
+
+
+def lockstep(jaxpr: Any) -> bool:
+    """Whether a vmapped program runs a while loop in lockstep: its predicate is
+    batched (as is, or reduced by equinox's `unvmap_any`), so each block loops as
+    long as its slowest element."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while":
+            cond = eqn.params["cond_jaxpr"].jaxpr
+            if cond.outvars[0].aval.shape or _unvmapped(cond):
+                return True
+        if any(lockstep(j) for j in _sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+def _unvmapped(jaxpr: Any) -> bool:
+    return any(
+        eqn.primitive.name in ("unvmap_any", "unvmap_all") and eqn.invars[0].aval.shape
+        or any(_unvmapped(j) for j in _sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _inexact(s: Any) -> bool:

@@ -18,6 +18,7 @@ from .cost import (
     Compiler,
     corrected,
     KEEP_WITHIN,
+    lockstep,
     MAX_MEASURED,
     measured_pool,
     Progress,
@@ -86,6 +87,8 @@ class Search:
         self.notes: dict[tuple, str] = {}  # by key: why an uncompiled one was not
         # Full vmap's figures, once compiled: what the others are predicted from.
         self.ref: Reference | None = None
+        # Whether a vmapped block runs a while loop in lockstep (`cost.lockstep`).
+        self.lockstep = False
 
     def memory(self, c: PlanCandidate) -> PlanCandidate:
         if c.key not in self.known:
@@ -146,6 +149,11 @@ class Search:
             return
         ws = [self.ref.working_set(c) for c in steps]
         edges = {j: "the largest block of its ladder that fits the budget"}
+        if self.lockstep:
+            edges[len(steps) - 1] = (
+                "the smallest block: the body's while loop runs in lockstep when "
+                "vmapped, each block as long as its slowest element"
+            )
         for size, _ in self.model.levels:
             i = next((i for i in range(j, len(steps)) if ws[i] <= size), None)
             if i is not None and i not in edges:
@@ -317,13 +325,15 @@ class Search:
     ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
         """Search the ladders: the chosen candidate, those compared, their measured
         times (measured mode), and the summary."""
-        self.ref = self.compiler.reference(self.memory(full))
+        compiled = self.memory(full)
+        self.lockstep = lockstep(self.compiler.jaxpr)
+        self.ref = self.compiler.reference(compiled)
         f = self.costed(full)
         # Full vmap is kept if it fits, its working set is within the last level of
         # the memory hierarchy, and the planner does not measure.
         last = max((size for size, _ in self.model.levels), default=0)
         go = bool(ladders) and (
-            not f.fits or (f.working_set or 0) > last or self.measure
+            not f.fits or (f.working_set or 0) > last or self.measure or self.lockstep
         )
         for i, lad in enumerate(ladders if go else []):
             why = None
@@ -352,6 +362,13 @@ class Search:
         )  # fmt: skip
         return chosen, compared, timed, text
 
+    def rank(self, c: PlanCandidate) -> float:
+        """The estimate by which `pick` chooses: with a while loop in lockstep, a
+        block of one element wins if it is est. at most `MATERIAL` slower (the
+        waste of a larger block depends on the data, which the model cannot see)."""
+        lockstep = self.lockstep and c.block > 1
+        return (c.seconds or 0.0) * (MATERIAL if lockstep else 1.0)
+
     def pick(self) -> tuple[list[PlanCandidate], PlanCandidate]:
         """The candidates costed that fit, and the fastest by the estimate; one
         whose temporaries were only predicted, not far within the budget, is
@@ -366,7 +383,7 @@ class Search:
                     self.compiler.backward,
                 )  # fmt: skip
                 raise NoFit(message, smallest, len(tried))
-            c = min(fitting, key=lambda c: c.seconds or 0.0)
+            c = min(fitting, key=self.rank)
             if not c.predicted or (c.temp_bytes or 0) <= self.budget * SAFE_FRACTION:
                 return fitting, c
             temp = self.compiler.memory(c)
