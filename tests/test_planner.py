@@ -403,11 +403,11 @@ def test_explain_table(getkey):
     assert len(chosen_rows) == 1 and chosen_rows[0].endswith(f"  yes   {nest}")
     assert f"yes {nest} {plan.chosen.reason}" in words
     assert f"no {plan.candidates[0].nest(dict(plan.sizes))} over budget: " in words
-    assert "temp flops bytes work set fresh est. fits nest" in words
-    # The time model is spelled out, with the threshold of fresh temporaries and
-    # where the constants come from.
-    model = words.split("est. time = max(flops / 5e+10 + ")[1]
-    assert " ".join(TimeModel().fresh_source.split()) in model
+    assert "temp flops bytes work set est. fits nest" in words
+    # The time model is spelled out, with its cache levels and where the
+    # constants come from.
+    model = words.split("est. time = flops / 5e+10 + ")[1]
+    assert "2.5e+11 within 48.0 KiB, 2e+11 within 1.0 MiB" in model
     assert model.endswith(
         "Constants not calibrated: default constants, set by hand for one 2-core "
         "x86-64."
@@ -821,118 +821,8 @@ def test_auto_with_shard_cache_and_ambient_mesh(getkey):
 
 
 #
-# The time model: temporaries allocated afresh on every call
+# The search's predictions (the time model's own tests: tests/test_time_model.py)
 #
-
-
-def test_fresh_threshold_and_time_model():
-    model = TimeModel.for_backend(jax.default_backend())
-    if jax.default_backend() != "cpu":
-        assert model.fresh_threshold is None
-        return
-    threshold = model.fresh_threshold
-    assert threshold == 32 * 2**20
-    assert model.fresh_source == "glibc malloc's largest mmap threshold"
-    assert model.fresh(0) == 0
-    assert model.fresh(threshold) == 0
-    assert model.fresh(threshold + 1) == threshold + 1
-    # Roofline-like: the larger of compute and memory, plus 10 loop trips, plus the
-    # page faults of fresh temporaries.
-    trips = 10 * model.loop_overhead
-    compute = 1e9 / 5e10 + 1e6 / 5e9
-    assert compute > 1e8 / 2e10
-    assert model.seconds(1e9, 1e6, 1e8, 10) == pytest.approx(compute + trips)
-    memory = 1e10 / 2e10
-    assert model.seconds(1e9, 1e6, 1e10, 10) == pytest.approx(memory + trips)
-    fresh = 3e8 / model.page_bandwidth
-    assert model.seconds(1e9, 1e6, 1e8, 10, 3e8) == pytest.approx(
-        compute + fresh + trips
-    )
-
-
-_SMALL = 64 * 1024
-
-
-def small_threshold_planner():
-    """A planner for which temporaries above 64 KiB count as fresh."""
-    model = TimeModel(fresh_threshold=_SMALL, fresh_source="test threshold")
-    return _planner_of(time_model=model)
-
-
-@pytest.fixture
-def small_threshold():
-    return small_threshold_planner()
-
-
-@pytest.mark.slow
-def test_full_vmap_with_fresh_temporaries_is_compared_with_scans(
-    getkey, small_threshold
-):
-    # Full vmap fits the budget, but its temporaries (16 * 12 elements of 4 KiB) are
-    # above the threshold: the largest scan below it is costed as well, and wins.
-    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
-    f = _sumexp_wrapper(plan=small_threshold, memory_budget=2**30)
-    plan = explain(f, a, b)
-    by_nest = {(c.scan, c.vmap): c for c in plan.candidates}
-    full = by_nest[((), ("T", "B"))]
-    assert full.fits and full.temp_bytes >= 16 * 12 * _ONE
-    assert full.fresh_bytes == full.temp_bytes
-    costed = [c for c in plan.candidates if c.seconds is not None and c.scan]
-    assert costed, "scanned candidates costed besides full vmap"
-    below = [c for c in costed if c.temp_bytes <= _SMALL]
-    assert below and all(c.fresh_bytes == 0 for c in below)
-    assert all(c.fresh_bytes == c.temp_bytes for c in costed if c not in below)
-    # The largest block below the threshold: 64 KiB / 4 KiB = 16 elements at most.
-    largest = max(c.block for c in below)
-    assert 8 <= largest <= 16
-    steps = _candidates.ladder(("T", "B"), ("T", "B"), dict(plan.sizes))
-    bigger = [c for c in steps if c.block > largest]
-    assert all(
-        by_nest[(c.scan, c.vmap)].temp_bytes is None
-        or by_nest[(c.scan, c.vmap)].temp_bytes > _SMALL
-        for c in bigger
-    )
-    assert plan.chosen == min(costed + [full], key=lambda c: c.seconds)
-    assert plan.chosen.scan and plan.chosen.fresh_bytes == 0, (
-        full.seconds,
-        plan.chosen.seconds,
-    )
-    assert "test threshold" in plan.describe(full=True)  # the time model
-    out = f(a, b)
-    assert out.shape == (16, 12) and out.dtype == jnp.float32
-    np.testing.assert_allclose(out, _sumexp_reference(a, b), rtol=2e-5, atol=2e-5)
-
-
-@_SEARCH_AS_MEASURED
-def test_a_block_far_within_its_limit_is_predicted_not_compiled(getkey):
-    # A block predicted far within the fresh threshold (half of it), or the budget
-    # (an eighth), is taken as predicted, uncompiled, when its estimate is at most
-    # 5% slower than the largest block predicted within: here loop trips are free.
-    # Its rows say so; its temporaries, compiled independently, are near the
-    # prediction, within the threshold, and within the budget.
-    a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
-    free_trips = TimeModel(
-        fresh_threshold=_SMALL, fresh_source="test threshold", loop_overhead=0.0
-    )
-    for budget, limit in [(2**30, _SMALL), (4 * _SMALL, 4 * _SMALL)]:
-        planner = _planner_of(time_model=free_trips)
-        f = _sumexp_wrapper(plan=planner, memory_budget=budget)
-        plan = explain(f, a, b)
-        chosen = plan.chosen
-        assert chosen.scan and chosen.predicted and plan.n_compiled == 1
-        assert "predicted from full vmap's, not compiled: far within" in chosen.reason
-        assert f"~{fmt_bytes(chosen.temp_bytes)}" in plan.table()
-        fixed = _fixed(_sumexp, plan, in_dims=("T B K", "T K"), out_dims="T B")
-        actual = _temp_bytes(fixed, a, b)
-        assert 0.5 * actual <= chosen.temp_bytes <= 2 * actual
-        assert actual <= min(limit, _SMALL)
-        np.testing.assert_allclose(f(a, b), _sumexp_reference(a, b), rtol=2e-5)
-    # With the default cost of a loop trip, a smaller block costs more than 5% here:
-    # the largest block predicted within the threshold is compiled instead.
-    f = _sumexp_wrapper(plan=small_threshold_planner(), memory_budget=2**30)
-    plan = explain(f, a, b)
-    assert not any(c.predicted for c in plan.candidates) and plan.n_compiled == 2
-    assert plan.chosen.scan and plan.chosen.temp_bytes <= _SMALL
 
 
 def test_a_fused_neighbour_does_not_pass_a_block_as_far_within(getkey, monkeypatch):
@@ -960,7 +850,7 @@ def test_a_fused_neighbour_does_not_pass_a_block_as_far_within(getkey, monkeypat
     assert not any(c.predicted for c in plan.candidates)
 
 
-def test_typed_keys_are_planned(getkey, small_threshold):
+def test_typed_keys_are_planned(getkey):
     # Typed PRNG keys have JAX's own dtypes: the predictions read their bytes too.
     keys = jax.random.split(jax.random.key(0), 16)
     x = jax.random.normal(getkey(), (16, 12, 32))
@@ -969,24 +859,15 @@ def test_typed_keys_are_planned(getkey, small_threshold):
         return jnp.sum(jnp.tanh(jnp.outer(x, x) + jax.random.normal(k, (32, 32))))
 
     kw = dict(in_dims=("T", "T B K"), out_dims="T B")
-    f = filter_multi_vmap(body, plan=small_threshold, memory_budget=2**30, **kw)
+    small_cache = TimeModel(levels=((64 * 1024, 2e11),), bandwidth=1e9)
+    planner = _planner_of(time_model=small_cache)
+    f = filter_multi_vmap(body, plan=planner, memory_budget=2**30, **kw)
     plan = explain(f, keys, x)
-    assert plan.chosen.scan  # full vmap's temporaries are above the threshold
+    assert plan.chosen.scan  # full vmap's working set is past the cache
     want = np.stack(
         [np.stack([body(keys[t], x[t, b]) for b in range(12)]) for t in range(16)]
     )
     np.testing.assert_allclose(f(keys, x), want, rtol=1e-5, atol=1e-5)
-
-
-def test_full_vmap_below_threshold_is_not_compared(getkey, small_threshold):
-    # Every element's temporaries are tiny: full vmap is below the threshold, and it
-    # is chosen without costing any scan.
-    a, b = _sumexp_args(getkey, t=4, bsize=3, k=8)
-    f = _sumexp_wrapper(plan=small_threshold, memory_budget=2**30)
-    plan = explain(f, a, b)
-    assert plan.scan == {} and plan.chosen.fresh_bytes == 0
-    assert plan.chosen.temp_bytes <= _SMALL
-    assert sum(c.temp_bytes is not None for c in plan.candidates) == 1
 
 
 #
@@ -1448,7 +1329,8 @@ def test_calibration_is_positive_and_stored(tmp_path):
     for name in ("flops", "transcendentals", "bandwidth", "loop_overhead"):
         value = getattr(model, name)
         assert value > 0 and np.isfinite(value), name
-    assert model.page_bandwidth > 0 and model.calibrated
+    assert all(size > 0 and rate > 0 for size, rate in model.levels)
+    assert model.calibrated
     assert model.calibration is not None and "cores" in model.calibration
     assert TimeModel.from_json(json.loads(json.dumps(model.to_json()))) == model
     # A planner without a time model calibrates once per machine and keeps it.
@@ -1583,21 +1465,18 @@ def _exhaustive(call, budget, model=None):
 
 @_SEARCH_AS_MEASURED
 @pytest.mark.parametrize(
-    "budget_ones, fresh_ones", [(4, None), (20, None), (2**16, None), (4, 6), (20, 6)]
+    "budget_ones, cache_ones", [(4, None), (20, None), (2**16, None), (4, 6), (20, 6)]
 )
-def test_plan_is_as_good_as_the_exhaustive_search(getkey, budget_ones, fresh_ones):
+def test_plan_is_as_good_as_the_exhaustive_search(getkey, budget_ones, cache_ones):
     # The planner compiles a few candidates; compiling them all picks no better
-    # one by the same time model (with its default fresh threshold, or one that
-    # most blocks are above, so that a block allocating afresh may be the
-    # fastest). Its plan fits the budget, measured independently, and its
-    # compiles are bounded. (With full vmap fitting and a tiny threshold, the
-    # best block can sit strictly inside the blocks that allocate afresh, which
-    # the search does not look for.)
+    # one by the same time model (with the default cache levels, or one small level
+    # that most blocks are past, so that a small block may be the fastest). Its
+    # plan fits the budget, measured independently, and its compiles are bounded.
     a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
     budget = budget_ones * _ONE
     model = TimeModel()
-    if fresh_ones is not None:
-        model = TimeModel(fresh_threshold=fresh_ones * _ONE, fresh_source="test")
+    if cache_ones is not None:
+        model = TimeModel(levels=((cache_ones * _ONE, 1e11),), bandwidth=1e9)
     planner = _planner_of(time_model=model)
     f = _sumexp_wrapper(plan=planner, memory_budget=budget)
     plan = planner.plan(resolve(f._fun, f._options, (a, b), {}))
@@ -1643,7 +1522,9 @@ def test_cold_plan_compile_count(getkey):
     planner = _planner_of()
     f = _sumexp_wrapper(plan=planner, memory_budget=20 * _ONE)
     plan = explain(f, a, b)
-    compiled = [c for c in plan.candidates if c.temp_bytes is not None]
+    compiled = [
+        c for c in plan.candidates if c.temp_bytes is not None and not c.predicted
+    ]
     assert plan.n_compiled == len(compiled) == 2
     assert plan.chosen.temp_bytes <= 20 * _ONE
     # The same count on a second cold planner: nothing depends on timing.

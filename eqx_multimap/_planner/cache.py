@@ -219,7 +219,7 @@ def fingerprint(call: Call) -> str:
 
 def calibration_key() -> dict[str, Any]:
     """What a calibration is stored under: the machine and the versions."""
-    return {"machine": machine(), "versions": versions(), "calibration": 1}
+    return {"machine": machine(), "versions": versions(), "calibration": 2}
 
 
 def versions() -> dict[str, str]:
@@ -335,7 +335,6 @@ def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
         working_set=_opt(d["working_set"], (int,)),
         seconds=_opt(d["seconds"], num),
         fits=fits,
-        fresh_bytes=_opt(d["fresh_bytes"], (int,)),
         measured=_opt(d["measured"], num),
         reason=d["reason"],
         predicted=d["predicted"] is True,

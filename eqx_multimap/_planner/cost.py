@@ -1,55 +1,10 @@
-"""Compiling candidate nests and costing them, from XLA's own analyses.
+"""Costing candidate nests: compiling them for XLA's memory and cost analyses,
+predicting the others from full vmap's (`Reference`), planning's progress, and
+measured mode's timing.
 
-A candidate is lowered and compiled against `jax.ShapeDtypeStruct`s of the
-arguments (no data), every input leaf an explicit argument:
-
-- `compiled.memory_analysis().temp_size_in_bytes` is its temporary memory (under
-  differentiation, that of its reverse-mode derivative);
-- `compiled.cost_analysis()` gives flops and bytes accessed; the time model turns
-  them into an estimated time.
-
-The search compiles full vmap, and costs every other candidate from it
-(`reference`, `cost`). A fixed nest (`explain` of a nest given in full) is
-costed from its own compile: XLA costs the body of a while loop (a scan) *once*, so
-the body of each block of the nest is also compiled on its own and its cost added
-`trips - 1` more times (`Compiler.corrected_cost`).
-
-Programs that are only analysed, never run, are compiled by `analysed`, with
-`ANALYSIS_OPTIONS`: LLVM's optimisations off and, on CPU, XLA's older fusion
-emitters, which emit code much faster. Memory and cost analyses are made by XLA on
-the optimised HLO, before code is emitted, so they are near the default compile's
-(a test checks it): on the benchmarks' workloads, the same temporaries or up to
-256 bytes more, and costs within 7%, for about a quarter of the compile time.
-Programs that measured mode runs are compiled as usual.
-
-Predicting a candidate nest's temporaries and costs from full vmap's, uncompiled.
-
-Full vmap (of the planned dims) is compiled first. From its temporaries and costs,
-and the shapes of the inputs and outputs, [`Reference`][] predicts every other
-candidate of the call:
-
-- **temporaries**: the body's temporaries for one loop iteration's block (full
-  vmap's, scaled by the block); at each scan level, the slice of one iteration of
-  every input it slices (and a transposed copy of what it scans, when its dim is
-  not that array's leading axis) and one iteration's block of every output (or,
-  differentiated, of every cotangent); and a transposed copy of each output whose
-  scanned dims do not lead it. The search uses this to choose which blocks to
-  compile, and corrects it by those compiled (`corrected`).
-- **costs**: every candidate runs the body on every element, so its flops and
-  transcendentals are full vmap's. Its bytes are full vmap's plus the inputs it
-  re-reads on every loop trip: those that no scanned dim slices. Loop trips are
-  priced by the time model.
-
-Progress of a long planning run: logged, and optionally shown on a progress bar.
-
-Measured mode (`Planner(measure=True)`): which candidates are timed, and timing
-them side by side.
-
-The time model cannot see what the chunk shape does to XLA:CPU's code, so measured
-mode runs up to `MAX_MEASURED` candidates that fit on fresh inputs of the call's
-shapes, interleaved round by round, and the fastest wins, unless the model's own
-choice measured within `KEEP_WITHIN` of it: timings of near-equal nests shift with
-the machine's load, the model's ranking does not.
+Candidates are compiled against `jax.ShapeDtypeStruct`s (no data), analysed-only
+programs with `ANALYSIS_OPTIONS` (faster to compile; the analyses are XLA's, made
+before code is emitted). How each figure is predicted: `docs/design.md`.
 """
 
 import dataclasses
@@ -63,7 +18,7 @@ import jax
 import numpy as np
 
 from .._blocks import blocks, NestSpec
-from .._body import struct
+from .._body import _sub_jaxprs, struct
 from .._nest import Build, build_levels, loop_body_inputs, run
 from .._resolve import Call
 from .._timing import time_interleaved
@@ -100,7 +55,7 @@ ScanNest = tuple[tuple[str, int | None], ...]
 @dataclasses.dataclass(frozen=True)
 class Reference:
     """Full vmap's compiled figures, and the leaves that every candidate reads and
-    writes (outputs: those whose blocks count, see the module's docstring)."""
+    writes (outputs: those whose blocks a loop iteration holds)."""
 
     block: int
     temp: int
@@ -116,11 +71,8 @@ class Reference:
     def _fraction(self, scan: ScanNest, dims: tuple[str, ...]) -> float:
         """The part of a leaf with `dims` that one iteration of the scans `scan`
         (outermost first) covers."""
-        return float(
-            math.prod(
-                (k or 1) / max(self.sizes[n], 1) for n, k in scan if n in dims
-            )
-        )
+        parts = ((k or 1) / max(self.sizes[n], 1) for n, k in scan if n in dims)
+        return float(math.prod(parts))
 
     def _input_copies(self, scan: ScanNest, x: Leaf) -> float:
         """The bytes a nest of scans copies out of an input leaf: at each scan level
@@ -156,7 +108,8 @@ class Reference:
         return self.temp * c.block / max(self.block, 1)
 
     def temp_bytes(self, c: PlanCandidate) -> int:
-        """The temporaries of `c`, predicted (see the module's docstring)."""
+        """The temporaries of `c`, predicted: the body's for one iteration's block,
+        and the slices and blocks its scans copy."""
         body = self._body(c)
         if c.scan == self.scan:
             return int(body)
@@ -214,20 +167,14 @@ PROGRESS_AFTER = 1.0
 
 
 class Progress:
-    """Reports what a long planning run is doing.
-
-    Once planning has taken `after` seconds, every step is logged at INFO level on
-    the `"eqx_multimap"` logger and, with `verbose`, shown on a `tqdm` progress bar
-    (if `tqdm` is installed; it is optional)."""
+    """Reports what a long planning run is doing: once it has taken `after`
+    seconds, each step is logged at INFO level on the `"eqx_multimap"` logger and,
+    with `verbose`, shown on a `tqdm` progress bar (if installed; it is optional)."""
 
     def __init__(self, what: str, verbose: bool, after: float = PROGRESS_AFTER):
-        self.what = what
-        self.verbose = verbose
-        self.after = after
-        self.start = time.perf_counter()
-        self.n = 0
-        self.bar: Any = None
-        self.reported = False
+        self.what, self.verbose, self.after = what, verbose, after
+        self.start, self.n = time.perf_counter(), 0
+        self.bar, self.reported = None, False
 
     def step(self, doing: str) -> None:
         self.n += 1
@@ -235,9 +182,8 @@ class Progress:
         if elapsed < self.after:
             return
         self.reported = True
-        logger.info(
-            "%s: %s (step %d, %.1f s so far)", self.what, doing, self.n, elapsed
-        )
+        what, n = self.what, self.n
+        logger.info("%s: %s (step %d, %.1f s so far)", what, doing, n, elapsed)
         if self.verbose and self.bar is None:
             try:
                 from tqdm.auto import tqdm
@@ -253,12 +199,8 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
         if self.reported:
-            logger.info(
-                "%s: planned in %.1f s (%d steps)",
-                self.what,
-                time.perf_counter() - self.start,
-                self.n,
-            )
+            seconds = time.perf_counter() - self.start
+            logger.info("%s: planned in %.1f s (%d steps)", self.what, seconds, self.n)
 
 
 # ------------------------------------------------------------------------------
@@ -352,13 +294,9 @@ class Compiler:
         runs: bool = False,
     ):
         self.problem = call.problem(sizes, standalone=True)
-        self.checkpoint = call.options.checkpoint
-        self.isolate = call.isolate
-        self.backward = backward
-        self.model = model
-        self.sizes = sizes
-        self.on_compile = on_compile
-        self.runs = runs
+        self.checkpoint, self.isolate = call.options.checkpoint, call.isolate
+        self.backward, self.model, self.sizes = backward, model, sizes
+        self.on_compile, self.runs = on_compile, runs
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
             shape = list(np.shape(v))
@@ -366,6 +304,7 @@ class Compiler:
                 shape[ax] = sizes[name]
             self.specs.append(struct(v, tuple(shape)))
         self.n_compiled = 0
+        self.jaxpr: Any = None  # of the program compiled last
         # The compiled program of each candidate compiled for its memory (the
         # forward nest, or its derivative), by nest: what measured mode runs.
         self.programs: dict[NestSpec, Any] = {}
@@ -382,8 +321,9 @@ class Compiler:
         if self.on_compile is not None:
             self.on_compile(what or "compiling a loop body")
         self.n_compiled += 1
-        lowered = jax.jit(fn).lower(specs)
-        return lowered.compile() if runs else analysed(lowered)
+        traced = jax.jit(fn).trace(specs)
+        self.jaxpr = traced.jaxpr.jaxpr
+        return traced.lower().compile() if runs else analysed(traced.lower())
 
     def build(self, spec: NestSpec) -> Build:
         """How a candidate is built: under differentiation, every scan body
@@ -464,18 +404,11 @@ class Compiler:
             leaf(s.shape, s.dtype, {n: a for a, n in enumerate(mapped(dims))})
             for s, dims in ((s, self.problem.out_dims[i]) for i, s in self._outs)
         )
+        trips = full.trips if full.scan else 1
         return Reference(
-            block=full.block,
-            temp=full.temp_bytes,
-            flops=flops,
-            transcendentals=trans,
-            nbytes=nbytes,
-            trips=full.trips if full.scan else 1,
-            scan=full.scan,
-            sizes=self.sizes,
-            inputs=inputs,
-            outputs=outputs,
-        )
+            full.block, full.temp_bytes, flops, trans, nbytes, trips, full.scan,
+            self.sizes, inputs, outputs,
+        )  # fmt: skip
 
     def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
         """A candidate with its costs predicted from `ref`, and its estimated time
@@ -493,18 +426,12 @@ class Compiler:
     def _with_costs(
         self, cand: PlanCandidate, flops: float, trans: float, nbytes: float, ws: int
     ) -> PlanCandidate:
-        assert cand.temp_bytes is not None
         trips = cand.trips if cand.scan else 0
-        fresh = self.model.fresh(cand.temp_bytes)
+        seconds = self.model.seconds(flops, trans, nbytes, trips, ws)
         return dataclasses.replace(
-            cand,
-            flops=flops,
-            transcendentals=trans,
-            bytes_accessed=nbytes,
-            working_set=ws,
-            fresh_bytes=fresh,
-            seconds=self.model.seconds(flops, trans, nbytes, trips, float(fresh)),
-        )
+            cand, flops=flops, transcendentals=trans, bytes_accessed=nbytes,
+            working_set=ws, seconds=seconds,
+        )  # fmt: skip
 
     def evaluate(self, cand: PlanCandidate, budget: int | None) -> PlanCandidate:
         """Compile `cand`: its temporary memory, and if it fits, its costs."""
@@ -524,9 +451,7 @@ class Compiler:
         The working set is the largest memory footprint (arguments, outputs,
         temporaries) of one body, or of the whole candidate when nothing loops.
         """
-        total = list(xla_costs(compiled))
-        ws = 0
-        looped = False
+        total, ws, looped = list(xla_costs(compiled)), 0, False
         for block in blocks(cand.spec, self.problem.sizes):
             if block.trips <= 1:
                 continue
@@ -545,15 +470,35 @@ class Compiler:
         return total[0], total[1], total[2], ws
 
 
+def lockstep(jaxpr: Any) -> bool:
+    """Whether a vmapped program runs a while loop in lockstep: its predicate is
+    batched (as is, or reduced by equinox's `unvmap_any`), so each block loops as
+    long as its slowest element."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while":
+            cond = eqn.params["cond_jaxpr"].jaxpr
+            if cond.outvars[0].aval.shape or _unvmapped(cond):
+                return True
+        if any(lockstep(j) for j in _sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+def _unvmapped(jaxpr: Any) -> bool:
+    return any(
+        eqn.primitive.name in ("unvmap_any", "unvmap_all") and eqn.invars[0].aval.shape
+        or any(_unvmapped(j) for j in _sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
 def _inexact(s: Any) -> bool:
     return jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)
 
 
 def _footprint(compiled: Any) -> int:
-    ma = compiled.memory_analysis()
-    return int(
-        ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
-    )
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes)
 
 
 def xla_costs(compiled: Any) -> tuple[float, float, float]:
@@ -561,9 +506,5 @@ def xla_costs(compiled: Any) -> tuple[float, float, float]:
     ca = compiled.cost_analysis()
     if isinstance(ca, (list, tuple)):  # older JAX: one dict per computation
         ca = ca[0] if ca else {}
-    ca = ca or {}
-    return (
-        float(ca.get("flops", 0.0)),
-        float(ca.get("transcendentals", 0.0)),
-        float(ca.get("bytes accessed", 0.0)),
-    )
+    keys = ("flops", "transcendentals", "bytes accessed")
+    return tuple(float((ca or {}).get(k, 0.0)) for k in keys)  # type: ignore

@@ -1,139 +1,119 @@
-"""The planner's time model, its calibration, and timing compiled programs.
+"""The planner's time model, the machine it is for, and its calibration.
 
 [`TimeModel`][] estimates the run time of a candidate nest from what XLA reports when
-it compiles it (flops, transcendentals, bytes accessed), its loop trips and, on CPU,
-the temporaries that every call allocates afresh. Its constants are machine
-constants: [`calibrate`][] measures them with a short micro-benchmark (a matmul, an
-`exp`, a streaming sum, a scan of trivial steps and, on CPU, page faults of fresh
-memory), which the planner runs once per backend and device kind and keeps in its
-disk cache.
-
-[`concrete_inputs`][] makes fresh arrays of given shapes and dtypes, on which the
-planner's measured mode times compiled programs (with `_timing.time_interleaved`).
+it compiles it (flops, transcendentals, bytes accessed), its per-iteration working
+set, which sets the bandwidth its bytes move at, and its loop trips. [`calibrate`][]
+measures the constants once per machine (the planner keeps them on disk).
 """
 
-import ctypes
 import dataclasses
 import datetime
 import math
 import os
+import pathlib
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._timing import (
-    compiled as compile_program,
-    fmt_bytes,
-    time_interleaved as _time_interleaved,
-)
+from .._timing import compiled as compile_program, fmt_bytes
 
 
 DEFAULT_SOURCE = "default constants, set by hand for one 2-core x86-64"
+SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache"
+# The data caches of the CPU the defaults were set on (L1d, L2, L3), for an OS that
+# does not say.
+FALLBACK_CACHES = (48 * 2**10, 2**20, 32 * 2**20)
+# Bytes per second read and written by a streaming kernel whose data fits each
+# level, smallest first, and past the last; measured on that CPU.
+DEFAULT_BANDWIDTHS = (2.5e11, 2e11, 1.1e11)
+DEFAULT_MEMORY = 1e10
+# An accelerator's defaults (unverified: no accelerator was at hand): its on-chip
+# memory, its bandwidth and its HBM's; each loop trip launches kernels.
+DEVICE_LEVELS = ((32 * 2**20, 3e12),)
+DEVICE_MEMORY = 1e12
 
 
 @dataclasses.dataclass(frozen=True)
 class TimeModel:
     """The estimated run time of a candidate that fits the budget (see `seconds`).
 
-    Throughputs, the overhead of one loop iteration, and on CPU the size above which
-    temporaries are allocated (and page-faulted in) afresh on every call. A
-    `Planner` calibrates them on first use per backend and device kind (see
+    A `Planner` calibrates it on first use per machine (see
     [The planner](../planner.md)); `TimeModel()` is the hand-set default, and
     `Planner(time_model=...)` takes a model of one's own.
 
     - `flops`, `transcendentals`: operations per second.
-    - `bandwidth`: bytes accessed per second.
+    - `levels`: `(bytes, bandwidth)` of each level of the memory hierarchy, smallest
+        first: on CPU the data caches, on an accelerator its on-chip memory; the
+        bandwidth in bytes per second, for data that fits the level.
+    - `bandwidth`: bytes per second past the last level (main memory, HBM).
     - `loop_overhead`: seconds per loop trip.
-    - `page_bandwidth`: bytes per second at which fresh temporaries are
-        page-faulted in.
-    - `fresh_threshold`: temporaries above this many bytes are allocated afresh on
-        every call (`None`: never, as with pooled device memory); `fresh_source`
-        says where the threshold comes from.
     - `calibration`: how the constants were measured, or `None` for defaults.
     """
 
     flops: float = 5e10
     transcendentals: float = 5e9
-    bandwidth: float = 2e10
+    levels: tuple[tuple[int, float], ...] = tuple(
+        zip(FALLBACK_CACHES, DEFAULT_BANDWIDTHS)
+    )
+    bandwidth: float = DEFAULT_MEMORY
     loop_overhead: float = 1e-6
-    # Fresh temporaries are page-faulted in at this rate (measured 2.9-4.3 GB/s on
-    # a 2-core x86-64 machine).
-    page_bandwidth: float = 3e9
-    # glibc's malloc serves blocks above its mmap threshold with a fresh `mmap` each
-    # time; the threshold adapts to the blocks freed, up to this size (64-bit
-    # Linux). `None`: no such cost (pooled device memory).
-    fresh_threshold: int | None = 32 * 2**20
-    fresh_source: str = "glibc malloc's largest mmap threshold"
     calibration: str | None = None
 
     @classmethod
     def for_backend(cls, backend: str) -> "TimeModel":
-        """The default (uncalibrated) constants for a backend."""
+        """The default (uncalibrated) constants for a backend: on CPU, for the
+        caches the OS reports; on an accelerator, a device profile."""
         if backend == "cpu":
-            return cls()
-        return cls(
-            loop_overhead=1e-5,  # an accelerator launches kernels per iteration
-            fresh_threshold=None,
-            fresh_source=f"{backend}: pooled device memory, no fresh pages",
-        )
+            sizes = cache_levels()
+            rates = DEFAULT_BANDWIDTHS + DEFAULT_BANDWIDTHS[-1:] * len(sizes)
+            return cls(levels=tuple(zip(sizes, rates)))
+        return cls(levels=DEVICE_LEVELS, bandwidth=DEVICE_MEMORY, loop_overhead=1e-5)
 
     @property
     def calibrated(self) -> bool:
         return self.calibration is not None
 
-    def fresh(self, temp: int) -> int:
-        """The temporary bytes that each call allocates, and page-faults in, afresh."""
-        threshold = self.fresh_threshold
-        return temp if threshold is not None and temp > threshold else 0
+    def bandwidth_at(self, working_set: int) -> float:
+        """The bandwidth of the smallest level that holds `working_set` bytes."""
+        fits = (rate for size, rate in self.levels if working_set <= size)
+        return next(fits, self.bandwidth)
 
     def seconds(
-        self, flops: float, trans: float, nbytes: float, trips: int, fresh: float = 0.0
+        self, flops: float, trans: float, nbytes: float, trips: int, working_set: int
     ) -> float:
-        """Estimated run time, roofline-like: the larger of compute and memory
-        traffic, plus the page faults of fresh temporaries, plus loop overhead.
+        """Estimated run time: compute, plus memory traffic (the bytes at the
+        bandwidth of the smallest level that holds one loop iteration's
+        `working_set`), plus loop overhead.
 
-        A rough model: it only ranks candidates that already fit the budget, and
-        those do nearly the same flops; when memory-bound, it separates them by the
-        bytes they move (a small block re-reads shared operands once per
-        iteration); on CPU, by the temporaries that every call page-faults in afresh
-        (a big block's); and when compute-bound, by their loop trips.
-        """
+        A rough model: it only ranks candidates that fit the budget, and those do
+        the same flops; it separates them by the level their working set fits, by
+        the bytes they move (a small block re-reads shared operands once per
+        iteration) and by their loop trips. Compute and traffic are added, not
+        overlapped as in a roofline: on CPU a compute-heavy body still slows down
+        when its working set leaves the caches (`docs/design.md`)."""
         compute = flops / self.flops + trans / self.transcendentals
-        memory = nbytes / self.bandwidth
-        return (
-            max(compute, memory)
-            + fresh / self.page_bandwidth
-            + trips * self.loop_overhead
-        )
+        memory = nbytes / self.bandwidth_at(working_set)
+        return compute + memory + trips * self.loop_overhead
 
     def describe(self) -> str:
-        if self.fresh_threshold is not None:
-            fresh = (
-                f"fresh = the temporary bytes when above "
-                f"{fmt_bytes(self.fresh_threshold)}, {self.fresh_source} (allocated "
-                "and page-faulted in on every call), else 0"
-            )
-        else:
-            fresh = f"fresh = 0 ({self.fresh_source})"
-        where = (
-            f"calibrated: {self.calibration}"
-            if self.calibrated
-            else f"not calibrated: {DEFAULT_SOURCE}"
-        )
+        levels = ", ".join(f"{r:.2g} within {fmt_bytes(s)}" for s, r in self.levels)
+        where = f"calibrated: {self.calibration}" if self.calibrated else None
+        where = where or f"not calibrated: {DEFAULT_SOURCE}"
         return (
-            f"est. time = max(flops / {self.flops:.2g} + transcendentals / "
-            f"{self.transcendentals:.2g}, bytes accessed / {self.bandwidth:.2g}) + "
-            f"fresh / {self.page_bandwidth:.2g} + loop trips x "
-            f"{self.loop_overhead:.2g} s; {fresh}. Constants {where}."
+            f"est. time = flops / {self.flops:.2g} + transcendentals / "
+            f"{self.transcendentals:.2g} + bytes accessed / bandwidth + loop trips x "
+            f"{self.loop_overhead:.2g} s; bandwidth: that of the smallest level "
+            f"holding one iteration's working set ({levels}; else "
+            f"{self.bandwidth:.2g}). Constants {where}."
         )
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "levels": [list(x) for x in self.levels]}
 
     @classmethod
     def from_json(cls, data: Any) -> "TimeModel":
@@ -143,17 +123,17 @@ class TimeModel:
             raise ValueError(f"not a stored time model: {data!r}")
         for name in ("flops", "transcendentals", "bandwidth", "loop_overhead"):
             _positive(data[name], name)
-        _positive(data["page_bandwidth"], "page_bandwidth")
-        threshold = data["fresh_threshold"]
-        if threshold is not None and (
-            isinstance(threshold, bool) or not isinstance(threshold, int)
+        levels = data["levels"]
+        if not isinstance(levels, list) or not all(
+            isinstance(x, list) and len(x) == 2 and type(x[0]) is int for x in levels
         ):
-            raise ValueError(f"bad fresh_threshold {threshold!r}")
-        if not isinstance(data["fresh_source"], str) or not (
-            data["calibration"] is None or isinstance(data["calibration"], str)
-        ):
-            raise ValueError("bad time model descriptions")
-        return cls(**data)
+            raise ValueError(f"bad levels {levels!r}")
+        for size, rate in levels:
+            _positive(size, "level size")
+            _positive(rate, "level bandwidth")
+        if not (data["calibration"] is None or isinstance(data["calibration"], str)):
+            raise ValueError("bad time model description")
+        return cls(**{**data, "levels": tuple(map(tuple, levels))})
 
 
 def _positive(x: Any, name: str) -> None:
@@ -168,20 +148,39 @@ def _positive(x: Any, name: str) -> None:
 #
 
 
+def _size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper()
+    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+
+
+def cache_levels(root: str = SYSFS_CACHES) -> tuple[int, ...]:
+    """The sizes of the CPU's data caches (Data and Unified; one per level, the
+    smallest first), as the OS reports them; `FALLBACK_CACHES` if it does not."""
+    found: dict[int, int] = {}
+    try:
+        for index in sorted(pathlib.Path(root).glob("index*")):
+            kind = (index / "type").read_text().strip()
+            if kind in ("Data", "Unified"):
+                level = int((index / "level").read_text())
+                found[level] = _size((index / "size").read_text())
+    except (OSError, ValueError, KeyError):
+        found = {}
+    return tuple(found[k] for k in sorted(found)) or FALLBACK_CACHES
+
+
 def _cpu_model() -> str:
     try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
+        lines = []
+    names = (x.split(":", 1)[1].strip() for x in lines if x.startswith("model name"))
+    return next(names, None) or platform.processor() or platform.machine() or "?"
 
 
 def machine() -> dict[str, Any]:
     """What plans and calibrations are specific to: the backend, the device kind
-    and, for the CPU backend, the host's processor and core count."""
+    and, for the CPU backend, the host's processor, core count and caches."""
     device = jax.devices()[0]
     out: dict[str, Any] = {
         "backend": jax.default_backend(),
@@ -190,21 +189,16 @@ def machine() -> dict[str, Any]:
         "n_devices": jax.device_count(),
     }
     if device.platform == "cpu":
-        out["cpu"] = _cpu_model()
-        out["cores"] = os.cpu_count()
-        out["arch"] = platform.machine()
+        out.update(cpu=_cpu_model(), cores=os.cpu_count(), arch=platform.machine())
+        out["caches"] = list(cache_levels())
     return out
 
 
 def describe_machine(m: dict[str, Any]) -> str:
     if m.get("platform") == "cpu":
-        return f"cpu: {m.get('cpu')}, {m.get('cores')} cores"
+        caches = "/".join(fmt_bytes(s) for s in m.get("caches", ()))
+        return f"cpu: {m.get('cpu')}, {m.get('cores')} cores, caches {caches}"
     return f"{m.get('platform')}: {m.get('device_kind')}"
-
-
-#
-# Running compiled programs on fresh inputs.
-#
 
 
 def concrete_inputs(specs: Any) -> Any:
@@ -234,35 +228,51 @@ def concrete_inputs(specs: Any) -> Any:
 
 
 #
-# Calibration.
+# Calibration: each constant the best of repeated runs, as `timeit` advises, so
+# that another job's noise on the machine does not move it.
 #
 
 
-def _best_of(fn: Callable[[], Any], repeats: int) -> float:
-    """The quickest of `repeats` timed calls, after one untimed call."""
-    times = _time_interleaved([fn], 0.0, repeats, repeats, min_sample=0.0, settle=0)
-    return min(times[0])
+def best_of(fn: Callable[[], Any], repeats: int, timer: Callable = time.perf_counter):
+    """The quickest of `repeats` timed calls of `fn`, after one untimed call."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = timer()
+        jax.block_until_ready(fn())
+        times.append(timer() - start)
+    return min(times)
 
 
-def _rate(fn: Callable, specs: list, key: str, repeats: int = 5) -> float | None:
-    """XLA's `cost_analysis()[key]` of `fn` over the seconds it takes (best of
-    `repeats`), or `None` if either is unavailable."""
+def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | None:
+    """The best seconds of `fn`'s compiled program, or with `key`, XLA's
+    `cost_analysis()[key]` over them."""
     compiled = compile_program(fn, *specs)
-    ca = compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    amount = float((ca or {}).get(key, 0.0))
     args = concrete_inputs(specs)
-    seconds = _best_of(lambda: compiled(*args), repeats)
-    if amount <= 0 or seconds <= 0:
-        return None
-    return amount / seconds
+    seconds = best_of(lambda: compiled(*args), repeats)
+    ca = compiled.cost_analysis() if key else {}
+    ca = (ca[0] if ca else {}) if isinstance(ca, (list, tuple)) else ca
+    amount = float((ca or {}).get(key, 1.0))
+    return amount / seconds if amount > 0 and seconds > 0 else None
 
 
-def _loop_overhead(trips: int = 2048) -> float | None:
+def stream_bandwidth(nbytes: int, repeats: int = 7) -> float | None:
+    """Bytes per second read and written by `y = a * y + b` over `nbytes` of
+    float32, repeated in a loop so that the data stays in the level it fits."""
+    n = max(nbytes // 4, 256)
+    reps = max(2, 2**28 // (4 * n))
+    body = lambda i, y: y * 0.999 + 1.0  # noqa: E731
+
+    def loop(x: Any) -> Any:
+        return jax.lax.fori_loop(0, reps, body, x)
+
+    per_second = _timed(loop, [jax.ShapeDtypeStruct((n,), jnp.float32)], repeats)
+    return 8 * n * reps * per_second if per_second else None
+
+
+def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
     """Seconds per trip of a scan whose body runs a few small kernels (a sort, two
-    16x16 matmuls, an `exp`, a max): what a loop trip costs beyond its arithmetic,
-    which is negligible here."""
+    16x16 matmuls, an `exp`, a max): a trip's cost beyond its arithmetic."""
 
     def step(carry: Any, x: Any) -> tuple[Any, Any]:
         w = jnp.eye(16, dtype=x.dtype) * 0.5
@@ -273,91 +283,40 @@ def _loop_overhead(trips: int = 2048) -> float | None:
         return jax.lax.scan(step, jnp.zeros((), xs.dtype), xs)[1]
 
     spec = jax.ShapeDtypeStruct((trips, 16), jnp.float32)
-    compiled = compile_program(steps, spec)
-    args = concrete_inputs(spec)
-    seconds = _best_of(lambda: compiled(args), 5)
-    return seconds / trips if seconds > 0 else None
+    per_second = _timed(steps, [spec], repeats)
+    return 1 / (per_second * trips) if per_second else None
 
 
-def _page_bandwidth(nbytes: int = 64 * 2**20) -> float | None:
-    """Bytes per second at which fresh `malloc`ed memory above glibc's mmap threshold
-    is written (page-faulted in), beyond the rate of rewriting memory in place."""
-    try:
-        libc = ctypes.CDLL(None)
-        malloc, free = libc.malloc, libc.free
-    except (OSError, AttributeError):
-        return None
-    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    free.restype, free.argtypes = None, [ctypes.c_void_p]
-    kept = malloc(nbytes)
-    if not kept:
-        return None
-    try:
-
-        def fresh() -> float:
-            p = malloc(nbytes)
-            if not p:
-                raise MemoryError
-            t0 = time.perf_counter()
-            ctypes.memset(p, 1, nbytes)
-            dt = time.perf_counter() - t0
-            free(p)
-            return dt
-
-        def reused() -> float:
-            t0 = time.perf_counter()
-            ctypes.memset(kept, 1, nbytes)
-            return time.perf_counter() - t0
-
-        reused()
-        t_fresh = min(fresh() for _ in range(3))
-        t_reused = min(reused() for _ in range(3))
-    except MemoryError:
-        return None
-    finally:
-        free(kept)
-    faults = t_fresh - t_reused
-    return nbytes / faults if faults > 0 else None
-
-
-def calibrate() -> TimeModel:
-    """Measure the time model's constants on the default backend's first device.
-
-    About half a second on a 2-core CPU (four small programs compiled and run a few
-    times, and on CPU 64 MiB of fresh memory written three times). A constant that
-    cannot be measured keeps its default."""
+def calibrate(repeats: int = 7) -> TimeModel:
+    """Measure the time model's constants on the default backend's first device,
+    each the best of `repeats` runs: a matmul, an `exp`, a streaming kernel inside
+    each level of the memory hierarchy (half its size) and past the last (four
+    times it), and a scan of small steps. About a second on a 2-core CPU. A
+    constant that cannot be measured keeps its default."""
     start = time.perf_counter()
-    backend = jax.default_backend()
-    default = TimeModel.for_backend(backend)
-    f32 = jnp.float32
-    n = 256
-    flops = _rate(
-        lambda a, b: a @ b,
-        [jax.ShapeDtypeStruct((n, n), f32)] * 2,
-        "flops",
-    )
-    trans = _rate(
-        lambda x: jnp.sum(jnp.exp(x)),
-        [jax.ShapeDtypeStruct((2**20,), f32)],
-        "transcendentals",
-    )
-    bandwidth = _rate(
-        lambda x: jnp.sum(x), [jax.ShapeDtypeStruct((2**23,), f32)], "bytes accessed"
-    )
-    loop = _loop_overhead()
-    page = _page_bandwidth() if default.fresh_threshold is not None else None
+    default = TimeModel.for_backend(jax.default_backend())
+    matmul = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
+    vector = [jax.ShapeDtypeStruct((2**20,), jnp.float32)]
+    exp = lambda x: jnp.sum(jnp.exp(x))  # noqa: E731
+    sizes = [size for size, _ in default.levels]
+    rates = [stream_bandwidth(size // 2, repeats) for size in sizes]
+    memory = stream_bandwidth(min(4 * max(sizes, default=2**24), 2**28), repeats)
+    # A smaller level is never slower than a larger one: noise is.
+    floor, levels = memory or default.bandwidth, []
+    for size, rate, (_, old) in reversed(list(zip(sizes, rates, default.levels))):
+        floor = max(rate or old, floor)
+        levels.insert(0, (size, floor))
     measured = {
-        "flops": flops,
-        "transcendentals": trans,
-        "bandwidth": bandwidth,
-        "loop_overhead": loop,
-        "page_bandwidth": page,
+        "flops": _timed(lambda a, b: a @ b, matmul, repeats, "flops"),
+        "transcendentals": _timed(exp, vector, repeats, "transcendentals"),
+        "bandwidth": memory,
+        "loop_overhead": _loop_overhead(repeats),
     }
     kept = {k: v for k, v in measured.items() if v is not None and v > 0}
-    missing = sorted(set(measured) - set(kept))
+    missing = sorted(set(measured) - set(kept)) + ["levels"] * (None in rates)
     seconds = time.perf_counter() - start
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
     note = f"{describe_machine(machine())}, in {seconds:.2f} s on {when}"
     if missing:
         note += f" ({', '.join(missing)}: default, not measurable here)"
-    return dataclasses.replace(default, calibration=note, **kept)
+    return dataclasses.replace(default, levels=tuple(levels), calibration=note, **kept)

@@ -22,7 +22,7 @@ PROSE = 88  # where prose wraps
 
 _LEGEND = (
     "temp: temporary memory (~: predicted); bytes: bytes accessed; work set: of one "
-    "loop iteration; fresh: allocated afresh per call; est.: estimated time"
+    "loop iteration; est.: estimated time"
 )
 
 
@@ -70,7 +70,6 @@ class PlanCandidate:
     working_set: int | None = None
     seconds: float | None = None
     fits: bool | None = None
-    fresh_bytes: int | None = None
     measured: float | None = None
     reason: str = ""
     predicted: bool = False
@@ -263,7 +262,7 @@ class Plan:
         """A row of numbers per candidate, the chosen one marked `*`, its nest last
         (broken before its arrows if need be), and its reason under it."""
         sizes = dict(self.sizes)
-        head = ("", "temp", "flops", "bytes", "work set", "fresh", "est.")
+        head = ("", "temp", "flops", "bytes", "work set", "est.")
         head += ("measured",) if self.measured else ()
         rows = [head + ("fits",)]
         for c in cands:
@@ -274,7 +273,6 @@ class Plan:
                 _num(c.flops),
                 _num(c.bytes_accessed),
                 "-" if c.working_set is None else fmt_bytes(c.working_set),
-                "-" if c.fresh_bytes is None else fmt_bytes(c.fresh_bytes),
                 "-" if c.seconds is None else fmt_seconds(c.seconds),
             )
             if self.measured:

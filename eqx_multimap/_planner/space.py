@@ -315,15 +315,15 @@ def summary(
     whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
     if not searched:
         return head + (
-            f"{whole} fits ({temp} <= {b}) and reuses its temporaries from call to "
-            "call; nothing else was compiled."
+            f"{whole} fits ({temp} <= {b}) and its working set is within the last "
+            "level of cache; nothing else was compiled."
         )
     why = f"{whole} fits ({temp} <= {b})"
     if not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
-    if full.fits and full.fresh_bytes:
-        limit = fmt_bytes(model.fresh_threshold or 0)
-        why += f" but allocates it afresh on every call (above {limit})"
+    else:
+        ws = fmt_bytes(full.working_set or 0)
+        why += f" but its working set ({ws}) is past cache"
     n = len(compared)
     if timed:
         mine, best = timed[chosen.key], min(timed.values())

@@ -1,0 +1,286 @@
+"""The planner's time model: the machine's cache levels, a bandwidth per level, its
+calibration (best of repeated runs), and the search that uses it."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from eqx_multimap import explain, filter_multi_vmap, Planner, TimeModel
+from eqx_multimap._planner import model as _model
+from eqx_multimap._resolve import resolve
+
+
+KiB = 1024
+
+
+def _sysfs(root, caches):
+    for i, (level, kind, size) in enumerate(caches):
+        d = root / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    return str(root)
+
+
+def test_cache_levels_read_from_sysfs(tmp_path):
+    caches = [
+        (1, "Data", "32K"),
+        (1, "Instruction", "64K"),
+        (2, "Unified", "512K"),
+        (3, "Unified", "16M"),
+    ]
+    root = _sysfs(tmp_path / "cache", caches)
+    assert _model.cache_levels(root) == (32 * KiB, 512 * KiB, 16 * 2**20)
+    # The default model on this machine has the OS's levels.
+    model = TimeModel.for_backend("cpu")
+    assert tuple(s for s, _ in model.levels) == _model.cache_levels()
+
+
+def test_cache_levels_fallback(tmp_path):
+    assert _model.cache_levels(str(tmp_path / "missing")) == _model.FALLBACK_CACHES
+    bad = _sysfs(tmp_path / "bad", [(1, "Data", "lots")])
+    assert _model.cache_levels(bad) == _model.FALLBACK_CACHES
+    only_code = _sysfs(tmp_path / "code", [(1, "Instruction", "32K")])
+    assert _model.cache_levels(only_code) == _model.FALLBACK_CACHES
+
+
+def test_seconds_is_monotone_in_the_working_set():
+    model = TimeModel()
+    sizes = [s for s, _ in model.levels]
+    # Memory-bound: 1e9 bytes, negligible compute.
+    sets = [1, *sizes, *(s + 1 for s in sizes), 10 * sizes[-1]]
+    times = [model.seconds(1.0, 0.0, 1e9, 0, ws) for ws in sorted(sets)]
+    assert times == sorted(times)
+    # Each boundary crossed costs more: the bandwidths fall level by level.
+    for size, rate in model.levels:
+        assert model.seconds(0.0, 0.0, 1e9, 0, size) == pytest.approx(1e9 / rate)
+        assert model.seconds(1.0, 0.0, 1e9, 0, size + 1) > 1e9 / rate
+    assert model.seconds(0.0, 0.0, 1e9, 0, 2**40) == pytest.approx(1e9 / 1e10)
+    # Compute and traffic are added (not overlapped), plus the loop trips.
+    compute = 1e12 / model.flops + 1e9 / model.transcendentals
+    memory = 1e9 / model.levels[0][1]
+    assert model.seconds(1e12, 1e9, 1e9, 10, 1) == pytest.approx(
+        compute + memory + 10 * model.loop_overhead
+    )
+
+
+def test_time_model_json_round_trip():
+    model = TimeModel.for_backend("cpu")
+    stored = json.loads(json.dumps(model.to_json()))
+    assert TimeModel.from_json(stored) == model
+    for bad in ([[1024]], [[-1, 1e9]], [[1.5, 1e9]], "L2"):
+        with pytest.raises(ValueError):
+            TimeModel.from_json({**stored, "levels": bad})
+
+
+def test_calibration_takes_the_best_of_repeated_runs():
+    # A noisy function under a fake clock: the quickest run is the one kept.
+    durations = iter([5.0, 1.0, 3.0, 9.0])
+    clock = [0.0]
+    calls = []
+
+    def timer():
+        return clock[0]
+
+    def fn():
+        calls.append(1)
+        if len(calls) > 1:  # the first call is untimed
+            clock[0] += next(durations)
+
+    assert _model.best_of(fn, 4, timer=timer) == 1.0
+    assert len(calls) == 5
+
+
+def test_calibrated_levels_are_the_machines(monkeypatch):
+    # The calibration measures one bandwidth per level, each inside it, and one
+    # past the last; each is the best of the repeats.
+    sizes = []
+
+    def stream(nbytes, repeats):
+        sizes.append((nbytes, repeats))
+        return 1e11 / len(sizes)
+
+    monkeypatch.setattr(_model, "stream_bandwidth", stream)
+    model = _model.calibrate(repeats=2)
+    levels = [s for s, _ in TimeModel.for_backend("cpu").levels]
+    assert [s for s, _ in model.levels] == levels
+    assert [n for n, _ in sizes[:-1]] == [s // 2 for s in levels]
+    assert sizes[-1][0] > levels[-1] and all(r == 2 for _, r in sizes)
+    rates = [r for _, r in model.levels] + [model.bandwidth]
+    assert rates == sorted(rates, reverse=True)
+    assert model.calibrated and "caches" in (model.calibration or "")
+
+
+def test_accelerator_profile():
+    # No accelerator here: the structure of the default device profile.
+    model = TimeModel.for_backend("gpu")
+    assert model.levels == _model.DEVICE_LEVELS
+    assert model.bandwidth == _model.DEVICE_MEMORY
+    assert model.loop_overhead > TimeModel().loop_overhead
+
+
+#
+# The search with a memory hierarchy.
+#
+
+
+def _outer(x, w):
+    # One element: a (K, K) intermediate that feeds a matmul (not fused away).
+    return jnp.sum(jnp.tanh(jnp.outer(x, x) * w) @ x)
+
+
+def _args(getkey, t=16, b=12, k=32):
+    x = jax.random.normal(getkey(), (t, b, k)) * 0.1
+    w = jax.random.normal(getkey(), (k, k)) * 0.1
+    return x, w
+
+
+def _map(plan, budget):
+    return filter_multi_vmap(
+        _outer, in_dims=("T B K", None), out_dims="T B", plan=plan,
+        memory_budget=budget,
+    )  # fmt: skip
+
+
+def _reference(x, w):
+    return np.stack([np.stack([_outer(xb, w) for xb in xt]) for xt in x])
+
+
+def _plan(model, getkey, budget=2**30):
+    x, w = _args(getkey)
+    f = _map(Planner(cache_dir=False, time_model=model), budget)
+    plan = explain(f, x, w)
+    np.testing.assert_allclose(f(x, w), _reference(x, w), rtol=1e-4, atol=1e-5)
+    return plan
+
+
+def _ws(plan, c):
+    return c.working_set
+
+
+# A machine whose last level is 64 KiB: full vmap (16 * 12 elements of 4 KiB
+# intermediates) is past it.
+SMALL = 64 * KiB
+
+
+def test_full_vmap_within_the_last_level_is_kept(getkey):
+    plan = _plan(TimeModel(levels=((2**30, 1e11),)), getkey)
+    assert plan.scan == {} and plan.n_compiled == 1
+    assert "within 1.0 GiB of cache" in " ".join(plan.table(all=True).split())
+
+
+def test_a_block_inside_a_level_is_compiled_and_chosen(getkey):
+    # Full vmap is over this budget; the largest block that fits is past the 64 KiB
+    # level, and the largest inside it (predicted) is compiled to check the budget
+    # (its prediction is not far within it), then chosen: the model says the level
+    # is 100x faster.
+    model = TimeModel(levels=((SMALL, 1e11),), bandwidth=1e9)
+    budget = 128 * KiB
+    plan = _plan(model, getkey, budget)
+    chosen = plan.chosen
+    assert chosen.scan and chosen.working_set <= SMALL and not chosen.predicted
+    assert chosen.temp_bytes <= budget and chosen.fits
+    costed = [c for c in plan.candidates if c.seconds is not None]
+    assert any(c.working_set > SMALL for c in costed)  # the budget's boundary
+    assert chosen == min(costed, key=lambda c: c.seconds)
+    # The same machine with one bandwidth: the larger block wins (fewer trips).
+    flat = _plan(dataclasses.replace(model, bandwidth=1e11), getkey, budget)
+    assert flat.chosen.block > chosen.block
+    assert flat.chosen.working_set > SMALL
+
+
+def test_full_vmap_past_the_last_level_is_compared_with_blocks(getkey):
+    # Full vmap fits, but its working set is past the level: the largest block
+    # inside it is costed too, its temporaries predicted (far within the budget, not
+    # compiled), and wins.
+    model = TimeModel(levels=((SMALL, 1e11),), bandwidth=1e9)
+    plan = _plan(model, getkey)
+    full = plan.candidates[0]
+    assert full.source == "full vmap" and full.fits and full.working_set > SMALL
+    chosen = plan.chosen
+    assert chosen.scan and chosen.working_set <= SMALL and chosen.predicted
+    assert plan.n_compiled == 1
+    assert "fits 64.0 KiB of cache" in chosen.reason
+
+
+def test_simulated_accelerator_prefers_the_block_on_chip(getkey):
+    # A device profile: 96 KiB of on-chip memory at 1e12 B/s, HBM at 1e10, and a
+    # kernel launch per loop trip. The planner picks the largest block on chip.
+    device = TimeModel(
+        flops=1e13,
+        transcendentals=1e12,
+        levels=((96 * KiB, 1e12),),
+        bandwidth=1e10,
+        loop_overhead=1e-6,
+    )
+    plan = _plan(device, getkey)
+    chosen = plan.chosen
+    assert chosen.scan and chosen.working_set <= 96 * KiB
+    on_chip = [
+        c for c in plan.candidates
+        if c.working_set is not None and c.working_set <= 96 * KiB
+    ]  # fmt: skip
+    assert chosen.block == max(c.block for c in on_chip)
+    # With a kernel launch 100x dearer, fewer trips win: full vmap.
+    dear = _plan(dataclasses.replace(device, loop_overhead=1e-4), getkey)
+    assert dear.scan == {}
+
+
+#
+# A while loop in lockstep.
+#
+
+
+def _halve_until_small(x):
+    # Each element loops until its own norm is small: a data-dependent trip count.
+    def cond(y):
+        return jnp.sum(y * y) > 1e-6
+
+    return jax.lax.while_loop(cond, lambda y: y * 0.5, x)
+
+
+def _halve_ten_times(x):
+    return jax.lax.fori_loop(0, 10, lambda i, y: y * 0.5, x)
+
+
+def test_lockstep_is_found_in_the_vmapped_program():
+    import equinox.internal as eqxi
+    from eqx_multimap._planner.cost import lockstep
+
+    x = jnp.ones((4, 8))
+    vmapped = lambda f: jax.make_jaxpr(jax.vmap(f))(x).jaxpr  # noqa: E731
+    assert lockstep(vmapped(_halve_until_small))
+    assert not lockstep(jax.make_jaxpr(_halve_until_small)(x[0]).jaxpr)
+    assert not lockstep(vmapped(_halve_ten_times))
+
+    def unvmapped(x):  # as equinox's loops reduce a batched predicate
+        cond = lambda y: eqxi.unvmap_any(jnp.sum(y * y) > 1e-6)  # noqa: E731
+        return jax.lax.while_loop(cond, lambda y: y * 0.5, x)
+
+    assert lockstep(vmapped(unvmapped))
+    assert not lockstep(jax.make_jaxpr(unvmapped)(x[0]).jaxpr)
+
+
+@pytest.mark.parametrize("body", [_halve_until_small, _halve_ten_times])
+def test_a_while_loop_in_lockstep_plans_one_element_per_trip(getkey, body):
+    # Full vmap fits and is within the cache: kept, unless the body's while loop
+    # runs in lockstep when vmapped; then the smallest block is costed, and wins
+    # when its estimate is within 5% (here loop trips are nearly free).
+    scale = 10.0 ** jnp.arange(6, dtype=jnp.float32)[None, :, None]
+    x = jax.random.normal(getkey(), (8, 6, 16)) * scale
+    model = TimeModel(loop_overhead=1e-12)
+    planner = Planner(cache_dir=False, time_model=model)
+    kw = dict(in_dims="T B K", out_dims="T B K", core="K")
+    f = filter_multi_vmap(body, plan=planner, **kw)
+    plan = planner.plan(resolve(f._fun, f._options, (x,), {}))  # forward only
+    if body is _halve_until_small:
+        assert plan.chosen.block == 1 and set(plan.scan) == {"T", "B"}
+        assert "lockstep" in plan.chosen.reason
+    else:
+        assert plan.scan == {} and plan.n_compiled == 1
+    want = np.stack([np.stack([body(xb) for xb in xt]) for xt in x])
+    np.testing.assert_allclose(f(x), want, rtol=1e-6)
