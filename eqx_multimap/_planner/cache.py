@@ -251,7 +251,6 @@ def plan_key(
         "checkpoint": call.options.checkpoint,
         "budget": request.budget,
         "backward": request.backward,
-        "measure": request.measure,
         "search": [SEARCH_VERSION, MAX_COMPILES, MAX_MEASURED, KEEP_WITHIN],
         "time_model": (
             request.model.to_json() if request.model_key is None else request.model_key
@@ -285,6 +284,7 @@ def plan_json(plan: Plan, how: str) -> dict[str, Any]:
             "checkpoint": plan.checkpoint,
             "summary": plan.summary,
             "measured": plan.measured,
+            "basis": plan.basis,
             "how": how,
             "created": datetime.datetime.now()
             .astimezone()
@@ -366,9 +366,11 @@ def plan_from_json(stored: Any, request: Request) -> "Plan | str":
         raise ValueError("the chosen candidate does not fit the budget")
     if chosen.temp_bytes is not None and chosen.temp_bytes > budget:
         raise ValueError("the chosen candidate does not fit the budget")
-    checkpoint, measured = p["checkpoint"], p["measured"]
+    checkpoint, measured, basis = p["checkpoint"], p["measured"], p["basis"]
     if not isinstance(checkpoint, bool) or not isinstance(measured, bool):
         raise ValueError("bad flags")
+    if basis not in ("arguments", "inputs", "model"):
+        raise ValueError("bad basis")
     for text in (p["summary"], p["how"], p["created"]):
         if not isinstance(text, str):
             raise ValueError("bad descriptions")
@@ -382,5 +384,6 @@ def plan_from_json(stored: Any, request: Request) -> "Plan | str":
         time_model=request.model,
         summary=p["summary"],
         measured=measured,
+        basis=basis,
         cache=f"{p['how']}, on {p['created']}",
     )

@@ -53,6 +53,7 @@ the machine's load, the model's ranking does not.
 """
 
 import dataclasses
+import itertools as it
 import logging
 import math
 import time
@@ -265,46 +266,105 @@ class Progress:
 # Measure
 
 
-# How many candidates are timed, and for about how long.
+# Measured mode times at most `MAX_MEASURED` candidates, each on a sub-slice of the
+# mapped dims holding `BLOCKS` of its loop trips (and at least `MIN_SLICE` of the
+# elements), and compiles no more once planning has taken `CAP` times the compile
+# of the first one timed (the model's choice). It keeps the model's choice unless
+# another measured faster by more than `KEEP_WITHIN`.
 MAX_MEASURED = 12
-MEASURE_SECONDS = 2.0
-# The time model's choice is kept unless another candidate measured faster than it
-# by more than this factor.
+BLOCKS = 4
+MIN_SLICE = 1 / 8
+CAP = 8.0
 KEEP_WITHIN = 1.10
 
 
 def measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
-    """The candidates measured mode times: `first` (the model's choice), then, of
-    the rest `ranked` by estimate, all if they are few, else the best half of
-    `MAX_MEASURED` and an even spread over the others. The estimates cannot see
-    the chunk-shape effects that measuring is for, so a candidate far down the
-    ranking (many small blocks) can be the fastest; a spread samples it."""
+    """The candidates measured mode times, in the order it compiles them: `first`
+    (the model's choice), then the best of the rest `ranked` by estimate, taking
+    turns with an even spread over the others (the estimates cannot see what
+    measuring is for, so a candidate far down the ranking can be the fastest)."""
     rest = [k for k in ranked if k != first]
     room = MAX_MEASURED - 1
-    if len(rest) > room:
-        head, tail = rest[: room // 2], rest[room // 2 :]
-        m = room - len(head)
-        picks = [tail[round(i * (len(tail) - 1) / max(m - 1, 1))] for i in range(m)]
-        rest = head + list(dict.fromkeys(picks))
-    return [first, *rest]
+    head, tail = rest[: room // 2], rest[room // 2 :]
+    m = min(room - len(head), len(tail))
+    spread = [tail[round(i * (len(tail) - 1) / max(m - 1, 1))] for i in range(m)]
+    turns = [k for pair in it.zip_longest(head, spread) for k in pair if k]
+    return list(dict.fromkeys([first, *turns]))
 
+
+def sub_slice(c: PlanCandidate, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+    """The elements of each dim `c` scans that it is timed on: whole chunks, spread
+    evenly over the dim (a cost that depends on the data may vary along it),
+    `BLOCKS` loop trips or more (at least `MIN_SLICE` of the elements) in all."""
+    trips = max(BLOCKS, math.ceil(MIN_SLICE * math.prod(sizes.values()) / c.block))
+    out = {}
+    for name, chunk in reversed(c.scan):  # the innermost scan takes the most
+        k = chunk or 1
+        n = max(sizes[name] // k, 1)
+        m = min(n, trips)
+        starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * k
+        out[name] = (starts[:, None] + np.arange(k)).ravel()
+        trips = math.ceil(trips / m)
+    return out
+
+
+def _sliced(call: Call, index: dict[str, np.ndarray], sub: dict[str, int]) -> list:
+    """The call's values at the elements `index` gives (and of the other dims, the
+    first `sub` elements: one device's block with `shard=`)."""
+    out = []
+    for v, axes in zip(call.values, call.leaf_axes):
+        for name, ax in axes.items():
+            if name in index:
+                v = jax.numpy.take(v, index[name], axis=ax)
+            elif np.shape(v)[ax] != sub[name]:
+                v = jax.lax.slice_in_dim(v, 0, sub[name], axis=ax)
+        out.append(v)
+    return out
 
 
 def time_candidates(
-    cands: list[PlanCandidate],
-    programs: list[Any],
-    args: Any,
-    step: Callable[[str], None],
-) -> dict[tuple, float]:
-    """Run each candidate's compiled program on `args`, side by side; the median
-    seconds per call of each, by candidate key."""
-    fns = [lambda p=p: p(args) for p in programs]
-
-    def on_round(r: int, rounds: int) -> None:
-        step(f"timing {len(cands)} candidates, round {r + 1}")
-
-    times = time_interleaved(fns, MEASURE_SECONDS, drop_above=1.25, on_round=on_round)
-    return {c.key: float(np.median(ts)) for c, ts in zip(cands, times)}
+    parent: "Compiler", call: Call, cands: list[PlanCandidate], values: bool, start: float
+) -> tuple[dict[tuple, float], dict[tuple, dict[str, int]]]:
+    """Time `cands` on sub-slices (`sub_slice`) of the call's values (with `values`;
+    else of made-up arrays), compiled one by one (counted by `parent`) until the
+    cap (`CAP`, from `start`), then side by side. Their seconds for the whole call
+    (per element, times the elements), and the sizes each was timed at, by key."""
+    sizes, step = parent.sizes, parent.on_compile or (lambda what: None)
+    total = math.prod(sizes.values())
+    deadline, runs, slices = None, [], {}
+    for i, c in enumerate(cands):
+        if deadline is not None and i > 1 and time.perf_counter() > deadline:
+            break
+        index = sub_slice(c, sizes)
+        sub = {**sizes, **{n: len(x) for n, x in index.items()}}
+        compiler = Compiler(call, sub, parent.model, parent.backward, step)
+        fn, specs = compiler._program(c.spec)
+        t0 = time.perf_counter()
+        program = compiler.compile(fn, specs, f"compiling {c.nest(sub)}", runs=True)
+        parent.n_compiled += 1
+        if deadline is None:
+            deadline = start + CAP * 0.75 * (time.perf_counter() - t0)
+        args = concrete_inputs(specs)
+        if values:
+            sliced = _sliced(call, index, sub)
+            args = [sliced, args[1]] if parent.backward else sliced
+        t0 = time.perf_counter()
+        jax.block_until_ready(program(args))  # a warm-up, and a first time
+        scale = total / math.prod(sub.values())
+        runs.append((c, lambda p=program, a=args: p(a), scale, time.perf_counter() - t0))
+        slices[c.key] = {n: sub[n] for n in index}
+    best = min(t * scale for _, _, scale, t in runs)
+    timed = {c.key: t * scale for c, _, scale, t in runs}
+    close = [r for r in runs if r[3] * r[2] <= 3 * best]  # the others: one run
+    if len(close) > 1:
+        left = max((deadline or 0.0) - time.perf_counter(), 0.0)
+        times = time_interleaved(
+            [fn for _, fn, _, _ in close], left, min_rounds=2, drop_above=1.25,
+            on_round=lambda r, n: step(f"timing {len(close)} candidates, round {r + 1}"),
+        )  # fmt: skip
+        for (c, _, scale, _), ts in zip(close, times):
+            timed[c.key] = float(np.median(ts)) * scale
+    return timed, slices
 
 
 # ------------------------------------------------------------------------------

@@ -127,7 +127,9 @@ class Plan:
     - `n_compiled`: how many compiles planning took here (candidates and loop
         bodies; `0` when the plan was read from the disk cache).
     - `seconds`: how long planning (or reading the plan) took.
-    - `measured`: whether candidates were timed (`Planner(measure=True)`).
+    - `measured`: whether candidates were timed (`Planner(measure=True)`), and
+        `basis` what the choice rests on: `"arguments"` (timed on the call's own
+        arguments), `"inputs"` (timed on made-up inputs) or `"model"`.
     - `given`: the mapped dims whose strategy was given (`scan=`, `vmap=`,
         `shard=`), which the planner kept; `collective`: the dims the body uses in
         collectives, which it never scans.
@@ -163,6 +165,7 @@ class Plan:
     time_model: TimeModel | None = None
     summary: str = ""
     measured: bool = False
+    basis: str = "model"
     given: tuple[str, ...] = ()
     collective: tuple[str, ...] = ()
     # Where a plan came from is not part of what it is.

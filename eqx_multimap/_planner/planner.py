@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from .._blocks import plural
+from .._body import data_dependent
 from .._errors import SpecError
 from .._resolve import Call
 from .cache import (
@@ -34,7 +35,7 @@ from .cache import (
     plan_json,
     plan_key,
 )
-from .cost import Compiler, Progress
+from .cost import CAP, Compiler, Progress
 from .model import calibrate, TimeModel
 from .plan import Plan
 from .search import Search
@@ -178,6 +179,7 @@ class Planner:
         self._disk_resolved = False
         self._time_model = time_model
         self._cache: co.OrderedDict[Any, Plan | str] = co.OrderedDict()
+        self._signatures: co.OrderedDict[Any, None] = co.OrderedDict()
         self.n_plans = 0
         self.n_compiles = 0
         self.n_disk_hits = 0
@@ -290,16 +292,30 @@ class Planner:
             disk.write("calibration", key, model.to_json())
         return model
 
+    def first_time(self, signature: Any) -> bool:
+        """Whether an un-jitted call of this `signature` is the first (measured
+        mode then times its nest on its arguments)."""
+        with self._lock:
+            if signature in self._signatures:
+                return False
+            self._signatures[signature] = None
+            if len(self._signatures) > self.max_cache:
+                self._signatures.popitem(last=False)
+            return True
+
     def clear(self) -> None:
         """Forget every plan cached in memory (the disk cache is kept)."""
         with self._lock:
             self._cache.clear()
+            self._signatures.clear()
 
-    def plan(self, call: Call, backward: bool = False) -> Plan:
+    def plan(self, call: Call, backward: bool = False, tune: bool = False) -> Plan:
         """The (cached) automatic plan for a resolved call.
 
         With `backward`, the plan of the nest that differentiation runs: the memory
-        budget is then that of its reverse-mode derivative.
+        budget is then that of its reverse-mode derivative. With `tune`, the call's
+        values are concrete, and candidates are timed on them (unless a plan timed
+        on arguments is cached): the plan is kept as any other, for later calls.
 
         With `shard=`, the plan is for the local nest inside `shard_map`: the sharded
         dims keep their strategy (scanned if in `scan`, else vmapped) at their local
@@ -319,14 +335,22 @@ class Planner:
         body = fingerprint(call)
         key += (body, collective)
         start = time.perf_counter()
+        data = data_dependent(call.body.standalone.jaxpr.jaxpr)
+        # What a plan must rest on to be used: measured on arguments to tune, on
+        # made-up inputs (or anything) to measure a body whose cost does not
+        # depend on its data; anything otherwise.
+        wanted = ["arguments"] if tune else ["arguments", "inputs"]
+        if not tune and (not self.measure or data):
+            wanted.append("model")
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
         if isinstance(cached, str):  # no nest fit this signature
             raise SpecError(cached)
-        if cached is not None:
+        if cached is not None and cached.basis in wanted:
             return _noted(cached, note)
+        measure = tune or (self.measure and not data)
         request = Request(
             call,
             sizes,
@@ -335,8 +359,9 @@ class Planner:
             source,
             backward,
             self.time_model,
-            self.measure,
+            measure,
             self._model_key(),
+            tune,
         )
         disk = self._disk_cache()
         disk_key = None
@@ -346,7 +371,7 @@ class Planner:
             if isinstance(found, str):  # no nest fits, as found before
                 self._store(key, found)
                 raise SpecError(found)
-            if found is not None:
+            if found is not None and found.basis in wanted:
                 found = dataclasses.replace(found, seconds=_since(start))
                 earlier = (
                     f"read by an earlier call from the disk cache, {found.cache_path}"
@@ -356,7 +381,14 @@ class Planner:
                 if options.verbose:
                     print(found)
                 return found
-        plan = _noted(self._plan_now(request, disk, disk_key, key), note)
+        why = ""
+        if self.measure and data and not tune:
+            why = (
+                f" The body's cost depends on its data ({data}): planned by the "
+                "model; call `eqx_multimap.tune(f, *args)` with real arguments to "
+                "measure."
+            )
+        plan = _noted(self._plan_now(request, disk, disk_key, key, why), note)
         if options.verbose:
             print(plan)
         return plan
@@ -390,8 +422,10 @@ class Planner:
         disk: DiskCache | None,
         disk_key: dict[str, Any] | None,
         key: Any,
+        why: str,
     ) -> Plan:
-        """Search for the plan, and keep it (or the no-fit error) in the caches."""
+        """Search for the plan, and keep it (or the no-fit error) in the caches;
+        `why` ends its summary (why it was not measured)."""
         call = request.call
         what = f"{call.fun_name}: planning"
         what += " (backward)" if request.backward else ""
@@ -415,6 +449,11 @@ class Planner:
             progress.close()
         n = plan.n_compiled
         how = f"{plan.seconds:.2f} s, {plural(n, 'compile')}"
+        basis = "model"
+        if request.measure:
+            basis = "arguments" if request.values else "inputs"
+            why = _measured(plan, search.slices, request.values)
+        plan = dataclasses.replace(plan, basis=basis, summary=plan.summary + why)
         path = None
         if disk is None or disk_key is None:
             where = "no disk cache, kept in this process only"
@@ -443,6 +482,22 @@ class Planner:
             self._cache[key] = value
             if len(self._cache) > self.max_cache:
                 self._cache.popitem(last=False)
+
+
+def _measured(plan: Plan, slices: dict[tuple, dict[str, int]], values: bool) -> str:
+    """The sentence that says what a measured plan's times were taken on."""
+    n = sum(c.measured is not None for c in plan.candidates)
+    if not n:
+        return ""
+    what = "the call's arguments" if values else "made-up inputs of its shapes"
+    sizes = dict(plan.sizes)
+    sub = slices.get(plan.chosen.key, {})
+    at = ", ".join(f"{d} {k} of {sizes[d]}" for d, k in sub.items()) or "whole"
+    return (
+        f" Timed on {what}: {n} candidates, each on a slice of its scanned dims "
+        f"holding a few of its blocks (the chosen: {at}), per element, compiling "
+        f"for at most {CAP:g}x the first compile."
+    )
 
 
 SYMBOLIC_STAND_IN = 2
