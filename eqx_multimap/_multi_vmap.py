@@ -649,7 +649,7 @@ def tune(fn: Callable, /, *args, **kwargs) -> Plan:
     wrapper, bound_args = _unwrap(fn)
     if wrapper._options.plan is None:
         raise SpecError(
-            f"`eqx_multimap.tune(fn, ...)`: {fun_name_of(wrapper._fun)} has a fixed "
+            f"`eqx_multimap.tune(fn, ...)`: `{fun_name_of(wrapper._fun)}` has a fixed "
             "nest; pass `plan='auto'` (or `plan=Planner(...)`) to "
             "`filter_multi_vmap` to plan it."
         )

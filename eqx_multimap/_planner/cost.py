@@ -20,7 +20,7 @@ emitters, which emit code much faster. Memory and cost analyses are made by XLA 
 the optimised HLO, before code is emitted, so they are near the default compile's
 (a test checks it): on the benchmarks' workloads, the same temporaries or up to
 256 bytes more, and costs within 7%, for about a quarter of the compile time.
-Programs that measured mode runs are compiled as usual.
+Programs that measured mode runs (on sub-slices) are compiled as usual.
 
 Predicting a candidate nest's temporaries and costs from full vmap's, uncompiled.
 
@@ -42,14 +42,9 @@ candidate of the call:
 
 Progress of a long planning run: logged, and optionally shown on a progress bar.
 
-Measured mode (`Planner(measure=True)`): which candidates are timed, and timing
-them side by side.
-
-The time model cannot see what the chunk shape does to XLA:CPU's code, so measured
-mode runs up to `MAX_MEASURED` candidates that fit on fresh inputs of the call's
-shapes, interleaved round by round, and the fastest wins, unless the model's own
-choice measured within `KEEP_WITHIN` of it: timings of near-equal nests shift with
-the machine's load, the model's ranking does not.
+Measured mode (`Planner(measure=True)`, `eqx_multimap.tune`): which candidates are
+timed, on which sub-slice of the call's values (or of made-up arrays), for how
+long.
 """
 
 import dataclasses
@@ -323,14 +318,15 @@ def _sliced(call: Call, index: dict[str, np.ndarray], sub: dict[str, int]) -> li
 
 
 def time_candidates(
-    parent: "Compiler", call: Call, cands: list[PlanCandidate], values: bool, start: float
+    parent: "Compiler", call: Call, cands: list[PlanCandidate], values: bool
 ) -> tuple[dict[tuple, float], dict[tuple, dict[str, int]]]:
     """Time `cands` on sub-slices (`sub_slice`) of the call's values (with `values`;
-    else of made-up arrays), compiled one by one (counted by `parent`) until the
-    cap (`CAP`, from `start`), then side by side. Their seconds for the whole call
-    (per element, times the elements), and the sizes each was timed at, by key."""
+    else of made-up arrays): compiled (counted by `parent`) and run once each, in
+    turn, until planning (from `parent.start`) has taken `CAP` times the first
+    compile; then those within 3x of the fastest side by side. Their seconds for
+    the whole call (per element, times the elements), and the sizes each was timed
+    at, by key."""
     sizes, step = parent.sizes, parent.on_compile or (lambda what: None)
-    total = math.prod(sizes.values())
     deadline, runs, slices = None, [], {}
     for i, c in enumerate(cands):
         if deadline is not None and i > 1 and time.perf_counter() > deadline:
@@ -343,24 +339,25 @@ def time_candidates(
         program = compiler.compile(fn, specs, f"compiling {c.nest(sub)}", runs=True)
         parent.n_compiled += 1
         if deadline is None:
-            deadline = start + CAP * 0.75 * (time.perf_counter() - t0)
+            deadline = parent.start + CAP * (time.perf_counter() - t0)
         args = concrete_inputs(specs)
         if values:
             sliced = _sliced(call, index, sub)
             args = [sliced, args[1]] if parent.backward else sliced
         t0 = time.perf_counter()
         jax.block_until_ready(program(args))  # a warm-up, and a first time
-        scale = total / math.prod(sub.values())
-        runs.append((c, lambda p=program, a=args: p(a), scale, time.perf_counter() - t0))
+        scale = math.prod(sizes.values()) / math.prod(sub.values())
+        fn = lambda p=program, a=args: p(a)  # noqa: E731
+        runs.append((c, fn, scale, (time.perf_counter() - t0) * scale))
         slices[c.key] = {n: sub[n] for n in index}
-    best = min(t * scale for _, _, scale, t in runs)
-    timed = {c.key: t * scale for c, _, scale, t in runs}
-    close = [r for r in runs if r[3] * r[2] <= 3 * best]  # the others: one run
+    timed = {c.key: first for c, _, _, first in runs}
+    best = min(timed.values())
+    close = [r for r in runs if r[3] <= 3 * best]  # the others: their one run
+    left = max((deadline or 0.0) - time.perf_counter(), 0.0)
     if len(close) > 1:
-        left = max((deadline or 0.0) - time.perf_counter(), 0.0)
         times = time_interleaved(
             [fn for _, fn, _, _ in close], left, min_rounds=2, drop_above=1.25,
-            on_round=lambda r, n: step(f"timing {len(close)} candidates, round {r + 1}"),
+            on_round=lambda r, n: step(f"timing {len(close)} candidates, round {r}"),
         )  # fmt: skip
         for (c, _, scale, _), ts in zip(close, times):
             timed[c.key] = float(np.median(ts)) * scale
@@ -409,7 +406,6 @@ class Compiler:
         model: TimeModel,
         backward: bool = False,
         on_compile: Callable[[str], None] | None = None,
-        runs: bool = False,
     ):
         self.problem = call.problem(sizes, standalone=True)
         self.checkpoint = call.options.checkpoint
@@ -418,7 +414,7 @@ class Compiler:
         self.model = model
         self.sizes = sizes
         self.on_compile = on_compile
-        self.runs = runs
+        self.start = time.perf_counter()  # when planning began
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
             shape = list(np.shape(v))
@@ -427,9 +423,8 @@ class Compiler:
             self.specs.append(struct(v, tuple(shape)))
         self.n_compiled = 0
         # The compiled program of each candidate compiled for its memory (the
-        # forward nest, or its derivative), by nest: what measured mode runs.
+        # forward nest, or its derivative), by nest.
         self.programs: dict[NestSpec, Any] = {}
-        self._program_args: Any = None
         # The outputs whose blocks a loop iteration holds: every output, or
         # differentiated, the cotangent of every inexact one (index, struct).
         self._outs: list[tuple[int, Any]] | None = None
@@ -486,15 +481,9 @@ class Compiler:
         """Compile the candidate's program; its temporary memory."""
         fn, specs = self._program(cand.spec)
         what = f"compiling {cand.nest(self.sizes)}"
-        compiled = self.compile(fn, specs, what, runs=self.runs)
+        compiled = self.compile(fn, specs, what)
         self.programs[cand.spec] = compiled
-        if self._program_args is None:
-            self._program_args = specs
         return int(compiled.memory_analysis().temp_size_in_bytes)
-
-    def program_inputs(self) -> Any:
-        """Fresh concrete arguments for the compiled programs."""
-        return concrete_inputs(self._program_args)
 
     def reference(self, full: PlanCandidate) -> Reference:
         """What the search predicts every candidate from: full vmap (`full`,

@@ -578,7 +578,7 @@ class Search:
         cands = [self.known.get(k, by_key[k]) for k in pool]
         try:
             timed, slices = time_candidates(
-                self.compiler, self.call, cands, self.request.values, self.progress.start
+                self.compiler, self.call, cands, self.request.values
             )
         except Exception as e:  # e.g. inputs of a dtype we cannot make
             note = f"could not measure ({type(e).__name__}: {e}), so estimated"
