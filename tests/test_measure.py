@@ -59,10 +59,12 @@ def test_sub_slice_spreads_whole_chunks():
     sizes = {"T": 32, "F": 16}
     c = PlanCandidate((("T", None), ("F", 4)), (), 4, 128, "ladder")
     index = cost.sub_slice(c, sizes)
-    # The innermost scan: whole chunks of 4, spread over F; T one element.
-    assert list(index["F"]) == list(range(16))
-    assert len(index["T"]) * 16 >= cost.MIN_SLICE * 512
-    assert index["T"][0] == 0 and index["T"][-1] == 31  # spread to the last
+    # Whole chunks of 4, spread over F; the loop trips shared out between T and F.
+    assert list(index["F"]) == list(range(16))  # 4 chunks of 4
+    assert len(index["T"]) * len(index["F"]) >= cost.MIN_SLICE * 512
+    assert list(index["T"]) == [0, 10, 21, 31]  # spread to the last
+    one = PlanCandidate((("T", None), ("F", None)), (), 1, 512, "ladder")
+    assert [len(x) for x in cost.sub_slice(one, sizes).values()] == [8, 8]
     full = PlanCandidate((), ("T", "F"), 512, 1, "full vmap")
     assert cost.sub_slice(full, sizes) == {}
 

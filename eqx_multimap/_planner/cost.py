@@ -271,32 +271,35 @@ BLOCKS = 4
 MIN_SLICE = 1 / 8
 CAP = 8.0
 KEEP_WITHIN = 1.10
+SLOW_RUN = 0.25  # seconds
 
 
 def measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
     """The candidates measured mode times, in the order it compiles them: `first`
     (the model's choice), then the best of the rest `ranked` by estimate, taking
-    turns with an even spread over the others (the estimates cannot see what
-    measuring is for, so a candidate far down the ranking can be the fastest)."""
+    turns with an even spread over the others from the worst estimate up (the
+    estimates cannot see what measuring is for: the smallest blocks, which loop
+    the most, waste the least when the elements' costs differ)."""
     rest = [k for k in ranked if k != first]
     room = MAX_MEASURED - 1
     head, tail = rest[: room // 2], rest[room // 2 :]
     m = min(room - len(head), len(tail))
     spread = [tail[round(i * (len(tail) - 1) / max(m - 1, 1))] for i in range(m)]
-    turns = [k for pair in it.zip_longest(head, spread) for k in pair if k]
+    turns = [k for pair in it.zip_longest(head, spread[::-1]) for k in pair if k]
     return list(dict.fromkeys([first, *turns]))
 
 
 def sub_slice(c: PlanCandidate, sizes: dict[str, int]) -> dict[str, np.ndarray]:
     """The elements of each dim `c` scans that it is timed on: whole chunks, spread
     evenly over the dim (a cost that depends on the data may vary along it),
-    `BLOCKS` loop trips or more (at least `MIN_SLICE` of the elements) in all."""
+    `BLOCKS` loop trips or more (at least `MIN_SLICE` of the elements) in all,
+    shared out evenly between the dims."""
     trips = max(BLOCKS, math.ceil(MIN_SLICE * math.prod(sizes.values()) / c.block))
     out = {}
-    for name, chunk in reversed(c.scan):  # the innermost scan takes the most
+    for i, (name, chunk) in enumerate(reversed(c.scan)):  # shared out, inner first
         k = chunk or 1
         n = max(sizes[name] // k, 1)
-        m = min(n, trips)
+        m = min(n, math.ceil(trips ** (1 / (len(c.scan) - i))))
         starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * k
         out[name] = (starts[:, None] + np.arange(k)).ravel()
         trips = math.ceil(trips / m)
@@ -322,14 +325,14 @@ def time_candidates(
 ) -> tuple[dict[tuple, float], dict[tuple, dict[str, int]]]:
     """Time `cands` on sub-slices (`sub_slice`) of the call's values (with `values`;
     else of made-up arrays): compiled (counted by `parent`) and run once each, in
-    turn, until planning (from `parent.start`) has taken `CAP` times the first
-    compile; then those within 3x of the fastest side by side. Their seconds for
-    the whole call (per element, times the elements), and the sizes each was timed
-    at, by key."""
+    turn, until planning (from `parent.start`) has taken 60% of `CAP` times the
+    first compile; then side by side for the rest of it (but a long run 3x the
+    fastest's: once). Their seconds for the whole call (the quickest sample, per
+    element, times the elements), and the sizes each was timed at, by key."""
     sizes, step = parent.sizes, parent.on_compile or (lambda what: None)
-    deadline, runs, slices = None, [], {}
+    deadline, rest, runs, slices = None, 0.0, [], {}
     for i, c in enumerate(cands):
-        if deadline is not None and i > 1 and time.perf_counter() > deadline:
+        if deadline is not None and i > 1 and time.perf_counter() > deadline - rest:
             break
         index = sub_slice(c, sizes)
         sub = {**sizes, **{n: len(x) for n, x in index.items()}}
@@ -338,7 +341,8 @@ def time_candidates(
         t0 = time.perf_counter()
         program = compiler.compile(fn, specs, f"compiling {c.nest(sub)}", runs=True)
         parent.n_compiled += 1
-        if deadline is None:
+        if deadline is None:  # the last 40% of it left for timing
+            rest = 0.4 * CAP * (time.perf_counter() - t0)
             deadline = parent.start + CAP * (time.perf_counter() - t0)
         args = concrete_inputs(specs)
         if values:
@@ -347,20 +351,25 @@ def time_candidates(
         t0 = time.perf_counter()
         jax.block_until_ready(program(args))  # a warm-up, and a first time
         scale = math.prod(sizes.values()) / math.prod(sub.values())
-        fn = lambda p=program, a=args: p(a)  # noqa: E731
-        runs.append((c, fn, scale, (time.perf_counter() - t0) * scale))
+        first = time.perf_counter() - t0
+        runs.append((c, lambda p=program, a=args: p(a), scale, first, args))
         slices[c.key] = {n: sub[n] for n in index}
-    timed = {c.key: first for c, _, _, first in runs}
+    timed = {c.key: first * scale for c, _, scale, first, _ in runs}
     best = min(timed.values())
-    close = [r for r in runs if r[3] <= 3 * best]  # the others: their one run
+    # A run that took long, and 3x the fastest's, will do; the others are timed
+    # side by side, with a program that does nothing: the cost of a call, which a
+    # whole call pays once, not once per slice.
+    close = [r for r in runs if r[3] < SLOW_RUN or timed[r[0].key] <= 3 * best]
+    noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
+    fns = [r[1] for r in close] + [lambda a=runs[0][4]: noop(a)]
     left = max((deadline or 0.0) - time.perf_counter(), 0.0)
-    if len(close) > 1:
-        times = time_interleaved(
-            [fn for _, fn, _, _ in close], left, min_rounds=2, drop_above=1.25,
-            on_round=lambda r, n: step(f"timing {len(close)} candidates, round {r}"),
-        )  # fmt: skip
-        for (c, _, scale, _), ts in zip(close, times):
-            timed[c.key] = float(np.median(ts)) * scale
+    times = time_interleaved(
+        fns, left, min_rounds=2,
+        on_round=lambda r, n: step(f"timing {len(close)} candidates, round {r}"),
+    )  # fmt: skip
+    call = min(times[-1])  # the quickest of each: the least disturbed
+    for (c, _, scale, _, _), ts in zip(close, times):
+        timed[c.key] = max(min(ts) - call, 0.0) * scale + call
     return timed, slices
 
 
