@@ -105,7 +105,7 @@ class Planner:
         the time model's estimate. `True` also times candidates, over every dim
         order, each on a slice of the data holding a few of its blocks, and takes
         the fastest (keeping the model's choice when it measured within 1.10x of
-        it); it compiles no more once planning has taken 8x the first compile. An
+        it), planning for about 8x the compile of the first it times. An
         un-jitted call times them on its own arguments, as
         [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
         unless the body's cost depends on its data (a `while` loop): that one is
@@ -423,8 +423,8 @@ def _measured(plan: Plan, slices: dict[tuple, dict[str, int]], values: bool) -> 
     at = ", ".join(f"{d} {k} of {sizes[d]}" for d, k in sub.items()) or "whole"
     return (
         f" Timed on {what}: {n} candidates, each on a slice of its scanned dims "
-        f"holding a few of its blocks (the chosen: {at}), per element, compiling "
-        f"for at most {CAP:g}x the first compile."
+        f"holding a few of its blocks (the chosen: {at}), per element, planning "
+        f"for about {CAP:g}x the first compile."
     )
 
 
