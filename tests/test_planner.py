@@ -1161,17 +1161,17 @@ def test_measured_pool_spreads_over_the_ranking():
     pool_of = _measure.measured_pool
     # Few candidates: all of them, the model's choice first (keys are tuples).
     assert pool_of(("c",), [("a",), ("b",), ("c",)]) == [("c",), ("a",), ("b",)]
-    # Many: the best estimates, taking turns with an even spread from the worst
-    # estimate up (the smallest blocks, fastest when the elements' costs differ),
-    # so that a cap that stops the timing early samples both.
+    # Many: an even spread from the worst estimate up (the smallest blocks,
+    # fastest when the elements' costs differ), taking turns with the best
+    # estimates, so that a cap that stops the timing early samples both.
     ranked = [(i,) for i in range(40)]
     pool = pool_of((7,), ranked)
     cap = _measure.MAX_MEASURED
     assert pool[0] == (7,) and len(pool) == len(set(pool)) <= cap
     half = (cap - 1) // 2
-    assert pool[1::2][:half] == [k for k in ranked if k != (7,)][:half]
-    assert pool[2] == (39,)  # the spread from the worst estimate up
-    gaps = -np.diff([k[0] for k in pool[2::2]])
+    assert pool[2::2][:half] == [k for k in ranked if k != (7,)][:half]
+    assert pool[1] == (39,)  # the spread from the worst estimate up
+    gaps = -np.diff([k[0] for k in pool[1::2]])
     assert gaps.min() > 0 and gaps.max() - gaps.min() <= 2  # even, up to rounding
 
 

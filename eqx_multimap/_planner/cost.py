@@ -269,15 +269,15 @@ class Progress:
 MAX_MEASURED = 12
 BLOCKS = 4
 MIN_SLICE = 1 / 8
-CAP = 8.0
+CAP = 6.0
 KEEP_WITHIN = 1.10
 SLOW_RUN = 0.25  # seconds
 
 
 def measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
     """The candidates measured mode times, in the order it compiles them: `first`
-    (the model's choice), then the best of the rest `ranked` by estimate, taking
-    turns with an even spread over the others from the worst estimate up (the
+    (the model's choice), then an even spread over the rest `ranked` by estimate,
+    from the worst estimate up, taking turns with the best estimates (the
     estimates cannot see what measuring is for: the smallest blocks, which loop
     the most, waste the least when the elements' costs differ)."""
     rest = [k for k in ranked if k != first]
@@ -285,7 +285,7 @@ def measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
     head, tail = rest[: room // 2], rest[room // 2 :]
     m = min(room - len(head), len(tail))
     spread = [tail[round(i * (len(tail) - 1) / max(m - 1, 1))] for i in range(m)]
-    turns = [k for pair in it.zip_longest(head, spread[::-1]) for k in pair if k]
+    turns = [k for pair in it.zip_longest(spread[::-1], head) for k in pair if k]
     return list(dict.fromkeys([first, *turns]))
 
 

@@ -105,7 +105,7 @@ class Planner:
         the time model's estimate. `True` also times candidates, over every dim
         order, each on a slice of the data holding a few of its blocks, and takes
         the fastest (keeping the model's choice when it measured within 1.10x of
-        it), planning for about 8x the compile of the first it times. An
+        it), planning for about 6x the compile of the first it times. An
         un-jitted call times them on its own arguments, as
         [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
         unless the body's cost depends on its data (a `while` loop): that one is
