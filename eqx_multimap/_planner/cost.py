@@ -344,10 +344,12 @@ def time_candidates(
         if deadline is None:  # the last 40% of it left for timing
             rest = 0.4 * CAP * (time.perf_counter() - t0)
             deadline = parent.start + CAP * (time.perf_counter() - t0)
-        args = concrete_inputs(specs)
-        if values:
-            sliced = _sliced(call, index, sub)
-            args = [sliced, args[1]] if parent.backward else sliced
+        if not values:
+            args = concrete_inputs(specs)
+        elif parent.backward:  # the cotangents made up
+            args = [_sliced(call, index, sub), concrete_inputs(specs[1])]
+        else:
+            args = _sliced(call, index, sub)
         t0 = time.perf_counter()
         jax.block_until_ready(program(args))  # a warm-up, and a first time
         scale = math.prod(sizes.values()) / math.prod(sub.values())
