@@ -325,9 +325,8 @@ def time_candidates(
 ) -> tuple[dict[tuple, float], dict[tuple, dict[str, int]]]:
     """Time `cands` on sub-slices (`sub_slice`) of the call's values (with `values`;
     else of made-up arrays): compiled (counted by `parent`) and run once each, in
-    turn, until planning (from `parent.start`) has taken 60% of `CAP` times the
-    first compile; then side by side for the rest of it (but a long run 3x the
-    fastest's: once). Their seconds for the whole call (the quickest sample, per
+    turn, for 60% of `CAP` times the first compile; then side by side for the
+    rest of it (but a long run 3x the fastest's: once). Their seconds for the whole call (the quickest sample, per
     element, times the elements), and the sizes each was timed at, by key."""
     sizes, step = parent.sizes, parent.on_compile or (lambda what: None)
     deadline, rest, runs, slices = None, 0.0, [], {}
@@ -343,13 +342,14 @@ def time_candidates(
         parent.n_compiled += 1
         if deadline is None:  # the last 40% of it left for timing
             rest = 0.4 * CAP * (time.perf_counter() - t0)
-            deadline = parent.start + CAP * (time.perf_counter() - t0)
+            deadline = t0 + CAP * (time.perf_counter() - t0)
         if not values:
             args = concrete_inputs(specs)
         elif parent.backward:  # the cotangents made up
             args = [_sliced(call, index, sub), concrete_inputs(specs[1])]
         else:
             args = _sliced(call, index, sub)
+        args = jax.block_until_ready(args)
         t0 = time.perf_counter()
         jax.block_until_ready(program(args))  # a warm-up, and a first time
         scale = math.prod(sizes.values()) / math.prod(sub.values())
@@ -369,9 +369,9 @@ def time_candidates(
         fns, left, min_rounds=2,
         on_round=lambda r, n: step(f"timing {len(close)} candidates, round {r}"),
     )  # fmt: skip
-    call = min(times[-1])  # the quickest of each: the least disturbed
+    once = min(times[-1])  # the quickest of each: the least disturbed
     for (c, _, scale, _, _), ts in zip(close, times):
-        timed[c.key] = max(min(ts) - call, 0.0) * scale + call
+        timed[c.key] = max(min(ts) - once, 0.0) * scale + once
     return timed, slices
 
 
@@ -425,7 +425,6 @@ class Compiler:
         self.model = model
         self.sizes = sizes
         self.on_compile = on_compile
-        self.start = time.perf_counter()  # when planning began
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
             shape = list(np.shape(v))
