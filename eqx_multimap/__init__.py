@@ -18,6 +18,7 @@ from ._multi_vmap import (
     filter_multi_vmap as filter_multi_vmap,
     InDims as InDims,
     OutDims as OutDims,
+    tune as tune,
 )
 from ._options import ScanSpec as ScanSpec
 from ._planner import Plan as Plan, Planner as Planner, TimeModel as TimeModel

@@ -68,7 +68,7 @@ def broadcast_spec(
         full = jtu.tree_map(_fill, spec, value, is_leaf=is_spec_leaf)
     except SpecError:
         raise
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError):
         # The first mismatch, with its key path (as `tree_map` raises it since JAX
         # 0.10.2; before, its error named no key path).
         errors = prefix_errors(spec, value, is_leaf=is_spec_leaf)

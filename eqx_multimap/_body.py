@@ -192,6 +192,25 @@ def _has_checks(jaxpr: Any) -> bool:
     )
 
 
+# Primitives whose cost depends on the values they run on.
+_DATA_DEPENDENT = {"while": "a while loop", "cond": "a `lax.cond`"}
+
+
+def data_dependent(jaxpr: Any) -> str | None:
+    """What in `jaxpr` (or a jaxpr in it) makes its run time depend on its data
+    (`"a while loop"`), or `None`. Total: a jaxpr it cannot read is data-dependent."""
+    try:
+        for eqn in jaxpr.eqns:
+            found = [_DATA_DEPENDENT.get(eqn.primitive.name)]
+            found += [data_dependent(sub) for sub in _sub_jaxprs(eqn)]
+            what = next((w for w in found if w is not None), None)
+            if what is not None:
+                return what
+    except Exception:  # an unfamiliar jaxpr: the conservative answer
+        return "a body the planner cannot read"
+    return None
+
+
 def collectives(jaxpr: Any) -> list[tuple[str, tuple[str, ...]]]:
     """The collectives in `jaxpr` and its sub-jaxprs: `(primitive, axis names)`,
     e.g. `("psum", ("F",))`, `("axis_index", ("F",))`."""

@@ -23,6 +23,7 @@ from jaxtyping import PyTree
 
 from ._args import check_in_dims_keys
 from ._blocks import describe_nest, NestSpec, wrap_nest
+from ._body import struct
 from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
@@ -287,6 +288,9 @@ class _MultiVmapWrapper(eqx.Module):
             and _static_hashable((self, args, kwargs))
         )
         if eager:
+            plan = self._options.plan
+            if plan is not None and plan.planner.measure:
+                _tune_once(self, plan.planner, args, kwargs)
             return _eager_runner(self._fun)(self._fun, self._options, args, kwargs)
         return self._traced_call(args, kwargs)
 
@@ -594,7 +598,74 @@ def explain(fn: Callable, /, *args, **kwargs) -> Plan:
             gradient: Plan | str = planner.plan(call, backward=True)
         except SpecError as e:  # only differentiating the map would raise it
             gradient = str(e)
+        except Exception as e:  # a body JAX cannot differentiate (a while loop)
+            gradient = f"Not differentiable: {type(e).__name__}: {e}"
         return dataclasses.replace(plan, gradient=gradient)
 
     # A `Plan` is not an array: `filter_eval_shape` returns it as it is.
     return eqx.filter_eval_shape(resolve_and_plan, bound_args + args, kwargs)
+
+
+def _tune_once(
+    wrapper: "_MultiVmapWrapper", planner: Planner, args: tuple, kwargs: dict
+) -> None:
+    """An un-jitted call whose planner measures: its forward nest timed on these
+    arguments, once per call signature (the eager runner's, without the values)."""
+    dynamic, static = eqx.partition((wrapper, args, kwargs), eqx.is_array)
+    leaves, treedef = jtu.tree_flatten(static)
+    shapes = tuple(str(struct(x)) for x in jtu.tree_leaves(dynamic))
+    if planner.first_time((tuple(leaves), treedef, shapes)):
+        _tune(wrapper, (), args, kwargs)
+
+
+@traceback_util.api_boundary
+def tune(fn: Callable, /, *args, **kwargs) -> Plan:
+    """Plan a call of a `filter_multi_vmap` function by timing candidate nests on
+    these arguments, and keep the plan for the calls that follow.
+
+    **Arguments:**
+
+    - `fn`: a function returned by [`eqx_multimap.filter_multi_vmap`][] with
+        `plan="auto"` or `plan=Planner(...)`.
+    - `*args`, `**kwargs`: real arguments (arrays, not tracers or
+        `jax.ShapeDtypeStruct`s): a body whose run time depends on its data (a
+        `while` loop, say) is timed on what it will run on.
+
+    **Returns:**
+
+    The [`eqx_multimap.Plan`][] chosen, as [`eqx_multimap.explain`][] gives it. It
+    is kept in the plan cache of `fn`'s planner, in memory and on disk: later calls
+    of `fn` with arguments of the same shapes, in this process or another, use it
+    without planning again. Only the forward nest is timed; differentiating `fn`
+    plans its derivative's nest as usual.
+
+    !!! example
+
+        ```python
+        f = filter_multi_vmap(solve, in_dims="T F", out_dims="T F", plan="auto")
+        print(eqx_multimap.tune(f, data))  # once: times the candidates on `data`
+        f(data)  # uses the plan, as does every later process
+        ```
+    """
+    wrapper, bound_args = _unwrap(fn)
+    if wrapper._options.plan is None:
+        raise SpecError(
+            f"`eqx_multimap.tune(fn, ...)`: `{fun_name_of(wrapper._fun)}` has a fixed "
+            "nest; pass `plan='auto'` (or `plan=Planner(...)`) to "
+            "`filter_multi_vmap` to plan it."
+        )
+    if _has_tracer((args, kwargs)) or any(
+        isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves((args, kwargs))
+    ):
+        raise SpecError(
+            "`eqx_multimap.tune(fn, ...)` times the nests on the arguments, so they "
+            "must be arrays, not tracers or `jax.ShapeDtypeStruct`s: call it "
+            "outside `jax.jit`, or use `eqx_multimap.explain` to plan by the model."
+        )
+    return _tune(wrapper, bound_args, args, kwargs)
+
+
+def _tune(wrapper: "_MultiVmapWrapper", bound: tuple, args: tuple, kwargs: dict):
+    call = resolve(wrapper._fun, wrapper._options, bound + args, kwargs)
+    assert call.options.plan is not None
+    return call.options.plan.planner.plan(call, tune=True)

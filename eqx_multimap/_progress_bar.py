@@ -28,7 +28,6 @@ from typing import Any, Literal
 
 import jax
 import jax.lax as lax
-import jax.numpy as jnp
 from jax._src import traceback_util
 
 from ._errors import SpecError

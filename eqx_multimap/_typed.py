@@ -328,8 +328,8 @@ def _check_readable(value: Any, path: str, ctx: Context) -> None:
     field, name = named[0]
     if _is_leaf(value):
         why = (
-            f"is not a pytree, so JAX cannot see its arrays. Register it "
-            f"(`jax.tree_util.register_dataclass`) or make it an `eqx.Module`"
+            "is not a pytree, so JAX cannot see its arrays. Register it "
+            "(`jax.tree_util.register_dataclass`) or make it an `eqx.Module`"
         )
     else:
         why = (

@@ -1040,16 +1040,17 @@ def test_measured_pool_spreads_over_the_ranking():
     pool_of = _measure.measured_pool
     # Few candidates: all of them, the model's choice first (keys are tuples).
     assert pool_of(("c",), [("a",), ("b",), ("c",)]) == [("c",), ("a",), ("b",)]
-    # Many: the best estimates, then an even spread down to the worst estimate,
-    # which is where a chunk shape the model cannot see may hide the fastest.
+    # Many: an even spread from the worst estimate up (the smallest blocks,
+    # fastest when the elements' costs differ), taking turns with the best
+    # estimates, so that a cap that stops the timing early samples both.
     ranked = [(i,) for i in range(40)]
     pool = pool_of((7,), ranked)
     cap = _measure.MAX_MEASURED
     assert pool[0] == (7,) and len(pool) == len(set(pool)) <= cap
     half = (cap - 1) // 2
-    assert pool[1 : 1 + half] == [k for k in ranked if k != (7,)][:half]
-    assert pool[-1] == (39,)
-    gaps = np.diff([k[0] for k in pool[1 + half :]])
+    assert pool[2::2][:half] == [k for k in ranked if k != (7,)][:half]
+    assert pool[1] == (39,)  # the spread from the worst estimate up
+    gaps = -np.diff([k[0] for k in pool[1::2]])
     assert gaps.min() > 0 and gaps.max() - gaps.min() <= 2  # even, up to rounding
 
 
@@ -1069,7 +1070,8 @@ def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
     )
     timed = [c for c in plan.candidates if c.measured is not None]
     assert 2 <= len(timed) <= _measure.MAX_MEASURED
-    assert all(c.fits and c.temp_bytes <= budget for c in timed)
+    # Timed on slices: only those compiled whole know their memory; none is over.
+    assert all(c.fits is not False for c in timed)
     assert plan.chosen.fits and plan.chosen.temp_bytes <= budget
     # The rule: the fastest measured wins, unless the time model's own choice (the
     # same model, unmeasured) measured within `KEEP_WITHIN` of it.

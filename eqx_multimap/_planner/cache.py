@@ -1,28 +1,11 @@
-"""The planner's cache on disk: plans and time-model calibrations, as JSON files.
+"""The planner's cache on disk: plans and calibrations, one JSON file per entry.
 
-One file per entry, named by a hash of its key, under
-`<cache dir>/v<FORMAT_VERSION>/<kind>/`. A file holds its whole key as well as its
-value, and is used only if the key matches, its format and version are this
-module's, and the planner accepts its value: an unreadable, corrupt or foreign file
-gives a warning and is planned (and written) again, never a crash or a wrong plan.
-Writes go to a temporary file in the same directory, then `os.replace` it into
-place, so that processes sharing the directory never see half a file: the last
-writer of a key wins, with a whole entry.
-
-The cache directory is `Planner(cache_dir=...)`, else the environment variable
-`EQX_MULTIMAP_CACHE_DIR` (`off` disables the disk cache), else
-`$XDG_CACHE_HOME/eqx_multimap`, else `~/.cache/eqx_multimap`.
-
-A plan is stored under a key of everything that determines it (`plan_key`: a
-fingerprint of the body and its inputs, the sizes, options, budget, the time model,
-the machine and the versions), as JSON (`plan_json`), and read back checked
-against the call (`plan_from_json`). Nothing is pickled. A calibrated time model
-is in the key by what it was calibrated for (the machine, and the model's terms),
-not by its measured constants, so that calibrating again keeps the plans.
-
-A calibration is stored once per machine and versions (`calibration_key`); the
-processes that share the directory take its file lock (`DiskCache.lock`) to
-calibrate, so that one measures and the others wait for its result.
+An entry is `<cache dir>/v<FORMAT_VERSION>/<kind>/<hash of its key>.json`, holding
+its whole key and value. It is used only if its key, format and version match and
+the planner accepts its value; any other file gives a warning and is planned (and
+written) again. Writes replace the file atomically: the last writer wins, whole.
+A plan's key holds everything that determines it (`plan_key`); a calibrated time
+model is in it by what it was calibrated for, not by its measured constants.
 """
 
 import contextlib
@@ -64,7 +47,6 @@ except ImportError:  # Windows: the cache is then not locked
     fcntl = None
 
 
-
 FORMAT = "eqx_multimap.plan_cache"
 FORMAT_VERSION = 1
 ENV_VAR = "EQX_MULTIMAP_CACHE_DIR"
@@ -76,15 +58,9 @@ def default_cache_dir() -> str | None:
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
         return None if env.lower() in _OFF else os.path.expanduser(env)
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(
-        os.path.expanduser("~"), ".cache"
-    )
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = base or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "eqx_multimap")
-
-
-def _normal(key: Any) -> Any:
-    """`key` as JSON gives it back (tuples as lists), for comparing keys."""
-    return json.loads(json.dumps(key, sort_keys=True))
 
 
 def _warn(message: str) -> None:
@@ -121,9 +97,8 @@ class DiskCache:
         if not isinstance(record, dict) or record.get("format") != FORMAT:
             problem = "it is not an eqx_multimap cache entry"
         elif record.get("version") != FORMAT_VERSION:
-            problem = (
-                f"it has format version {record.get('version')!r}, not {FORMAT_VERSION}"
-            )
+            version = record.get("version")
+            problem = f"it has format version {version!r}, not {FORMAT_VERSION}"
         elif record.get("kind") != kind or record.get("key") != _normal(key):
             problem = "its key is not the one it is stored under"
         elif "value" not in record:
@@ -135,27 +110,22 @@ class DiskCache:
 
     @contextlib.contextmanager
     def lock(self, kind: str) -> Iterator[None]:
-        """Hold the directory's lock for `kind` against other processes (and
-        threads): an exclusive `flock` on `<kind>.lock`, waited for. Where it
-        cannot be taken (no `fcntl`, a read-only directory), nothing is locked."""
+        """Hold the directory's lock for `kind` against other processes (an
+        exclusive `flock`, waited for); where it cannot be taken, nothing is."""
         path = os.path.join(self.root, f"v{FORMAT_VERSION}", f"{kind}.lock")
-        if fcntl is None:
-            yield
-            return
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:
-            yield
-            return
-        try:
+        fd = None
+        if fcntl is not None:
             try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError:
                 pass
+        try:
             yield
         finally:
-            os.close(fd)  # releases the lock
+            if fd is not None:
+                os.close(fd)  # releases the lock
 
     def invalid(self, path: str, problem: str) -> None:
         _warn(f"ignoring {path}: {problem}. Planning again, and overwriting it.")
@@ -164,54 +134,41 @@ class DiskCache:
         """Store `value` for `key` atomically; its path, or `None` (with a warning)
         if it could not be written."""
         path = self.path(kind, key)
-        record = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "kind": kind,
-            "key": key,
-            "value": value,
-        }
+        record = dict(format=FORMAT, version=FORMAT_VERSION, kind=kind, key=key)
+        record["value"] = value
         text = json.dumps(record, indent=1, sort_keys=True, allow_nan=False)
-        directory = os.path.dirname(path)
         tmp = None
         try:
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            directory = os.path.dirname(path)
             fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(text)
             os.replace(tmp, path)
             tmp = None
-        except OSError as e:
-            _warn(
-                f"cannot write {path} ({type(e).__name__}: {e}); kept in memory only."
-            )
+        except (OSError, ValueError) as e:
+            problem = f"{type(e).__name__}: {e}"
+            _warn(f"cannot write {path} ({problem}); kept in memory only.")
             return None
         finally:
             if tmp is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
         return path
 
 
-#
-# Plans: their keys, and their values as JSON.
-#
+def _normal(key: Any) -> Any:
+    """`key` as JSON gives it back (tuples as lists), for comparing keys."""
+    return json.loads(json.dumps(key, sort_keys=True))
 
 
 def fingerprint(call: Call) -> str:
     """What determines a call's plan besides its options: the body's jaxpr, and the
-    shapes and dtypes of every input leaf with its mapped axes.
-
-    Stable from process to process (object addresses that a jaxpr may print, e.g.
-    of callbacks, are dropped), so it can key the disk cache."""
-    text = str(call.body.jaxpr.jaxpr) + repr(
-        [
-            (str(struct(v)), sorted(a.items()))
-            for v, a in zip(call.values, call.leaf_axes)
-        ]
-    )
+    shapes and dtypes of every input leaf with its mapped axes; stable from process
+    to process (object addresses in a jaxpr's text are dropped)."""
+    axes = zip(call.values, call.leaf_axes)
+    leaves = [(str(struct(v)), sorted(a.items())) for v, a in axes]
+    text = str(call.body.jaxpr.jaxpr) + repr(leaves)
     text += repr([str(d) for d in call.out.dims])
     text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -228,18 +185,13 @@ def versions() -> dict[str, str]:
         ours = importlib.metadata.version("eqx_multimap")
     except importlib.metadata.PackageNotFoundError:
         ours = "unknown"
-    return {
-        "jax": jax.__version__,
-        "jaxlib": getattr(jaxlib, "__version__", "unknown"),
-        "eqx_multimap": ours,
-    }
+    jaxlib_version = getattr(jaxlib, "__version__", "unknown")
+    return {"jax": jax.__version__, "jaxlib": jaxlib_version, "eqx_multimap": ours}
 
 
-def plan_key(
-    request: Request, collective: tuple[str, ...], fingerprint: str
-) -> dict[str, Any]:
-    """Everything that determines a plan, as JSON: the request, the dims the body
-    uses in collectives, and the body's fingerprint."""
+def plan_key(request: Request, collective: tuple, fingerprint: str) -> dict[str, Any]:
+    """Everything that determines a plan, as JSON (a measured plan and a planned
+    one share it: which will do is the planner's choice, by `Plan.basis`)."""
     call = request.call
     return {
         "body": fingerprint,
@@ -251,7 +203,6 @@ def plan_key(
         "checkpoint": call.options.checkpoint,
         "budget": request.budget,
         "backward": request.backward,
-        "measure": request.measure,
         "search": [SEARCH_VERSION, MAX_COMPILES, MAX_MEASURED, KEEP_WITHIN],
         "time_model": (
             request.model.to_json() if request.model_key is None else request.model_key
@@ -261,116 +212,86 @@ def plan_key(
     }
 
 
-_CAND_FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))
-
-
-def _finite(x: Any) -> Any:
-    return None if isinstance(x, float) and not math.isfinite(x) else x
+_FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))
+_NUMBERS = ("flops", "transcendentals", "bytes_accessed", "seconds", "measured")
+_INTS = ("temp_bytes", "working_set")
 
 
 def cand_json(c: PlanCandidate) -> dict[str, Any]:
     """A candidate as JSON (non-finite numbers as `null`)."""
-    d = {name: _finite(getattr(c, name)) for name in _CAND_FIELDS}
-    d["scan"] = [[n, k] for n, k in c.scan]
-    d["vmap"] = list(c.vmap)
-    return d
+    finite = lambda x: not isinstance(x, float) or math.isfinite(x)  # noqa: E731
+    d = {k: getattr(c, k) if finite(getattr(c, k)) else None for k in _FIELDS}
+    return {**d, "scan": [[n, k] for n, k in c.scan], "vmap": list(c.vmap)}
 
 
 def plan_json(plan: Plan, how: str) -> dict[str, Any]:
     """A plan as JSON: its candidates, which was chosen, and how it was made."""
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    fields = ("checkpoint", "summary", "measured", "basis")
     return {
         "plan": {
             "chosen": plan.candidates.index(plan.chosen),
             "candidates": [cand_json(c) for c in plan.candidates],
-            "checkpoint": plan.checkpoint,
-            "summary": plan.summary,
-            "measured": plan.measured,
+            **{name: getattr(plan, name) for name in fields},
             "how": how,
-            "created": datetime.datetime.now()
-            .astimezone()
-            .isoformat(timespec="seconds"),
+            "created": now,
         }
     }
 
 
-def _opt(x: Any, kinds: tuple[type, ...]) -> Any:
-    if x is not None and (isinstance(x, bool) or not isinstance(x, kinds)):
-        raise ValueError(f"bad value {x!r}")
-    return x
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
 
 
 def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
     """A stored candidate, checked to be a valid nest of this call."""
-    if not isinstance(d, dict) or set(d) != set(_CAND_FIELDS):
-        raise ValueError("a candidate does not have the fields of one")
+    _check(isinstance(d, dict) and set(d) == set(_FIELDS), "not a candidate")
     scan = tuple((str(n), None if k is None else int(k)) for n, k in d["scan"])
     vmap = tuple(str(n) for n in d["vmap"])
     names = [n for n, _ in scan] + list(vmap)
-    if sorted(names) != sorted(call.mapped):
-        raise ValueError(f"a candidate maps {names}, not the mapped dims")
-    if any(k is not None and not 1 <= k <= sizes[n] for n, k in scan):
-        raise ValueError("a candidate has a chunk out of range")
-    if scan[: len(call.options.scan)] != call.options.scan:
-        raise ValueError("a candidate does not keep the scans given")
+    _check(sorted(names) == sorted(call.mapped), f"a candidate maps {names}")
+    _check(all(k is None or 1 <= k <= sizes[n] for n, k in scan), "a bad chunk")
+    _check(scan[: len(call.options.scan)] == call.options.scan, "given scans lost")
     planned = {n for n, _ in scan[len(call.options.scan) :]}
-    if planned & (set(given_dims(call)) | set(collective_dims(call))):
-        raise ValueError("a candidate scans a dim it must not")
+    frozen = set(given_dims(call)) | set(collective_dims(call))
+    _check(not planned & frozen, "a candidate scans a dim it must not")
+    for name in _NUMBERS + _INTS:
+        x, kinds = d[name], (int,) if name in _INTS else (int, float)
+        _check(x is None or (isinstance(x, kinds) and not isinstance(x, bool)), name)
+    _check(d["fits"] is None or isinstance(d["fits"], bool), "bad `fits`")
+    _check(isinstance(d["source"], str) and isinstance(d["reason"], str), "text")
     block, trips = block_and_trips(scan, vmap, sizes)
-    fits = d["fits"]
-    if fits is not None and not isinstance(fits, bool):
-        raise ValueError("bad `fits`")
-    if not isinstance(d["source"], str) or not isinstance(d["reason"], str):
-        raise ValueError("bad descriptions")
-    num = (int, float)
-    return PlanCandidate(
-        scan=scan,
-        vmap=vmap,
-        block=block,
-        trips=trips,
-        source=d["source"],
-        temp_bytes=_opt(d["temp_bytes"], (int,)),
-        flops=_opt(d["flops"], num),
-        transcendentals=_opt(d["transcendentals"], num),
-        bytes_accessed=_opt(d["bytes_accessed"], num),
-        working_set=_opt(d["working_set"], (int,)),
-        seconds=_opt(d["seconds"], num),
-        fits=fits,
-        measured=_opt(d["measured"], num),
-        reason=d["reason"],
-        predicted=d["predicted"] is True,
-    )
+    rest = {k: d[k] for k in _FIELDS if k not in ("scan", "vmap", "block", "trips")}
+    rest["predicted"] = d["predicted"] is True
+    return PlanCandidate(scan=scan, vmap=vmap, block=block, trips=trips, **rest)
 
 
 def plan_from_json(stored: Any, request: Request) -> "Plan | str":
     """A stored plan (or no-fit error message), checked against the request;
     raises `ValueError` (or `KeyError`, `TypeError`) if it is not a valid one."""
     call, sizes, budget = request.call, request.sizes, request.budget
-    if not isinstance(stored, dict):
-        raise ValueError("not a stored plan")
+    _check(isinstance(stored, dict), "not a stored plan")
     if "no_fit" in stored:
         nf = stored["no_fit"]
         smallest = _cand_from_json(nf["smallest"], call, sizes)
-        if smallest.temp_bytes is None or smallest.temp_bytes <= budget:
-            raise ValueError("the stored no-fit result is inconsistent")
-        return no_fit_message(
-            call, budget, smallest, int(nf["n"]), sizes, request.backward
-        )
+        temp = smallest.temp_bytes
+        _check(temp is not None and temp > budget, "an inconsistent no-fit result")
+        n = int(nf["n"])
+        return no_fit_message(call, budget, smallest, n, sizes, request.backward)
     p = stored["plan"]
     candidates = tuple(_cand_from_json(d, call, sizes) for d in p["candidates"])
     index = p["chosen"]
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise ValueError("bad chosen index")
+    _check(isinstance(index, int) and not isinstance(index, bool), "bad chosen index")
     chosen = candidates[index]
-    if not chosen.fits and not any(sizes[n] == 0 for n in call.mapped):
-        raise ValueError("the chosen candidate does not fit the budget")
-    if chosen.temp_bytes is not None and chosen.temp_bytes > budget:
-        raise ValueError("the chosen candidate does not fit the budget")
+    empty = any(sizes[n] == 0 for n in call.mapped)
+    fits = (chosen.fits or empty) and (chosen.temp_bytes or 0) <= budget
+    _check(bool(fits), "the chosen candidate does not fit the budget")
     checkpoint, measured = p["checkpoint"], p["measured"]
-    if not isinstance(checkpoint, bool) or not isinstance(measured, bool):
-        raise ValueError("bad flags")
-    for text in (p["summary"], p["how"], p["created"]):
-        if not isinstance(text, str):
-            raise ValueError("bad descriptions")
+    _check(isinstance(checkpoint, bool) and isinstance(measured, bool), "bad flags")
+    _check(p["basis"] in ("arguments", "inputs", "model"), "bad basis")
+    texts = (p["summary"], p["how"], p["created"])
+    _check(all(isinstance(t, str) for t in texts), "bad descriptions")
     return auto_plan(
         request,
         chosen,
@@ -381,5 +302,6 @@ def plan_from_json(stored: Any, request: Request) -> "Plan | str":
         time_model=request.model,
         summary=p["summary"],
         measured=measured,
+        basis=p["basis"],
         cache=f"{p['how']}, on {p['created']}",
     )

@@ -5,9 +5,13 @@ measured mode's timing.
 Candidates are compiled against `jax.ShapeDtypeStruct`s (no data), analysed-only
 programs with `ANALYSIS_OPTIONS` (faster to compile; the analyses are XLA's, made
 before code is emitted). How each figure is predicted: `docs/design.md`.
+Measured mode (`Planner(measure=True)`, `eqx_multimap.tune`): which candidates are
+timed, on which sub-slice of the call's values (or of made-up arrays), for how
+long.
 """
 
 import dataclasses
+import itertools as it
 import logging
 import math
 import time
@@ -207,46 +211,118 @@ class Progress:
 # Measure
 
 
-# How many candidates are timed, and for about how long.
+# Measured mode times at most `MAX_MEASURED` candidates, each on a sub-slice of the
+# mapped dims holding `BLOCKS` of its loop trips (and at least `MIN_SLICE` of the
+# elements), and compiles no more once planning has taken `CAP` times the compile
+# of the first one timed (the model's choice). It keeps the model's choice unless
+# another measured faster by more than `KEEP_WITHIN`.
 MAX_MEASURED = 12
-MEASURE_SECONDS = 2.0
-# The time model's choice is kept unless another candidate measured faster than it
-# by more than this factor.
+BLOCKS = 4
+MIN_SLICE = 1 / 8
+CAP = 6.0
 KEEP_WITHIN = 1.10
+SLOW_RUN = 0.25  # seconds
 
 
 def measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
-    """The candidates measured mode times: `first` (the model's choice), then, of
-    the rest `ranked` by estimate, all if they are few, else the best half of
-    `MAX_MEASURED` and an even spread over the others. The estimates cannot see
-    the chunk-shape effects that measuring is for, so a candidate far down the
-    ranking (many small blocks) can be the fastest; a spread samples it."""
+    """The candidates measured mode times, in the order it compiles them: `first`
+    (the model's choice), then an even spread over the rest `ranked` by estimate,
+    from the worst estimate up, taking turns with the best estimates (the
+    estimates cannot see what measuring is for: the smallest blocks, which loop
+    the most, waste the least when the elements' costs differ)."""
     rest = [k for k in ranked if k != first]
     room = MAX_MEASURED - 1
-    if len(rest) > room:
-        head, tail = rest[: room // 2], rest[room // 2 :]
-        m = room - len(head)
-        picks = [tail[round(i * (len(tail) - 1) / max(m - 1, 1))] for i in range(m)]
-        rest = head + list(dict.fromkeys(picks))
-    return [first, *rest]
+    head, tail = rest[: room // 2], rest[room // 2 :]
+    m = min(room - len(head), len(tail))
+    spread = [tail[round(i * (len(tail) - 1) / max(m - 1, 1))] for i in range(m)]
+    turns = [k for pair in it.zip_longest(spread[::-1], head) for k in pair if k]
+    return list(dict.fromkeys([first, *turns]))
 
+
+def sub_slice(c: PlanCandidate, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+    """The elements of each dim `c` scans that it is timed on: whole chunks, spread
+    evenly over the dim (a cost that depends on the data may vary along it),
+    `BLOCKS` loop trips or more (at least `MIN_SLICE` of the elements) in all,
+    shared out evenly between the dims."""
+    trips = max(BLOCKS, math.ceil(MIN_SLICE * math.prod(sizes.values()) / c.block))
+    out = {}
+    for i, (name, chunk) in enumerate(reversed(c.scan)):  # shared out, inner first
+        k = chunk or 1
+        n = max(sizes[name] // k, 1)
+        m = min(n, math.ceil(trips ** (1 / (len(c.scan) - i))))
+        starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * k
+        out[name] = (starts[:, None] + np.arange(k)).ravel()
+        trips = math.ceil(trips / m)
+    return out
+
+
+def _sliced(call: Call, index: dict[str, np.ndarray], sub: dict[str, int]) -> list:
+    """The call's values at the elements `index` gives (and of the other dims, the
+    first `sub` elements: one device's block with `shard=`)."""
+    out = []
+    for v, axes in zip(call.values, call.leaf_axes):
+        for name, ax in axes.items():
+            if name in index:
+                v = jax.numpy.take(v, index[name], axis=ax)
+            elif np.shape(v)[ax] != sub[name]:
+                v = jax.lax.slice_in_dim(v, 0, sub[name], axis=ax)
+        out.append(v)
+    return out
 
 
 def time_candidates(
-    cands: list[PlanCandidate],
-    programs: list[Any],
-    args: Any,
-    step: Callable[[str], None],
-) -> dict[tuple, float]:
-    """Run each candidate's compiled program on `args`, side by side; the median
-    seconds per call of each, by candidate key."""
-    fns = [lambda p=p: p(args) for p in programs]
-
-    def on_round(r: int, rounds: int) -> None:
-        step(f"timing {len(cands)} candidates, round {r + 1}")
-
-    times = time_interleaved(fns, MEASURE_SECONDS, drop_above=1.25, on_round=on_round)
-    return {c.key: float(np.median(ts)) for c, ts in zip(cands, times)}
+    parent: "Compiler", call: Call, cands: list[PlanCandidate], values: bool
+) -> tuple[dict[tuple, float], dict[tuple, dict[str, int]]]:
+    """Time `cands` on sub-slices (`sub_slice`) of the call's values (with `values`;
+    else of made-up arrays): compiled (counted by `parent`) and run once each, in
+    turn, for 60% of `CAP` times the first compile; then side by side for the
+    rest of it (but a long run 3x the fastest's: once). Their seconds for the whole call (the quickest sample, per
+    element, times the elements), and the sizes each was timed at, by key."""
+    sizes, step = parent.sizes, parent.on_compile or (lambda what: None)
+    deadline, rest, runs, slices = None, 0.0, [], {}
+    for i, c in enumerate(cands):
+        if deadline is not None and i > 1 and time.perf_counter() > deadline - rest:
+            break
+        index = sub_slice(c, sizes)
+        sub = {**sizes, **{n: len(x) for n, x in index.items()}}
+        compiler = Compiler(call, sub, parent.model, parent.backward, step)
+        fn, specs = compiler._program(c.spec)
+        t0 = time.perf_counter()
+        program = compiler.compile(fn, specs, f"compiling {c.nest(sub)}", runs=True)
+        parent.n_compiled += 1
+        if deadline is None:  # the last 40% of it left for timing
+            rest = 0.4 * CAP * (time.perf_counter() - t0)
+            deadline = t0 + CAP * (time.perf_counter() - t0)
+        if not values:
+            args = concrete_inputs(specs)
+        elif parent.backward:  # the cotangents made up
+            args = [_sliced(call, index, sub), concrete_inputs(specs[1])]
+        else:
+            args = _sliced(call, index, sub)
+        args = jax.block_until_ready(args)
+        t0 = time.perf_counter()
+        jax.block_until_ready(program(args))  # a warm-up, and a first time
+        scale = math.prod(sizes.values()) / math.prod(sub.values())
+        first = time.perf_counter() - t0
+        runs.append((c, lambda p=program, a=args: p(a), scale, first, args))
+        slices[c.key] = {n: sub[n] for n in index}
+    timed = {c.key: first * scale for c, _, scale, first, _ in runs}
+    best = min(timed.values())
+    # A run that took long, and 3x the fastest's, will do; the others are timed
+    # side by side, with a program that does nothing: the cost of a call, which a
+    # whole call pays once, not once per slice.
+    close = [r for r in runs if r[3] < SLOW_RUN or timed[r[0].key] <= 3 * best]
+    noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
+    fns = [r[1] for r in close] + [lambda a=runs[0][4]: noop(a)]
+    left = max((deadline or 0.0) - time.perf_counter(), 0.0)
+    times = time_interleaved(
+        fns, left, min_rounds=2,
+        on_round=lambda r, n: step(f"timing {len(close)} candidates, round {r}"),
+    )  # fmt: skip
+    once = min(times[-1])  # the quickest of each: the least disturbed
+    for (c, _, scale, _, _), ts in zip(close, times):
+        timed[c.key] = max(min(ts) - once, 0.0) * scale + once
+    return timed, slices
 
 
 # ------------------------------------------------------------------------------
@@ -291,12 +367,11 @@ class Compiler:
         model: TimeModel,
         backward: bool = False,
         on_compile: Callable[[str], None] | None = None,
-        runs: bool = False,
     ):
         self.problem = call.problem(sizes, standalone=True)
         self.checkpoint, self.isolate = call.options.checkpoint, call.isolate
         self.backward, self.model, self.sizes = backward, model, sizes
-        self.on_compile, self.runs = on_compile, runs
+        self.on_compile = on_compile
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
             shape = list(np.shape(v))
@@ -306,9 +381,8 @@ class Compiler:
         self.n_compiled = 0
         self.jaxpr: Any = None  # of the program compiled last
         # The compiled program of each candidate compiled for its memory (the
-        # forward nest, or its derivative), by nest: what measured mode runs.
+        # forward nest, or its derivative), by nest.
         self.programs: dict[NestSpec, Any] = {}
-        self._program_args: Any = None
         # The outputs whose blocks a loop iteration holds: every output, or
         # differentiated, the cotangent of every inexact one (index, struct).
         self._outs: list[tuple[int, Any]] | None = None
@@ -366,15 +440,9 @@ class Compiler:
         """Compile the candidate's program; its temporary memory."""
         fn, specs = self._program(cand.spec)
         what = f"compiling {cand.nest(self.sizes)}"
-        compiled = self.compile(fn, specs, what, runs=self.runs)
+        compiled = self.compile(fn, specs, what)
         self.programs[cand.spec] = compiled
-        if self._program_args is None:
-            self._program_args = specs
         return int(compiled.memory_analysis().temp_size_in_bytes)
-
-    def program_inputs(self) -> Any:
-        """Fresh concrete arguments for the compiled programs."""
-        return concrete_inputs(self._program_args)
 
     def reference(self, full: PlanCandidate) -> Reference:
         """What the search predicts every candidate from: full vmap (`full`,

@@ -96,13 +96,14 @@ class Plan:
     dim); `chosen` and every `candidates` considered (`PlanCandidate`s);
     `budget_bytes` and `budget_source`; `n_compiled` and `seconds` (what planning
     cost here: `0` compiles when read from disk); `measured` (candidates were
-    timed); `given` (dims whose strategy was given) and `collective` (dims used in
-    collectives, never scanned); `cache` and `cache_path` (where the plan came
-    from); `shard` (a `ShardDim` per dim of `shard=`: sizes and budget are then per
-    device); `backward` and `checkpoint` (the plan under differentiation); from
-    `explain`, `gradient` (that plan, or the error differentiating would raise);
-    `time_model`. `scan` and `vmap` are the chosen strategies, as
-    `filter_multi_vmap` takes them.
+    timed) and `basis` (what the choice rests on: `"arguments"`, timed on the
+    call's own; `"inputs"`, on made-up ones; or `"model"`); `given` (dims whose
+    strategy was given) and `collective` (dims used in collectives, never scanned);
+    `cache` and `cache_path` (where the plan came from); `shard` (a `ShardDim` per
+    dim of `shard=`: sizes and budget are then per device); `backward` and
+    `checkpoint` (the plan under differentiation); from `explain`, `gradient` (that
+    plan, or the error differentiating would raise); `time_model`. `scan` and
+    `vmap` are the chosen strategies, as `filter_multi_vmap` takes them.
     """
 
     fun_name: str
@@ -122,6 +123,7 @@ class Plan:
     time_model: TimeModel | None = None
     summary: str = ""
     measured: bool = False
+    basis: str = "model"
     given: tuple[str, ...] = ()
     collective: tuple[str, ...] = ()
     # Where a plan came from is not part of what it is.

@@ -1,14 +1,6 @@
-"""The automatic planner behind `filter_multi_vmap(..., plan="auto")`: `Planner`.
-
-A plan picks, for the mapped dims of one call signature that no strategy names,
-which to scan, in which order and with which chunk sizes; the rest are vmapped
-(`search` says how). A [`Planner`][] owns the plan cache (in memory, and on disk:
-`cache`), the time model (calibrated on first use: `model`) and its
-statistics. A wrapper holds none of them: `plan="auto"` uses the default planner of
-the process that runs the call (`default_planner`), and `plan=Planner(...)` gives
-a wrapper its own. `for_every_size` plans dims of symbolic size (`jax.export`);
-`describe_fixed` describes a nest that is not planned.
-"""
+"""`Planner`: the plan caches (in memory, and on disk: `cache`), the time model
+(calibrated once per machine: `model`) and the counters; `for_every_size` plans dims
+of symbolic size, and `describe_fixed` describes a nest that is not planned."""
 
 import collections as co
 import dataclasses
@@ -22,6 +14,7 @@ import jax
 import numpy as np
 
 from .._blocks import plural
+from .._body import data_dependent
 from .._errors import SpecError
 from .._resolve import Call
 from .cache import (
@@ -34,7 +27,7 @@ from .cache import (
     plan_json,
     plan_key,
 )
-from .cost import Compiler, Progress
+from .cost import CAP, Compiler, Progress
 from .model import calibrate, TimeModel
 from .plan import Plan
 from .search import Search
@@ -53,7 +46,6 @@ from .space import (
 
 logger = logging.getLogger("eqx_multimap")
 
-
 PlanMode = Literal["auto"]
 """The planners `filter_multi_vmap(..., plan=...)` accepts by name."""
 
@@ -63,13 +55,9 @@ MAX_CACHE = 256
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
-    """A wrapper's planning options: values only, never plans. Not a pytree.
-
-    - `given`: the wrapper's own `Planner` (`plan=Planner(...)`), or `None` for
-        `plan="auto"`: the default planner of the process that runs the call (so
-        that a copied or unpickled wrapper uses the one of the process it lands in).
-    - `memory_budget`, `verbose`: as given.
-    """
+    """A wrapper's planning options (values only, never plans; not a pytree):
+    `given`, its own `Planner` or `None` for `plan="auto"` (the default planner of
+    the process that runs the call); `memory_budget` and `verbose` as given."""
 
     given: "Planner | None"
     memory_budget: MemoryBudget
@@ -77,7 +65,6 @@ class PlanOptions:
 
     @property
     def planner(self) -> "Planner":
-        """The planner that plans this wrapper's calls, in this process."""
         return default_planner() if self.given is None else self.given
 
     @property
@@ -115,31 +102,27 @@ class Planner:
     **Arguments:**
 
     - `measure`: `False` (the default) ranks the candidates that fit the budget by
-        the time model's estimate; `True` also compiles the model's best few and
-        runs them on fresh inputs of the call's shapes and dtypes, side by side,
-        and takes the fastest (keeping the model's choice when it measured
-        within 1.10x of the fastest). Slower to plan (seconds), but right where
-        the model cannot see the difference.
-    - `cache_dir`: where plans and calibrations are kept on disk, so that a plan
-        (a measured one in particular) is paid for once per machine. `None` (the
-        default): the environment variable `EQX_MULTIMAP_CACHE_DIR` (`off`
-        disables the disk cache), else `$XDG_CACHE_HOME/eqx_multimap`, else
-        `~/.cache/eqx_multimap`. `False`: no disk cache.
-    - `time_model`: the [`eqx_multimap.TimeModel`][] that ranks candidates.
-        `None` (the default): calibrated on first use for the machine (a
-        micro-benchmark of about a second, kept in the disk cache). Threads and
-        processes that share the disk cache calibrate once: one measures, the
-        others wait for its result.
+        the time model's estimate. `True` also times candidates, over every dim
+        order, each on a slice of the data holding a few of its blocks, and takes
+        the fastest (keeping the model's choice when it measured within 1.10x of
+        it), planning for about 6x the compile of the first it times. An
+        un-jitted call times them on its own arguments, as
+        [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
+        unless the body's cost depends on its data (a `while` loop): that one is
+        planned by the model, and its plan says so.
+    - `cache_dir`: where plans and calibrations are kept on disk, so that a plan is
+        paid for once per machine. `None` (the default): the environment variable
+        `EQX_MULTIMAP_CACHE_DIR` (`off` disables the disk cache), else
+        `$XDG_CACHE_HOME/eqx_multimap`, else `~/.cache/eqx_multimap`. `False`: none.
+    - `time_model`: the [`eqx_multimap.TimeModel`][] that ranks candidates. `None`
+        (the default): calibrated on first use (about a second, kept on disk; one
+        thread or process measures, the others wait for it).
     - `max_cache`: the most plans kept in memory.
 
-    A planner is its arguments, plus caches: planners with the same arguments are
-    equal, a copy is the planner itself, and a pickled planner carries its
-    arguments only (it plans, or reads its disk cache, again where it lands). It
-    may be used from several threads at once.
-
-    The counters `n_plans` (planning runs), `n_compiles` (programs compiled while
-    planning), `n_disk_hits` (plans read from disk) and `n_calibrations` are read by
-    tests and benchmarks.
+    Planners with the same arguments are equal; a copy is the planner itself, and a
+    pickled one carries its arguments only. It may be used from several threads.
+    Its counters `n_plans`, `n_compiles` (while planning), `n_disk_hits` and
+    `n_calibrations` are read by tests and benchmarks.
     """
 
     def __init__(
@@ -150,25 +133,21 @@ class Planner:
         time_model: TimeModel | None = None,
         max_cache: int = MAX_CACHE,
     ):
+        what = "`eqx_multimap.Planner("
         if not isinstance(measure, bool):
             raise SpecError(
-                f"`eqx_multimap.Planner(measure=...)` must be `True` or `False`, but "
-                f"got {measure!r}."
+                f"{what}measure=...)` must be `True` or `False`, but got {measure!r}."
             )
-        if not (
-            cache_dir is None
-            or cache_dir is False
-            or isinstance(cache_dir, (str, os.PathLike))
-        ):
+        path = isinstance(cache_dir, (str, os.PathLike))
+        if not (cache_dir is None or cache_dir is False or path):
             raise SpecError(
-                "`eqx_multimap.Planner(cache_dir=...)` must be a path, `None` (the "
-                "default location) or `False` (no disk cache), but got "
-                f"{cache_dir!r}."
+                f"{what}cache_dir=...)` must be a path, `None` (the default location) "
+                f"or `False` (no disk cache), but got {cache_dir!r}."
             )
         if time_model is not None and not isinstance(time_model, TimeModel):
             raise SpecError(
-                "`eqx_multimap.Planner(time_model=...)` must be an "
-                f"`eqx_multimap.TimeModel` or `None`, but got {time_model!r}."
+                f"{what}time_model=...)` must be an `eqx_multimap.TimeModel` or "
+                f"`None`, but got {time_model!r}."
             )
         where = cache_dir if cache_dir in (None, False) else os.fspath(cache_dir)
         self._config = (measure, where, time_model, max_cache)
@@ -178,10 +157,8 @@ class Planner:
         self._disk_resolved = False
         self._time_model = time_model
         self._cache: co.OrderedDict[Any, Plan | str] = co.OrderedDict()
-        self.n_plans = 0
-        self.n_compiles = 0
-        self.n_disk_hits = 0
-        self.n_calibrations = 0
+        self._signatures: co.OrderedDict[Any, None] = co.OrderedDict()
+        self.n_plans = self.n_compiles = self.n_disk_hits = self.n_calibrations = 0
 
     @property
     def measure(self) -> bool:
@@ -209,8 +186,7 @@ class Planner:
         return self
 
     def __reduce__(self) -> tuple:
-        measure, cache_dir, time_model, max_cache = self._config
-        return (_new_planner, (measure, cache_dir, time_model, max_cache))
+        return (_new_planner, self._config)
 
     @property
     def cache_dir(self) -> str | None:
@@ -222,8 +198,7 @@ class Planner:
         with self._lock:
             if not self._disk_resolved:
                 where = self._config[1]
-                if where is None:
-                    where = default_cache_dir()
+                where = default_cache_dir() if where is None else where
                 self._disk = None if where in (None, False) else DiskCache(where)
                 self._disk_resolved = True
             return self._disk
@@ -232,36 +207,30 @@ class Planner:
     def time_model(self) -> TimeModel:
         """The time model: the one given, else calibrated for this machine (read
         from the disk cache, or measured and stored there)."""
-        model = self._time_model
-        if model is None:
+        if self._time_model is None:
             with self._calibrating:  # one thread calibrates; the others wait
                 if self._time_model is None:
                     self._time_model = self._calibrated()
-                model = self._time_model
-        return model
+        return self._time_model
 
     def _model_key(self) -> Any:
-        """The time model as plan keys hold it: a calibrated model by what it was
-        calibrated for (the machine, which every key holds, and the model's terms),
-        never its measured constants, so that calibrating again does not orphan
-        the plans on disk; a given model by its constants."""
+        """The time model as plan keys hold it: a calibrated one by its terms (the
+        machine is in every key), not its constants, so that calibrating again
+        keeps the plans on disk; a given one by its constants."""
         given = self._config[2]
         if given is not None:
             return given.to_json()
         return {"calibrated": sorted(f.name for f in dataclasses.fields(TimeModel))}
 
     def _calibrated(self) -> TimeModel:
-        disk = self._disk_cache()
-        key = calibration_key()
+        disk, key = self._disk_cache(), calibration_key()
         if disk is None:
             return self._calibrate(None, key)
         model = self._stored_model(disk, key)
-        if model is not None:
-            return model
-        # One process calibrates; the others wait for the file lock, then read it.
-        with disk.lock("calibration"):
-            model = self._stored_model(disk, key)
-            return model if model is not None else self._calibrate(disk, key)
+        if model is None:
+            with disk.lock("calibration"):  # one process calibrates; others wait
+                model = self._stored_model(disk, key) or self._calibrate(disk, key)
+        return model
 
     def _stored_model(self, disk: DiskCache, key: dict[str, Any]) -> TimeModel | None:
         stored = disk.read("calibration", key)
@@ -290,85 +259,88 @@ class Planner:
             disk.write("calibration", key, model.to_json())
         return model
 
+    def first_time(self, signature: Any) -> bool:
+        """Whether an un-jitted call of this `signature` is the first (a measuring
+        planner then times its nest on its arguments)."""
+        with self._lock:
+            if signature in self._signatures:
+                return False
+            self._keep(self._signatures, signature, None)
+            return True
+
     def clear(self) -> None:
         """Forget every plan cached in memory (the disk cache is kept)."""
         with self._lock:
             self._cache.clear()
+            self._signatures.clear()
 
-    def plan(self, call: Call, backward: bool = False) -> Plan:
-        """The (cached) automatic plan for a resolved call.
+    def plan(self, call: Call, backward: bool = False, tune: bool = False) -> Plan:
+        """The (cached) plan of a resolved call; with `backward`, of the nest that
+        differentiation runs (under the budget of its reverse-mode derivative).
+        With `tune`, the call's values are concrete and candidates are timed on
+        them, unless a plan so timed is cached; it is kept for later calls.
 
-        With `backward`, the plan of the nest that differentiation runs: the memory
-        budget is then that of its reverse-mode derivative.
-
-        With `shard=`, the plan is for the local nest inside `shard_map`: the sharded
-        dims keep their strategy (scanned if in `scan`, else vmapped) at their local
-        sizes; the other mapped dims are planned, under the budget per device.
-        """
+        With `shard=`, the plan is of one device's local nest, the sharded dims
+        keeping their strategy, under the budget per device."""
         options = call.options.plan
         budget, source = resolve_budget(options.memory_budget)
         sizes, shard = localize(call)
-        # The wrapper's options without the planner: plans sit beside the options,
-        # and nothing in a key refers back to the planner; `progress=` plans alike.
+        # Nothing in a key refers back to the planner; `progress=` plans alike.
         kept = dataclasses.replace(
             call.options, plan=None, verbose=False, progress=None
         )
         key = (kept, budget, shard, tuple(sizes.items()), backward)
         call, sizes, note = for_every_size(call, sizes)
-        collective = collective_dims(call)
-        body = fingerprint(call)
+        collective, body = collective_dims(call), fingerprint(call)
         key += (body, collective)
         start = time.perf_counter()
+        data = data_dependent(call.body.standalone.jaxpr.jaxpr)
+        # The plans that will do: timed on arguments to tune; on made-up inputs
+        # to measure a body whose cost does not depend on its data; else any.
+        wanted = ["arguments"] if tune else ["arguments", "inputs"]
+        wanted += ["model"] if not tune and (not self.measure or data) else []
         with self._lock:
             cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
         if isinstance(cached, str):  # no nest fit this signature
             raise SpecError(cached)
-        if cached is not None:
+        if cached is not None and cached.basis in wanted:
+            with self._lock:
+                self._cache.move_to_end(key)
             return _noted(cached, note)
         request = Request(
-            call,
-            sizes,
-            shard,
-            budget,
-            source,
-            backward,
-            self.time_model,
-            self.measure,
-            self._model_key(),
-        )
+            call, sizes, shard, budget, source, backward, self.time_model,
+            tune or (self.measure and not data), self._model_key(), tune,
+        )  # fmt: skip
         disk = self._disk_cache()
-        disk_key = None
-        if disk is not None:
-            disk_key = plan_key(request, collective, body)
-            found = self._read(disk, disk_key, request)
-            if isinstance(found, str):  # no nest fits, as found before
-                self._store(key, found)
-                raise SpecError(found)
-            if found is not None:
-                found = dataclasses.replace(found, seconds=_since(start))
-                earlier = (
-                    f"read by an earlier call from the disk cache, {found.cache_path}"
+        disk_key = None if disk is None else plan_key(request, collective, body)
+        found = None if disk is None else self._read(disk, disk_key, request)
+        if isinstance(found, str):  # no nest fits, as found before
+            self._store(key, found)
+            raise SpecError(found)
+        if found is not None and found.basis in wanted:
+            found = dataclasses.replace(found, seconds=_since(start))
+            earlier = f"read by an earlier call from the disk cache, {found.cache_path}"
+            self._store(key, found, earlier)
+            plan = _noted(found, note)
+        else:
+            why = ""
+            if self.measure and data and not tune:
+                why = (
+                    f" The body's cost depends on its data ({data}): planned by the "
+                    "model; call `eqx_multimap.tune(f, *args)` with real arguments "
+                    "to measure."
                 )
-                self._store(key, found, earlier)
-                found = _noted(found, note)
-                if options.verbose:
-                    print(found)
-                return found
-        plan = _noted(self._plan_now(request, disk, disk_key, key), note)
+            plan = _noted(self._plan_now(request, disk, disk_key, key, why), note)
         if options.verbose:
             print(plan)
         return plan
 
-    def _read(
-        self, disk: DiskCache, disk_key: dict[str, Any], request: Request
-    ) -> "Plan | str | None":
+    def _read(self, disk: DiskCache, key: Any, request: Request) -> "Plan | str | None":
         """The plan (or no-fit message) stored on disk for this call, if valid."""
-        stored = disk.read("plans", disk_key)
+        stored = disk.read("plans", key)
         if stored is None:
             return None
-        path = disk.path("plans", disk_key)
+        path = disk.path("plans", key)
         try:
             found = plan_from_json(stored, request)
         except (ValueError, KeyError, TypeError, IndexError) as e:
@@ -378,23 +350,16 @@ class Planner:
             self.n_disk_hits += 1
         if isinstance(found, str):
             return found
-        return dataclasses.replace(
-            found,
-            cache=f"from the disk cache, {path} ({found.cache}); nothing compiled now",
-            cache_path=path,
-        )
+        cache = f"from the disk cache, {path} ({found.cache}); nothing compiled now"
+        return dataclasses.replace(found, cache=cache, cache_path=path)
 
     def _plan_now(
-        self,
-        request: Request,
-        disk: DiskCache | None,
-        disk_key: dict[str, Any] | None,
-        key: Any,
+        self, request: Request, disk: DiskCache | None, disk_key: Any, key: Any, why=""
     ) -> Plan:
-        """Search for the plan, and keep it (or the no-fit error) in the caches."""
+        """Search for the plan, and keep it (or the no-fit error) in the caches;
+        `why` ends its summary: what it rests on."""
         call = request.call
-        what = f"{call.fun_name}: planning"
-        what += " (backward)" if request.backward else ""
+        what = f"{call.fun_name}: planning" + " (backward)" * request.backward
         progress = Progress(what, call.options.plan.verbose)
         search = Search(request, progress)
         with self._lock:
@@ -402,30 +367,30 @@ class Planner:
         try:
             plan = search.run()
         except NoFit as e:
-            message = str(e)
-            if disk is not None and disk_key is not None:
+            if disk is not None:
                 smallest = cand_json(e.smallest)
-                value = {"no_fit": {"smallest": smallest, "n": e.n}}
-                disk.write("plans", disk_key, value)
-            self._store(key, message)
-            raise SpecError(message) from None
+                no_fit = {"no_fit": {"smallest": smallest, "n": e.n}}
+                disk.write("plans", disk_key, no_fit)
+            self._store(key, str(e))
+            raise SpecError(str(e)) from None
         finally:
             with self._lock:
                 self.n_compiles += search.compiler.n_compiled
             progress.close()
-        n = plan.n_compiled
-        how = f"{plan.seconds:.2f} s, {plural(n, 'compile')}"
+        how = f"{plan.seconds:.2f} s, {plural(plan.n_compiled, 'compile')}"
+        basis = "model"
+        if request.measure:
+            basis = "arguments" if request.values else "inputs"
+            why = _measured(plan, search.slices, request.values)
+        plan = dataclasses.replace(plan, basis=basis, summary=plan.summary + why)
         path = None
-        if disk is None or disk_key is None:
+        if disk is None:
             where = "no disk cache, kept in this process only"
         else:
-            stored = f"planned in {how}"
-            path = disk.write("plans", disk_key, plan_json(plan, stored))
-            where = (
-                f"written to {path}"
-                if path is not None
-                else f"could not write it to {disk.path('plans', disk_key)}"
-            )
+            path = disk.write("plans", disk_key, plan_json(plan, f"planned in {how}"))
+            where = f"written to {path}"
+            if path is None:
+                where = f"could not write it to {disk.path('plans', disk_key)}"
         plan = dataclasses.replace(
             plan, cache=f"planned now ({how}); {where}", cache_path=path
         )
@@ -433,16 +398,34 @@ class Planner:
         return plan
 
     def _store(self, key: Any, value: "Plan | str", earlier: str = "") -> None:
-        """Keep a plan (or no-fit message) in memory; a plan as a later call finds
-        it: `earlier` says where it came from."""
+        """Keep a plan (or no-fit message) in memory, as a later call finds it:
+        `earlier` says where it came from."""
         if isinstance(value, Plan):
-            value = dataclasses.replace(
-                value, cache=f"from this process's cache: {earlier}"
-            )
+            cache = f"from this process's cache: {earlier}"
+            value = dataclasses.replace(value, cache=cache)
         with self._lock:
-            self._cache[key] = value
-            if len(self._cache) > self.max_cache:
-                self._cache.popitem(last=False)
+            self._keep(self._cache, key, value)
+
+    def _keep(self, cache: co.OrderedDict, key: Any, value: Any) -> None:
+        cache[key] = value
+        if len(cache) > self.max_cache:
+            cache.popitem(last=False)
+
+
+def _measured(plan: Plan, slices: dict[tuple, dict[str, int]], values: bool) -> str:
+    """The sentence that says what a measured plan's times were taken on."""
+    n = sum(c.measured is not None for c in plan.candidates)
+    if not n:
+        return ""
+    what = "the call's arguments" if values else "made-up inputs of its shapes"
+    sizes = dict(plan.sizes)
+    sub = slices.get(plan.chosen.key, {})
+    at = ", ".join(f"{d} {k} of {sizes[d]}" for d, k in sub.items()) or "whole"
+    return (
+        f" Timed on {what}: {n} candidates, each on a slice of its scanned dims "
+        f"holding a few of its blocks (the chosen: {at}), per element, planning "
+        f"for about {CAP:g}x the first compile."
+    )
 
 
 SYMBOLIC_STAND_IN = 2
@@ -452,11 +435,10 @@ SYMBOLIC_STAND_IN = 2
 def for_every_size(
     call: Call, sizes: dict[str, Any]
 ) -> tuple[Call, dict[str, int], str]:
-    """A call whose mapped dims have symbolic sizes (`jax.export`), as the planner
-    plans it: a plan must hold for every size, so each such dim is scanned (one at
-    a time, unless `scan=` gives its chunks), outermost, and planned at a stand-in
-    size; where the nest cannot do so, a `SpecError` names the dim. Also a note
-    for the plan's summary (empty without symbolic sizes)."""
+    """A call whose mapped dims have symbolic sizes (`jax.export`), as planned: a
+    plan must hold for every size, so each such dim is scanned, outermost (one at a
+    time, unless `scan=` gives its chunks), planned at a stand-in size; where the
+    nest cannot do so, a `SpecError` names the dim. Also a note for the summary."""
     symbolic = [n for n, s in call.sizes.items() if not _concrete(s)]
     if not symbolic:
         return call, sizes, ""
@@ -512,9 +494,7 @@ def _since(start: float) -> float:
     return time.perf_counter() - start
 
 
-def _new_planner(
-    measure: bool, cache_dir: Any, time_model: TimeModel | None, max_cache: int
-) -> Planner:
+def _new_planner(measure: bool, cache_dir: Any, time_model: Any, max_cache: int):
     """A planner with these arguments and empty caches (a pickled planner, loaded)."""
     return Planner(
         measure=measure, cache_dir=cache_dir, time_model=time_model, max_cache=max_cache
@@ -528,11 +508,6 @@ def default_planner() -> Planner:
     """The planner of `plan="auto"` in this process: one `Planner()`, with the
     default cache directory, created with the module and never replaced."""
     return _DEFAULT_PLANNER
-
-
-#
-# A fixed nest, described.
-#
 
 
 def describe_fixed(call: Call) -> Plan:

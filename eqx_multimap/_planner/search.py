@@ -7,7 +7,9 @@ largest that fits the budget (compiled, unless predicted far within it) and the
 largest whose predicted working set fits each level of the memory hierarchy
 (`TimeModel.levels`). The cheapest by the time model wins, compiled first to check
 the budget if it was only predicted to fit. Full vmap is kept without a search if
-it fits and its working set is within the last level. See `docs/design.md`.
+it fits and its working set is within the last level. Measured mode searches a
+ladder for every dim order and times candidates that fit on sub-slices of the
+call's values, under a cap (`cost`). See `docs/design.md`.
 """
 
 import dataclasses
@@ -19,7 +21,6 @@ from .cost import (
     corrected,
     KEEP_WITHIN,
     lockstep,
-    MAX_MEASURED,
     measured_pool,
     Progress,
     Reference,
@@ -79,8 +80,7 @@ class Search:
         self.model, self.measure = request.model, request.measure
         self.progress = progress
         self.compiler = Compiler(
-            self.call, self.sizes, self.model, request.backward, progress.step,
-            runs=self.measure,
+            self.call, self.sizes, self.model, request.backward, progress.step
         )  # fmt: skip
         # By key: the candidates compiled, or taken as predicted (`predicted`).
         self.known: dict[tuple, PlanCandidate] = {}
@@ -89,6 +89,7 @@ class Search:
         self.ref: Reference | None = None
         # Whether a vmapped block runs a while loop in lockstep (`cost.lockstep`).
         self.lockstep = False
+        self.slices: dict[tuple, dict[str, int]] = {}  # measured: sizes timed at
 
     def memory(self, c: PlanCandidate) -> PlanCandidate:
         if c.key not in self.known:
@@ -256,13 +257,6 @@ class Search:
             "trips and working set predicted from full vmap's)"
         )
 
-    def time(self, cands: list[PlanCandidate]) -> dict[tuple, float]:
-        """Run each candidate's compiled program on fresh inputs, side by side; the
-        median seconds per call of each."""
-        programs = [self.compiler.programs[c.spec] for c in cands]
-        args = self.compiler.program_inputs()
-        return time_candidates(cands, programs, args, self.progress.step)
-
     def run(self) -> Plan:
         """Plan the call: the chosen nest, and every candidate with its reason.
         Raises `NoFit` if no candidate fits the budget."""
@@ -312,7 +306,7 @@ class Search:
             n for n in dim_orders(call, sizes)[0] if n not in given
         )
         full = candidate(fixed, layout, sizes, "given scans" if fixed else "full vmap")
-        orders = dim_orders(call, sizes, free) if free else []
+        orders = dim_orders(call, sizes, free, every=self.measure) if free else []
         ladders = [Ladder(ladder(o, layout, sizes, fixed, frozen)) for o in orders]
         considered = {full.key: full}
         steps = (c for lad in ladders for c in lad.steps)
@@ -400,40 +394,50 @@ class Search:
         full: PlanCandidate,
         model_choice: PlanCandidate,
     ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
-        """Time the model's best few candidates that fit; the fastest, those timed,
+        """Time the model's choice and a pool of other candidates that fit
+        (`measured_pool`: every block at most the largest that fits of a searched
+        ladder), on sub-slices; the fastest (its memory compiled), those timed,
         their times, and a note if timing was impossible."""
-        estimates: dict[tuple, float] = {}
-        for c in self.known.values():
-            if c.fits and c.seconds is not None:
-                estimates[c.key] = c.seconds
+        estimates = {c.key: c.seconds for c in self.known.values() if c.fits}
         for lad in ladders:
-            if not lad.searched or lad.j is None or lad.edge is None:
-                continue
-            for c in lad.steps[lad.j :]:
-                known = self.known.get(c.key)
-                if known is not None and known.fits is False:
-                    continue
-                estimates.setdefault(c.key, self.estimate(c, lad))
+            if lad.searched and lad.j is not None and lad.edge is not None:
+                for c in lad.steps[lad.j :]:
+                    if self.known.get(c.key, c).fits is not False:
+                        estimates.setdefault(c.key, self.estimate(c, lad))
         by_key = {c.key: c for lad in ladders for c in lad.steps}
         by_key[full.key] = full
-        ranked = sorted(estimates, key=lambda k: estimates[k])
+        ranked = sorted(estimates, key=lambda k: estimates[k] or 0.0)
         pool = measured_pool(model_choice.key, ranked)
-        for k in pool:
-            if k not in self.known:
-                self.notes.pop(k, None)
-        timed_cands = [c for c in (self.memory(by_key[k]) for k in pool) if c.fits]
-        for k in ranked:
-            if k not in pool and k not in self.known:
-                self.notes[k] = (
-                    f"not compiled: est. {fmt_seconds(estimates[k])}, not among the "
-                    f"{MAX_MEASURED} measured (the best estimates and a spread of "
-                    f"the rest)"
-                )
+        cands = [self.known.get(k, by_key[k]) for k in pool]
         try:
-            timed = self.time(timed_cands)
+            timed, slices = time_candidates(
+                self.compiler, self.call, cands, self.request.values
+            )
         except Exception as e:  # e.g. inputs of a dtype we cannot make
             note = f"could not measure ({type(e).__name__}: {e}), so estimated"
-            return model_choice, [c for c in timed_cands if c.seconds], {}, note
-        fastest = min(timed_cands, key=lambda c: timed[c.key])
-        kept = timed[model_choice.key] <= KEEP_WITHIN * timed[fastest.key]
-        return (model_choice if kept else fastest), timed_cands, timed, ""
+            return model_choice, [model_choice], {}, note
+        for k in ranked:
+            if k not in timed and k not in self.known:
+                self.notes[k] = (
+                    f"not timed: est. {fmt_seconds(estimates[k] or 0.0)}; beyond "
+                    "the measuring cap"
+                )
+        self.slices = slices
+        order = sorted(timed, key=lambda k: timed[k])
+        if timed[model_choice.key] <= KEEP_WITHIN * timed[order[0]]:
+            order.remove(model_choice.key)
+            order.insert(0, model_choice.key)
+        # The fastest whose memory, compiled, fits (the model's choice does).
+        chosen = next(c for c in (self.memory(by_key[k]) for k in order) if c.fits)
+        self.costed(chosen)
+        vs = f"vs {fmt_seconds(timed[chosen.key])}; its memory not compiled"
+        for k in timed:
+            if k not in self.known:
+                self.notes[k] = (
+                    f"slower: measured {fmt_seconds(timed[k])} {vs}"
+                    if timed[k] >= timed[chosen.key]
+                    else f"faster, measured {fmt_seconds(timed[k])} {vs}, but within "
+                    f"{KEEP_WITHIN}x: the time model's choice was kept"
+                )
+        compared = [self.known.get(k, by_key[k]) for k in timed]
+        return self.known[chosen.key], compared, timed, ""

@@ -4,6 +4,7 @@ for (`Request`) and the `Plan` made for it; and why: its summary, a reason per
 candidate, and the error when none fits."""
 
 import dataclasses
+import itertools as it
 import math
 import os
 from typing import Any
@@ -169,7 +170,10 @@ def ladder(
 
 
 def dim_orders(
-    call: Call, sizes: dict[str, int], names: tuple[str, ...] | None = None
+    call: Call,
+    sizes: dict[str, int],
+    names: tuple[str, ...] | None = None,
+    every: bool = False,
 ) -> list[tuple[str, ...]]:
     """Orders in which the planner scans the mapped dims (or `names` of them),
     the first one the layout.
@@ -177,7 +181,8 @@ def dim_orders(
     The layout is the order of the mapped dims in the first output's dims: scanning
     (and vmapping) in that order stacks the output without a transpose. Then the
     order in which the inputs name them (scanning an input's leading axis needs no
-    copy), then by size, largest first (the fewest scans for a given block).
+    copy), then by size, largest first (the fewest scans for a given block). With
+    `every` (measured mode), then every other order, up to `MAX_ORDERS` in all.
     """
     mapped = call.mapped if names is None else names
     names_out = call.out.dims[0].names if call.out.dims else ()
@@ -186,7 +191,14 @@ def dim_orders(
     inputs = tuple(n for n in call.check.seen if n in mapped)
     inputs += tuple(n for n in mapped if n not in inputs)
     by_size = tuple(sorted(layout, key=lambda n: -sizes[n]))
-    return list(dict.fromkeys([layout, inputs, by_size]))
+    orders = [layout, inputs, by_size]
+    if every:
+        orders += it.islice(it.permutations(layout), MAX_ORDERS)
+    return list(dict.fromkeys(orders))[: MAX_ORDERS if every else None]
+
+
+MAX_ORDERS = 24
+"""The most dim orders measured mode searches (every order of up to 4 dims)."""
 
 
 def localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
@@ -232,8 +244,8 @@ class Request:
     """What one plan is for: a resolved call; its mapped sizes as one device sees
     them and its sharded dims (`localize`); the memory budget and where it came
     from; whether the nest is differentiated; the time model; whether the planner
-    measures; and the time model as the disk cache's keys hold it (`None`: its
-    constants)."""
+    measures; the time model as the disk cache's keys hold it (`None`: its
+    constants); and whether measured mode times on the call's values (concrete)."""
 
     call: Call
     sizes: dict[str, int]
@@ -244,6 +256,7 @@ class Request:
     model: TimeModel
     measure: bool = False
     model_key: Any = None
+    values: bool = False
 
 
 def plan_for(
@@ -321,9 +334,9 @@ def summary(
     why = f"{whole} fits ({temp} <= {b})"
     if not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
-    else:
-        ws = fmt_bytes(full.working_set or 0)
-        why += f" but its working set ({ws}) is past cache"
+    elif not timed and model.levels and (full.working_set or 0) > model.levels[-1][0]:
+        ws, last = fmt_bytes(full.working_set or 0), fmt_bytes(model.levels[-1][0])
+        why += f" but its working set ({ws}) is past the last level of cache ({last})"
     n = len(compared)
     if timed:
         mine, best = timed[chosen.key], min(timed.values())
