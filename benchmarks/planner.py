@@ -9,28 +9,21 @@ diffrax body forward only: its reverse pass is not what is benchmarked here).
 
 For each, under a memory budget (a fraction of full vmap's forward temporaries):
 
-- the sweep: every nest that scans a prefix of the mapped dims in any order, the
-  outer ones one element at a time and the last in chunks of a power of 2, and
-  vmaps the rest, under `grad` with and without `jax.checkpoint` (with `--quick`:
-  chunks of 2, 8, 32..., checkpointed), plus the planners' picks, compiled as
-  fixed nests, their temporaries measured; those within the budget fit;
-- `plan="auto"` (a fresh planner, its time model calibrated beforehand): its compile
-  with planning, in CPU seconds, over the compile of its pick as a fixed nest
-  (`cold`); with `--plan measure`, `Planner(measure=True)` alike;
+- the sweep: every nest scanning a prefix of the mapped dims in any order (the
+  last in chunks of a power of 2; `--quick`: 2, 8, 32...), vmapping the rest, under
+  `grad` with and without `jax.checkpoint`, and the planners' picks as fixed nests;
+- `plan="auto"` (a fresh planner, calibrated beforehand): its compile with planning
+  over its pick's compile, CPU seconds (`cold`); `--plan measure`: measured mode;
 - the simple rule: full vmap if it fits the budget, else the largest block that
   fits on the first ladder (the dims in the order the outputs name them);
 - the plan of the time model without its memory hierarchy (`no hierarchy`: one
   bandwidth, the last cache level's, whatever the working set).
 
-Every fitting nest and each pick are timed round-robin (the order rotating, each
-timed call after an untimed one: `eqx_multimap.timing.time_interleaved`), medians;
-then the auto program against the best fitting nest and against its twin (its nest
-compiled apart: the same HLO, the noise floor) in a second, longer pass, as the
-median of the per-round ratios. `auto / best` is the second pass's ratio (goal: at
-most 1.10); the other ratios are from the first pass.
-
-Run: `python benchmarks/planner.py --quick` (small sizes; `--real` or `--all` for
-the real workloads, `--plan measure` for the measured mode, `--only NAME`).
+Every fitting nest and each pick are timed round-robin
+(`eqx_multimap.timing.time_interleaved`), medians; then the auto program against the
+best fitting nest and against its twin (the same HLO: the noise floor) in a longer
+second pass, the median of per-round ratios: `auto / best` (goal: at most 1.10).
+The other ratios are from the first pass. Options: `--help`.
 """
 
 import argparse

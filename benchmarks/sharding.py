@@ -7,10 +7,9 @@ on one device, and with `shard={"F": "d"}` over a mesh of the first `n` devices
 programs, and a second, separately compiled copy of the unsharded one (its *twin*,
 whose ratio to it is the noise floor), are compiled first, then timed side by side
 with `eqx_multimap.timing.time_interleaved` (rounds interleaved, samples settled).
-Reported: the medians, the paired ratios sharded / unsharded (the median and
-interquartile range of the per-round ratios; below 1, sharding is faster) and twin /
-unsharded, and the number of collectives in the sharded program (a pure map should
-have none).
+Reported: medians, paired ratios sharded / unsharded and twin / unsharded (median
+and quartiles per round; below 1, sharding is faster), and the sharded program's
+collectives (a pure map has none).
 
 The devices are *simulated*: `--xla_force_host_platform_device_count=8` makes XLA
 treat one CPU as 8 devices, and they all share this machine's physical cores. So:
@@ -21,8 +20,7 @@ treat one CPU as 8 devices, and they all share this machine's physical cores. So
 - what it cannot show: scaling beyond the number of physical cores, or any cost of
   real interconnects between devices or hosts.
 
-    python benchmarks/sharding.py           # the full grid
-    python benchmarks/sharding.py --quick   # small sizes, well under a minute
+`python benchmarks/sharding.py` runs the full grid; `--quick`, small sizes.
 """
 
 import os

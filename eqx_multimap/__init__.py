@@ -12,13 +12,12 @@ from . import timing as timing
 from ._doc_utils import for_help as _for_help
 from ._dims import Dims as Dims, parse_dims as parse_dims
 from ._errors import ShapeError as ShapeError, SpecError as SpecError
+from ._explain import explain as explain, tune as tune
 from ._multi_vmap import (
     DimsSpec as DimsSpec,
-    explain as explain,
     filter_multi_vmap as filter_multi_vmap,
     InDims as InDims,
     OutDims as OutDims,
-    tune as tune,
 )
 from ._options import ScanSpec as ScanSpec
 from ._planner import Plan as Plan, Planner as Planner, TimeModel as TimeModel

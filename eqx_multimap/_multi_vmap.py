@@ -27,7 +27,7 @@ from ._body import struct
 from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
-from ._planner import describe_fixed, Plan, plan_options, PlanMode, Planner
+from ._planner import plan_options, PlanMode, Planner
 from ._progress_bar import make_meter
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
@@ -534,78 +534,6 @@ def filter_multi_vmap(
 #
 
 
-def _unwrap(fn: Callable) -> tuple[_MultiVmapWrapper, tuple]:
-    """The wrapper behind `fn` (through decorators applied outside and bound
-    methods), and the arguments a bound method adds."""
-    wrapper: Any = fn
-    # Decorators applied outside (`jaxtyped`, `beartype`, `filter_jit`,
-    # `functools.wraps`) expose what they wrap as `__wrapped__`.
-    for _ in range(32):
-        if isinstance(wrapper, _MultiVmapWrapper) or (
-            isinstance(wrapper, jtu.Partial)
-            and isinstance(wrapper.func, _MultiVmapWrapper)
-        ):
-            break
-        inner = getattr(wrapper, "__wrapped__", None)
-        if inner is None:
-            break
-        wrapper = inner
-    if isinstance(wrapper, jtu.Partial) and isinstance(wrapper.func, _MultiVmapWrapper):
-        return wrapper.func, tuple(wrapper.args)
-    if not isinstance(wrapper, _MultiVmapWrapper):
-        raise SpecError(
-            "`eqx_multimap.explain(fn, ...)`: `fn` must be a function returned by "
-            f"`filter_multi_vmap`, but got {fn!r} of type `{type(fn).__name__}`."
-        )
-    return wrapper, ()
-
-
-@traceback_util.api_boundary
-def explain(fn: Callable, /, *args, **kwargs) -> Plan:
-    """Plan a call of a `filter_multi_vmap` function without running it.
-
-    **Arguments:**
-
-    - `fn`: a function returned by [`eqx_multimap.filter_multi_vmap`][] (or a method
-        defined with it, accessed on an instance).
-    - `*args`, `**kwargs`: the arguments it would be called with. Arrays may be
-        given as `jax.ShapeDtypeStruct`s; nothing is executed.
-
-    **Returns:**
-
-    A [`eqx_multimap.Plan`][]: the chosen nest and every candidate considered, with
-    its compiled memory, estimated cost and why it was or was not chosen. For
-    `plan="auto"` this is the plan that a call with these arguments uses (and it is
-    cached, so the call does not plan again); for a fixed nest, the one candidate
-    is that nest.
-
-    !!! example
-
-        ```python
-        f = filter_multi_vmap(body, in_dims="T B", out_dims="T B", plan="auto")
-        print(eqx_multimap.explain(f, jax.ShapeDtypeStruct((4096, 64), jnp.float32)))
-        ```
-    """
-    wrapper, bound_args = _unwrap(fn)
-
-    def resolve_and_plan(args: tuple, kwargs: dict) -> Plan:
-        call = resolve(wrapper._fun, wrapper._options, args, kwargs)
-        if call.options.plan is None:
-            return describe_fixed(call)
-        planner = call.options.plan.planner
-        plan = planner.plan(call)
-        try:
-            gradient: Plan | str = planner.plan(call, backward=True)
-        except SpecError as e:  # only differentiating the map would raise it
-            gradient = str(e)
-        except Exception as e:  # a body JAX cannot differentiate (a while loop)
-            gradient = f"Not differentiable: {type(e).__name__}: {e}"
-        return dataclasses.replace(plan, gradient=gradient)
-
-    # A `Plan` is not an array: `filter_eval_shape` returns it as it is.
-    return eqx.filter_eval_shape(resolve_and_plan, bound_args + args, kwargs)
-
-
 def _tune_once(
     wrapper: "_MultiVmapWrapper", planner: Planner, args: tuple, kwargs: dict
 ) -> None:
@@ -616,53 +544,6 @@ def _tune_once(
     shapes = tuple(str(struct(x)) for x in jtu.tree_leaves(dynamic))
     if planner.first_time((tuple(leaves), treedef, shapes)):
         _tune(wrapper, (), args, kwargs)
-
-
-@traceback_util.api_boundary
-def tune(fn: Callable, /, *args, **kwargs) -> Plan:
-    """Plan a call of a `filter_multi_vmap` function by timing candidate nests on
-    these arguments, and keep the plan for the calls that follow.
-
-    **Arguments:**
-
-    - `fn`: a function returned by [`eqx_multimap.filter_multi_vmap`][] with
-        `plan="auto"` or `plan=Planner(...)`.
-    - `*args`, `**kwargs`: real arguments (arrays, not tracers or
-        `jax.ShapeDtypeStruct`s): a body whose run time depends on its data (a
-        `while` loop, say) is timed on what it will run on.
-
-    **Returns:**
-
-    The [`eqx_multimap.Plan`][] chosen, as [`eqx_multimap.explain`][] gives it. It
-    is kept in the plan cache of `fn`'s planner, in memory and on disk: later calls
-    of `fn` with arguments of the same shapes, in this process or another, use it
-    without planning again. Only the forward nest is timed; differentiating `fn`
-    plans its derivative's nest as usual.
-
-    !!! example
-
-        ```python
-        f = filter_multi_vmap(solve, in_dims="T F", out_dims="T F", plan="auto")
-        print(eqx_multimap.tune(f, data))  # once: times the candidates on `data`
-        f(data)  # uses the plan, as does every later process
-        ```
-    """
-    wrapper, bound_args = _unwrap(fn)
-    if wrapper._options.plan is None:
-        raise SpecError(
-            f"`eqx_multimap.tune(fn, ...)`: `{fun_name_of(wrapper._fun)}` has a fixed "
-            "nest; pass `plan='auto'` (or `plan=Planner(...)`) to "
-            "`filter_multi_vmap` to plan it."
-        )
-    if _has_tracer((args, kwargs)) or any(
-        isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves((args, kwargs))
-    ):
-        raise SpecError(
-            "`eqx_multimap.tune(fn, ...)` times the nests on the arguments, so they "
-            "must be arrays, not tracers or `jax.ShapeDtypeStruct`s: call it "
-            "outside `jax.jit`, or use `eqx_multimap.explain` to plan by the model."
-        )
-    return _tune(wrapper, bound_args, args, kwargs)
 
 
 def _tune(wrapper: "_MultiVmapWrapper", bound: tuple, args: tuple, kwargs: dict):
