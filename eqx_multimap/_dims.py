@@ -141,6 +141,14 @@ def is_dim_name(name: object) -> bool:
     return stem.isidentifier() and not stem.startswith("_")
 
 
+def unstarred(name: object) -> object:
+    """A strategy's key or name as a dim: a variadic dim named as annotated
+    (`"*batch"`) is the dim `"batch"`; anything else is returned as it is."""
+    if isinstance(name, str) and name[:1] == "*" and is_dim_name(name[1:]):
+        return name[1:]
+    return name
+
+
 def _token_error(dims: str, token: str, why: str) -> SpecError:
     return SpecError(f"Invalid dims string {dims!r}: dim {token!r} {why}")
 
@@ -298,11 +306,7 @@ def parse_names(value, argname: str) -> tuple[str, ...]:
                 f"`filter_multi_vmap(..., {argname}=...)` must be a dims string such "
                 f"as 'T F', or a sequence of dim names, but got {value!r}."
             ) from None
-    # A variadic dim may be named as annotated: `scan="*batch"` is the dim `batch`.
-    names = tuple(
-        n[1:] if isinstance(n, str) and n[:1] == "*" and is_dim_name(n[1:]) else n
-        for n in names
-    )
+    names = tuple(unstarred(n) for n in names)  # `scan="*batch"`: the dim `batch`
     for name in names:
         if not is_dim_name(name):
             raise SpecError(

@@ -37,6 +37,7 @@ from jax.sharding import (
 
 from ._blocks import plural
 from ._check import InputCheck, Seen
+from ._dims import unstarred
 from ._errors import ShapeError, SpecError
 from ._nest import final_axis
 
@@ -205,8 +206,7 @@ def parse_shard(shard: Any, mesh: Any, pad: Any) -> ShardOptions | None:
     dims: list[tuple[str, tuple[str, ...]]] = []
     owner: dict[Any, str] = {}
     for name, value in shard.items():
-        if isinstance(name, str) and name[:1] == "*" and name[1:].isidentifier():
-            name = name[1:]  # a variadic dim, named as annotated
+        name = unstarred(name)  # `{"*batch": ...}`: the dim `batch`
         if not isinstance(name, str) or not name.isidentifier() or name[0] == "_":
             raise SpecError(
                 f"`filter_multi_vmap(..., shard=...)` has key {name!r}, which is not a "
