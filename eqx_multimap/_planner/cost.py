@@ -1,13 +1,6 @@
-"""Costing candidate nests: compiling them for XLA's memory and cost analyses,
-predicting the others from full vmap's (`Reference`), planning's progress, and
-measured mode's timing.
-
-Candidates are compiled against `jax.ShapeDtypeStruct`s (no data), analysed-only
-programs with `ANALYSIS_OPTIONS` (faster to compile; the analyses are XLA's, made
-before code is emitted). How each figure is predicted: `docs/design.md`.
-Measured mode (`Planner(measure=True)`, `eqx_multimap.tune`): which candidates are
-timed, on which sub-slice of the call's values (or of made-up arrays), for how
-long.
+"""Costing candidate nests: XLA's memory and cost analyses of compiled ones, the
+others predicted from full vmap's (`Reference`; see `docs/design.md`), planning's
+progress, and measured mode's timing of candidates on sub-slices of the call.
 """
 
 import dataclasses
@@ -27,7 +20,7 @@ from .._nest import Build, build_levels, loop_body_inputs, run
 from .._resolve import Call
 from .._timing import time_interleaved
 from .model import concrete_inputs, TimeModel
-from .plan import PlanCandidate
+from .plan import PlanCandidate, ScanNest
 
 
 # ------------------------------------------------------------------------------
@@ -36,8 +29,8 @@ from .plan import PlanCandidate
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """An input leaf or output leaf: its bytes, and the axis of each of its mapped
-    dims, in axis order."""
+    """An input or output leaf: its bytes, and the axis of each mapped dim, in axis
+    order."""
 
     nbytes: int
     axes: tuple[tuple[str, int], ...]
@@ -53,13 +46,10 @@ def leaf(shape: Any, dtype: Any, axes: dict[str, int]) -> Leaf:
     return Leaf(nbytes, tuple(sorted(axes.items(), key=lambda kv: kv[1])))
 
 
-ScanNest = tuple[tuple[str, int | None], ...]
-
-
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """Full vmap's compiled figures, and the leaves that every candidate reads and
-    writes (outputs: those whose blocks a loop iteration holds)."""
+    """Full vmap's compiled figures, and the leaves every candidate reads and writes
+    (outputs: those whose blocks a loop iteration holds)."""
 
     block: int
     temp: int
@@ -73,15 +63,14 @@ class Reference:
     outputs: tuple[Leaf, ...]
 
     def _fraction(self, scan: ScanNest, dims: tuple[str, ...]) -> float:
-        """The part of a leaf with `dims` that one iteration of the scans `scan`
-        (outermost first) covers."""
+        """The part of a leaf with `dims` that one iteration of `scan` covers."""
         parts = ((k or 1) / max(self.sizes[n], 1) for n, k in scan if n in dims)
         return float(math.prod(parts))
 
     def _input_copies(self, scan: ScanNest, x: Leaf) -> float:
-        """The bytes a nest of scans copies out of an input leaf: at each scan level
-        that slices it, the slice of one iteration, and, when the level's dim is
-        not the leading axis of what it scans, a transposed copy of that."""
+        """The bytes a nest of scans copies out of an input leaf: at each level that
+        slices it, one iteration's slice, and a transposed copy of that when the
+        level's dim does not lead what it scans."""
         total, gone, axes = 0.0, set(), dict(x.axes)
         for level, (name, chunk) in enumerate(scan):
             if name not in axes:
@@ -103,50 +92,45 @@ class Reference:
         )
         in_y = [n for n, _ in scan if n in y.dims]
         if list(y.dims[: len(in_y)]) != in_y:
-            total += y.nbytes  # the stacked blocks, transposed once
+            total += y.nbytes
         return total
 
     def _body(self, c: PlanCandidate) -> float:
-        """The body's temporaries for one loop iteration of `c`: full vmap's,
-        scaled to its block."""
         return self.temp * c.block / max(self.block, 1)
 
     def temp_bytes(self, c: PlanCandidate) -> int:
-        """The temporaries of `c`, predicted: the body's for one iteration's block,
-        and the slices and blocks its scans copy."""
-        body = self._body(c)
+        """The temporaries of `c`, predicted: the body's, scaled to its block, and
+        the slices and blocks its scans copy."""
         if c.scan == self.scan:
-            return int(body)
-        total = body + sum(self._input_copies(c.scan, x) for x in self.inputs)
-        total += sum(self._output_blocks(c.scan, y) for y in self.outputs)
-        return int(total)
-
-    def shared_bytes(self, scan: ScanNest) -> int:
-        """The bytes of the inputs that no dim of `scan` slices: every loop trip
-        reads them whole."""
-        scanned = {n for n, _ in scan}
-        return sum(x.nbytes for x in self.inputs if not scanned & set(x.dims))
+            return int(self._body(c))
+        copies = sum(self._input_copies(c.scan, x) for x in self.inputs)
+        blocks = sum(self._output_blocks(c.scan, y) for y in self.outputs)
+        return int(self._body(c) + copies + blocks)
 
     def costs(self, c: PlanCandidate) -> tuple[float, float, float]:
-        """Flops, transcendentals and bytes accessed of `c`."""
-        extra = (c.trips - 1) * self.shared_bytes(c.scan)
-        base = (self.trips - 1) * self.shared_bytes(self.scan)
+        """Flops, transcendentals and bytes accessed of `c`: full vmap's, and the
+        inputs that no scanned dim slices re-read on every loop trip."""
+
+        def shared(scan: ScanNest) -> int:
+            scanned = {n for n, _ in scan}
+            return sum(x.nbytes for x in self.inputs if not scanned & set(x.dims))
+
+        extra = (c.trips - 1) * shared(c.scan)
+        base = (self.trips - 1) * shared(self.scan)
         return self.flops, self.transcendentals, max(self.nbytes + extra - base, 0.0)
 
     def working_set(self, c: PlanCandidate) -> int:
-        """The bytes one loop iteration of `c` touches: its temporaries, its inputs
-        (slices, and the inputs read whole) and its block of every output."""
+        """The bytes one loop iteration of `c` touches: its temporaries, and its
+        slice of every input and output."""
         inputs = sum(x.nbytes * self._fraction(c.scan, x.dims) for x in self.inputs)
         outputs = sum(y.nbytes * self._fraction(c.scan, y.dims) for y in self.outputs)
         return int(self._body(c) + inputs + outputs)
 
 
-def corrected(
-    ref: Reference, c: PlanCandidate, compiled: list[PlanCandidate]
-) -> float:
-    """The temporaries of `c` predicted, scaled by how the compiled block of its
-    ladder nearest it (by block; those that scan the same dims first) compared with
-    its own prediction."""
+def corrected(ref: Reference, c: PlanCandidate, compiled: list[PlanCandidate]) -> float:
+    """`ref.temp_bytes(c)`, scaled by how XLA's figure for the compiled candidate
+    nearest `c` (by block; those that scan the same dims first) compared with its
+    prediction."""
     if not compiled:
         return float(ref.temp_bytes(c))
     dims = [n for n, _ in c.scan]
@@ -166,16 +150,13 @@ def corrected(
 
 logger = logging.getLogger("eqx_multimap")
 
-# Planning that has taken longer than this reports its progress.
-PROGRESS_AFTER = 1.0
-
 
 class Progress:
-    """Reports what a long planning run is doing: once it has taken `after`
-    seconds, each step is logged at INFO level on the `"eqx_multimap"` logger and,
-    with `verbose`, shown on a `tqdm` progress bar (if installed; it is optional)."""
+    """Reports a planning run that has taken `after` seconds: each step is logged at
+    INFO level on the `"eqx_multimap"` logger and, with `verbose`, shown on a `tqdm`
+    progress bar (if installed; it is optional)."""
 
-    def __init__(self, what: str, verbose: bool, after: float = PROGRESS_AFTER):
+    def __init__(self, what: str, verbose: bool, after: float = 1.0):
         self.what, self.verbose, self.after = what, verbose, after
         self.start, self.n = time.perf_counter(), 0
         self.bar, self.reported = None, False
@@ -338,8 +319,8 @@ CPU_ONLY = {"xla_cpu_use_fusion_emitters": False}
 
 
 def analysed(lowered: Any) -> Any:
-    """`lowered` compiled for its memory and cost analyses only (`ANALYSIS_OPTIONS`).
-    A jaxlib that knows no such option compiles without it."""
+    """`lowered` compiled for its memory and cost analyses only (`ANALYSIS_OPTIONS`;
+    without `CPU_ONLY` on a jaxlib that knows no such option)."""
     options = dict(ANALYSIS_OPTIONS)
     if jax.default_backend() == "cpu":
         options.update(CPU_ONLY)
@@ -352,13 +333,10 @@ def analysed(lowered: Any) -> Any:
 
 
 class Compiler:
-    """Compiles candidate nests of one resolved call, every input leaf an explicit
-    argument (given as a `ShapeDtypeStruct` at the sizes planned for).
-
-    With `backward`, a candidate's memory is that of its reverse-mode derivative
-    (`jax.vjp` of the nest, every scan body checkpointed), and the program that
-    measured mode runs is that derivative; so are the costs the search predicts
-    (`reference`). `evaluate` compiles and costs a forward nest (a fixed nest)."""
+    """Compiles candidate nests of one resolved call, every input leaf an argument
+    (a `ShapeDtypeStruct` at the sizes planned for). With `backward`, a candidate's
+    program (its memory; what measured mode runs) is the reverse-mode derivative of
+    the nest, every scan body checkpointed."""
 
     def __init__(
         self,
@@ -380,12 +358,9 @@ class Compiler:
             self.specs.append(struct(v, tuple(shape)))
         self.n_compiled = 0
         self.jaxpr: Any = None  # of the program compiled last
-        # The compiled program of each candidate compiled for its memory (the
-        # forward nest, or its derivative), by nest.
-        self.programs: dict[NestSpec, Any] = {}
-        # The outputs whose blocks a loop iteration holds: every output, or
-        # differentiated, the cotangent of every inexact one (index, struct).
-        self._outs: list[tuple[int, Any]] | None = None
+        self.programs: dict[NestSpec, Any] = {}  # by nest: those `memory` compiled
+        # Differentiated, the outputs whose cotangents a loop iteration holds.
+        self._outs: list[tuple[int, Any]] = []
 
     def compile(
         self, fn: Callable[[list], Any], specs: Any, what: str = "", runs: bool = False
@@ -400,23 +375,21 @@ class Compiler:
         return traced.lower().compile() if runs else analysed(traced.lower())
 
     def build(self, spec: NestSpec) -> Build:
-        """How a candidate is built: under differentiation, every scan body
-        checkpointed (so the backward pass recomputes one block at a time)."""
+        # Differentiated, the backward pass recomputes one block at a time.
         checkpoint = self.checkpoint or (self.backward and bool(spec.scan))
         return Build(isolate=self.isolate, checkpoint=checkpoint)
 
-    def _program(self, spec: NestSpec) -> tuple[Callable, Any]:
-        """The program whose memory counts (and which measured mode runs): the
-        forward nest, or with `backward` its reverse-mode derivative; and the
-        `ShapeDtypeStruct`s of its one argument."""
+    def _program(self, spec: NestSpec, forward: bool = False) -> tuple[Callable, Any]:
+        """A candidate's program (with `forward`, the nest even when differentiated),
+        and the `ShapeDtypeStruct`s of its one argument."""
         build = self.build(spec)
 
-        def forward(values: list) -> Any:
+        def nest(values: list) -> Any:
             return run(self.problem, spec, build, values)
 
-        if not self.backward:
-            return forward, self.specs
-        outs = jax.eval_shape(forward, self.specs)
+        if forward or not self.backward:
+            return nest, self.specs
+        outs = jax.eval_shape(nest, self.specs)
         diff_in = [i for i, s in enumerate(self.specs) if _inexact(s)]
         diff_out = [i for i, s in enumerate(outs) if _inexact(s)]
         self._outs = [(i, outs[i]) for i in diff_out]
@@ -425,10 +398,8 @@ class Compiler:
             values, cts = args
 
             def of_inexact(xs: list) -> list:
-                full = list(values)
-                for i, x in zip(diff_in, xs):
-                    full[i] = x
-                out = forward(full)
+                given = dict(zip(diff_in, xs))
+                out = nest([given.get(i, v) for i, v in enumerate(values)])
                 return [out[i] for i in diff_out]
 
             _, pullback = jax.vjp(of_inexact, [values[i] for i in diff_in])
@@ -439,57 +410,41 @@ class Compiler:
     def memory(self, cand: PlanCandidate) -> int:
         """Compile the candidate's program; its temporary memory."""
         fn, specs = self._program(cand.spec)
-        what = f"compiling {cand.nest(self.sizes)}"
-        compiled = self.compile(fn, specs, what)
+        compiled = self.compile(fn, specs, f"compiling {cand.nest(self.sizes)}")
         self.programs[cand.spec] = compiled
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def reference(self, full: PlanCandidate) -> Reference:
-        """What the search predicts every candidate from: full vmap (`full`,
-        compiled for its memory), its costs, and the leaves (see `cost`)."""
+        """What the search predicts every candidate from: full vmap (`full`, its
+        memory compiled), its costs, and the leaves."""
         assert full.temp_bytes is not None
         compiled = self.programs[full.spec]
         if full.scan:  # given scans: XLA costs their loop body once
             if self.backward:
-                build = self.build(full.spec)
-                compiled = self.compile(
-                    lambda values: run(self.problem, full.spec, build, values),
-                    self.specs,
-                    f"compiling the forward nest of {full.nest(self.sizes)}",
-                )
+                what = f"compiling the forward nest of {full.nest(self.sizes)}"
+                compiled = self.compile(*self._program(full.spec, True), what)
             flops, trans, nbytes, _ = self.corrected_cost(compiled, full)
         else:
             flops, trans, nbytes = xla_costs(compiled)
-        if self._outs is None:
-            self._outs = list(enumerate(compiled.out_info))
+        outs = self._outs if self.backward else enumerate(compiled.out_info)
         inputs = tuple(
             leaf(s.shape, s.dtype, axes)
             for s, axes in zip(self.specs, self.problem.leaf_axes)
         )
-        # An output's mapped dims, in their order (their axes approximately).
-        mapped = lambda dims: [n for n in dims.names if n in self.sizes]  # noqa: E731
-        outputs = tuple(
-            leaf(s.shape, s.dtype, {n: a for a, n in enumerate(mapped(dims))})
-            for s, dims in ((s, self.problem.out_dims[i]) for i, s in self._outs)
-        )
+        outputs = []
+        for i, s in outs:  # an output's mapped dims in order: their axes, roughly
+            mapped = [n for n in self.problem.out_dims[i].names if n in self.sizes]
+            axes = {name: a for a, name in enumerate(mapped)}
+            outputs.append(leaf(s.shape, s.dtype, axes))
         trips = full.trips if full.scan else 1
         return Reference(
             full.block, full.temp_bytes, flops, trans, nbytes, trips, full.scan,
-            self.sizes, inputs, outputs,
+            self.sizes, inputs, tuple(outputs),
         )  # fmt: skip
 
     def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
-        """A candidate with its costs predicted from `ref`, and its estimated time
-        (its temporaries, compiled or predicted, set)."""
-        flops, trans, nbytes = ref.costs(cand)
-        return self._with_costs(cand, flops, trans, nbytes, ref.working_set(cand))
-
-    def costs(self, cand: PlanCandidate) -> PlanCandidate:
-        """A compiled candidate of the forward nest (a fixed nest) with its costs,
-        from its own compile, and estimated time."""
-        assert not self.backward
-        compiled = self.programs[cand.spec]
-        return self._with_costs(cand, *self.corrected_cost(compiled, cand))
+        """`cand` with its costs predicted from `ref`, and its estimated time."""
+        return self._with_costs(cand, *ref.costs(cand), ref.working_set(cand))
 
     def _with_costs(
         self, cand: PlanCandidate, flops: float, trans: float, nbytes: float, ws: int
@@ -502,23 +457,26 @@ class Compiler:
         )  # fmt: skip
 
     def evaluate(self, cand: PlanCandidate, budget: int | None) -> PlanCandidate:
-        """Compile `cand`: its temporary memory, and if it fits, its costs."""
+        """Compile `cand` (a forward nest: a fixed one): its temporary memory, and if
+        it fits, its costs from its own compile."""
         temp = self.memory(cand)
         fits = None if budget is None else temp <= budget
         cand = dataclasses.replace(cand, temp_bytes=temp, fits=fits)
-        return cand if fits is False else self.costs(cand)
+        if fits is False:
+            return cand
+        assert not self.backward
+        costs = self.corrected_cost(self.programs[cand.spec], cand)
+        return self._with_costs(cand, *costs)
 
     def corrected_cost(
         self, compiled: Any, cand: PlanCandidate
     ) -> tuple[float, float, float, int]:
         """Flops, transcendentals, bytes and working set, loop bodies counted fully.
 
-        XLA's cost analysis counts the body of a while loop once. For each block
-        whose loops run `trips > 1` times, the block's loop body (the vmaps inside
-        its scans) is compiled on its own and its cost added `trips - 1` more times.
-        The working set is the largest memory footprint (arguments, outputs,
-        temporaries) of one body, or of the whole candidate when nothing loops.
-        """
+        XLA's cost analysis counts a while loop's body once: each block's loop body
+        (the vmaps inside its scans) is compiled on its own and its cost added
+        `trips - 1` more times. The working set is the largest footprint of one
+        body, or of the whole candidate when nothing loops."""
         total, ws, looped = list(xla_costs(compiled)), 0, False
         for block in blocks(cand.spec, self.problem.sizes):
             if block.trips <= 1:

@@ -32,10 +32,11 @@ DEFAULT_BUDGET_FRACTION = 0.5
 def check_budget(plan: Any, memory_budget: Any) -> None:
     """Check `memory_budget=` at decoration time: it needs `plan=`, and bytes or a
     fraction."""
+    given = f"`filter_multi_vmap(..., memory_budget={memory_budget!r})`"
     if plan is None:
         raise SpecError(
-            f"`filter_multi_vmap(..., memory_budget={memory_budget!r})` is only used "
-            "by the planner: pass `plan='auto'` too, or drop `memory_budget`."
+            f"{given} is only used by the planner: pass `plan='auto'` too, or drop "
+            "`memory_budget`."
         )
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
         raise SpecError(
@@ -43,17 +44,12 @@ def check_budget(plan: Any, memory_budget: Any) -> None:
             "a `float` in (0, 1] (a fraction of device memory), but got "
             f"{memory_budget!r} of type `{type(memory_budget).__name__}`."
         )
-    if isinstance(memory_budget, int):
-        if memory_budget < 1:
-            raise SpecError(
-                f"`filter_multi_vmap(..., memory_budget={memory_budget!r})`: a budget "
-                "in bytes must be a positive `int`."
-            )
-    elif not (0.0 < memory_budget <= 1.0):
+    if isinstance(memory_budget, int) and memory_budget < 1:
+        raise SpecError(f"{given}: a budget in bytes must be a positive `int`.")
+    if isinstance(memory_budget, float) and not 0.0 < memory_budget <= 1.0:
         raise SpecError(
-            f"`filter_multi_vmap(..., memory_budget={memory_budget!r})`: a `float` "
-            "budget is a fraction of device memory and must be in (0, 1]; give "
-            "bytes as an `int`, e.g. `memory_budget=2**30`."
+            f"{given}: a `float` budget is a fraction of device memory and must be in "
+            "(0, 1]; give bytes as an `int`, e.g. `memory_budget=2**30`."
         )
 
 
@@ -137,9 +133,7 @@ def block_and_trips(
 def candidate(
     scan: ScanNest, vmap: tuple[str, ...], sizes: dict[str, int], source: str
 ) -> PlanCandidate:
-    """The candidate of a nest, with its block and trips."""
-    block, trips = block_and_trips(scan, vmap, sizes)
-    return PlanCandidate(scan, vmap, block, trips, source)
+    return PlanCandidate(scan, vmap, *block_and_trips(scan, vmap, sizes), source)
 
 
 def ladder(
@@ -149,12 +143,9 @@ def ladder(
     fixed: ScanNest = (),
     frozen: frozenset[str] = frozenset(),
 ) -> list[PlanCandidate]:
-    """Scanned candidates, largest block first (full vmap excluded).
-
-    Scans a prefix of `order` (dims of size 1 and `frozen` dims skipped): the outer
-    dims of the prefix one element at a time, the last in chunks, inside the `fixed`
-    scans. The remaining dims are vmapped, in the order of `layout`.
-    """
+    """Scanned candidates, largest block first (full vmap excluded): inside the
+    `fixed` scans, a prefix of `order` (`frozen` dims and dims of size 1 skipped)
+    scanned, its last dim in chunks; the other dims vmapped in `layout`'s order."""
     scannable = [n for n in order if sizes[n] > 1 and n not in frozen]
     fixed_names = {n for n, _ in fixed}
     out = []
@@ -169,21 +160,20 @@ def ladder(
     return out
 
 
+MAX_ORDERS = 24
+"""The most dim orders measured mode searches (every order of up to 4 dims)."""
+
+
 def dim_orders(
     call: Call,
     sizes: dict[str, int],
     names: tuple[str, ...] | None = None,
     every: bool = False,
 ) -> list[tuple[str, ...]]:
-    """Orders in which the planner scans the mapped dims (or `names` of them),
-    the first one the layout.
-
-    The layout is the order of the mapped dims in the first output's dims: scanning
-    (and vmapping) in that order stacks the output without a transpose. Then the
-    order in which the inputs name them (scanning an input's leading axis needs no
-    copy), then by size, largest first (the fewest scans for a given block). With
-    `every` (measured mode), then every other order, up to `MAX_ORDERS` in all.
-    """
+    """Orders in which to scan the mapped dims (or `names` of them), the first the
+    layout: the first output's order (its stacking needs no transpose); the inputs'
+    order (scanning an input's leading axis needs no copy); largest first (the
+    fewest scans for a block); with `every`, every other, up to `MAX_ORDERS`."""
     mapped = call.mapped if names is None else names
     names_out = call.out.dims[0].names if call.out.dims else ()
     first = [n for n in names_out if n in mapped]
@@ -197,16 +187,9 @@ def dim_orders(
     return list(dict.fromkeys(orders))[: MAX_ORDERS if every else None]
 
 
-MAX_ORDERS = 24
-"""The most dim orders measured mode searches (every order of up to 4 dims)."""
-
-
 def localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
-    """The mapped sizes as one device sees them, and the sharded dims.
-
-    With `shard=`, the sharded dims are split outside the nest (`shard_map`), so the
-    planner plans, and compiles, the local nest of one device.
-    """
+    """The mapped sizes as one device sees them, and the dims `shard=` splits
+    outside the nest: the planner plans one device's nest."""
     sp = call.shard
     if sp is None:
         return call.mapped_sizes, ()
@@ -232,8 +215,7 @@ def given_dims(call: Call) -> tuple[str, ...]:
 
 def collective_dims(call: Call) -> tuple[str, ...]:
     """The mapped dims the body uses in collectives: never scanned."""
-    used = call.collective_dims
-    return tuple(n for n in call.mapped if n in used)
+    return tuple(n for n in call.mapped if n in call.collective_dims)
 
 
 # --- Request
@@ -241,11 +223,10 @@ def collective_dims(call: Call) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What one plan is for: a resolved call; its mapped sizes as one device sees
-    them and its sharded dims (`localize`); the memory budget and where it came
-    from; whether the nest is differentiated; the time model; whether the planner
-    measures; the time model as the disk cache's keys hold it (`None`: its
-    constants); and whether measured mode times on the call's values (concrete)."""
+    """What one plan is for: `localize`'s sizes and sharded dims, the budget and
+    where it came from, and how it is planned (`model_key`: the time model as the
+    disk cache's keys hold it, `None` for its constants; `values`: measured mode
+    times on the call's own values)."""
 
     call: Call
     sizes: dict[str, int]
@@ -266,8 +247,7 @@ def plan_for(
     candidates: tuple[PlanCandidate, ...],
     **fields: Any,
 ) -> Plan:
-    """The `Plan` of `call` at its mapped `sizes` (as one device sees them): the
-    nest chosen among `candidates`, and the other `fields` of `Plan`."""
+    """The `Plan` of `call` at its mapped `sizes` (as one device sees them)."""
     return Plan(
         fun_name=call.fun_name,
         sizes=tuple({**call.sizes, **sizes}.items()),
@@ -326,12 +306,12 @@ def summary(
             f"needs {temp} of the {b} budget."
         )
     whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
-    if not searched:
-        return head + (
-            f"{whole} fits ({temp} <= {b}) and its working set is within the last "
-            "level of cache; nothing else was compiled."
-        )
     why = f"{whole} fits ({temp} <= {b})"
+    if not searched:
+        return (
+            f"{head}{why} and its working set is within the last level of cache; "
+            "nothing else was compiled."
+        )
     if not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
     elif not timed and model.levels and (full.working_set or 0) > model.levels[-1][0]:
@@ -416,13 +396,12 @@ def with_reason(
 
 
 class NoFit(Exception):
-    """No candidate fits the budget: the error's message, the smallest candidate
-    compiled, and how many were."""
+    """No candidate fits the budget: the message, the smallest candidate compiled,
+    and how many were."""
 
     def __init__(self, message: str, smallest: PlanCandidate, n: int):
         super().__init__(message)
-        self.smallest = smallest
-        self.n = n
+        self.smallest, self.n = smallest, n
 
 
 def no_fit_message(
@@ -435,9 +414,8 @@ def no_fit_message(
 ) -> str:
     """The `SpecError` message when no candidate fits the budget."""
     what = "the derivative (reverse mode) of " if backward else ""
-    given = ""
-    if given_dims(call):
-        given = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
+    hint = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
+    given = hint if given_dims(call) else ""
     return (
         f"`{call.fun_name}` with `plan='auto'`: no nest fits "
         f"`memory_budget={call.options.plan.memory_budget!r}` ({fmt_bytes(budget)} "
