@@ -1,15 +1,10 @@
 """The planner's search: which candidate nests it compiles, and which it chooses.
 
 Full vmap (of the planned dims) is compiled first, and every other candidate is
-predicted from it (`cost`). The candidates form ladders, one per dim order (`space`),
-largest block first. On each ladder searched, the boundary blocks are costed: the
-largest that fits the budget (compiled, unless predicted far within it) and the
-largest whose predicted working set fits each level of the memory hierarchy
-(`TimeModel.levels`). The cheapest by the time model wins, compiled first to check
-the budget if it was only predicted to fit. Full vmap is kept without a search if
-it fits and its working set is within the last level. Measured mode searches a
-ladder for every dim order and times candidates that fit on sub-slices of the
-call's values, under a cap (`cost`). See `docs/design.md`.
+predicted from it (`cost`). On each ladder (`space`) searched, the block that fits
+the budget and those whose working sets fit each level of the memory hierarchy are
+costed; the cheapest by the time model wins, or in measured mode the fastest timed.
+See `docs/design.md`.
 """
 
 import dataclasses
@@ -42,19 +37,15 @@ from .space import (
 )
 
 
-# Once planning has compiled this many programs, it searches no further ladders.
-MAX_COMPILES = 12
-# A block predicted (uncorrected and corrected) at most this fraction of the budget
-# is not compiled to check it: predictions are within 0.35-3x of XLA's figure on the
-# benchmarks' workloads.
+MAX_COMPILES = 12  # planning that has compiled this many searches no further ladder
+# A block predicted (uncorrected and corrected) within this fraction of the budget
+# is not compiled to check it: predictions are within 0.35-3x of XLA's figure on
+# the benchmarks' workloads.
 SAFE_FRACTION = 1 / 8
-# Another ladder is searched, or a larger block that fits compiled, only if it may
-# be estimated this much faster: smaller differences are within the time model's
-# error, and not worth a compile.
+# A compile (another ladder, a larger block) is worth an estimate this much faster:
+# smaller differences are within the time model's error.
 MATERIAL = 1.05
-# Bumped whenever the search changes what it chooses: plans on disk from another
-# version are not used.
-SEARCH_VERSION = 8
+SEARCH_VERSION = 8  # bumped when the search chooses otherwise: older plans unused
 
 
 @dataclasses.dataclass
@@ -64,10 +55,7 @@ class Ladder:
     steps: list[PlanCandidate]
     searched: bool = False
     j: int | None = None
-
-    @property
-    def edge(self) -> int | None:
-        return self.j
+    edge = property(lambda self: self.j)  # what `Search.measured` reads
 
 
 class Search:
@@ -78,17 +66,13 @@ class Search:
         self.request, self.call = request, request.call
         self.sizes, self.budget = request.sizes, request.budget
         self.model, self.measure = request.model, request.measure
-        self.progress = progress
         self.compiler = Compiler(
             self.call, self.sizes, self.model, request.backward, progress.step
-        )  # fmt: skip
-        # By key: the candidates compiled, or taken as predicted (`predicted`).
-        self.known: dict[tuple, PlanCandidate] = {}
-        self.notes: dict[tuple, str] = {}  # by key: why an uncompiled one was not
-        # Full vmap's figures, once compiled: what the others are predicted from.
-        self.ref: Reference | None = None
-        # Whether a vmapped block runs a while loop in lockstep (`cost.lockstep`).
-        self.lockstep = False
+        )
+        self.known: dict[tuple, PlanCandidate] = {}  # compiled, or taken as predicted
+        self.notes: dict[tuple, str] = {}  # why one not compiled was not chosen
+        self.ref: Reference | None = None  # full vmap's figures, the others' basis
+        self.lockstep = False  # a vmapped block runs a while loop in lockstep
         self.slices: dict[tuple, dict[str, int]] = {}  # measured: sizes timed at
 
     def memory(self, c: PlanCandidate) -> PlanCandidate:
@@ -107,11 +91,18 @@ class Search:
         return self.known[c.key]
 
     def prediction(self, steps: list[PlanCandidate], c: PlanCandidate) -> float:
-        """The temporaries of `c`, a step of `steps`, predicted from full vmap's and
-        corrected by the steps compiled (`cost.corrected`)."""
+        """The temporaries of `c`, a step of `steps`, predicted and corrected by the
+        steps compiled (`cost.corrected`)."""
         assert self.ref is not None
         known = (self.known.get(s.key) for s in steps)
         return corrected(self.ref, c, [k for k in known if k and not k.predicted])
+
+    def cautious(self, steps: list[PlanCandidate], c: PlanCandidate) -> int | float:
+        """The larger of `prediction` and the uncorrected one: a correction scales by
+        a neighbour's ratio, which a fusion XLA makes at one block and not at the
+        next breaks."""
+        assert self.ref is not None
+        return max(self.prediction(steps, c), self.ref.temp_bytes(c))
 
     def seconds_at(self, c: PlanCandidate) -> float:
         """The estimated time of `c`, its costs predicted from full vmap's."""
@@ -119,16 +110,13 @@ class Search:
         return self.compiler.predicted_costs(c, self.ref).seconds or 0.0
 
     def taken(self, steps: list[PlanCandidate], c: PlanCandidate, why: str) -> None:
-        """Cost `c` uncompiled, its temporaries predicted: the larger of `prediction`
-        and the uncorrected one (a correction scales by a neighbour's ratio, which a
-        fusion XLA makes at one block and not at the next breaks). `pick` checks it
-        against the budget if it wins. Compiled if the planner measures (it runs
-        what it compiles)."""
+        """Cost `c` uncompiled, its temporaries `cautious`ly predicted (`pick` checks
+        them if it wins); compiled if the planner measures (it runs it)."""
         assert self.ref is not None
         if self.measure:
             self.costed(c)
         elif c.key not in self.known:
-            temp = int(max(self.prediction(steps, c), self.ref.temp_bytes(c)))
+            temp = int(self.cautious(steps, c))
             guess = dataclasses.replace(c, temp_bytes=temp, fits=True, predicted=True)
             self.known[c.key] = self.compiler.predicted_costs(guess, self.ref)
             self.notes[c.key] = why
@@ -138,9 +126,9 @@ class Search:
             self.notes.setdefault(c.key, why)
 
     def search(self, lad: Ladder, full: PlanCandidate) -> None:
-        """Find the ladder's largest block that fits the budget (`j`) and its
-        largest whose predicted working set fits each level of the memory
-        hierarchy, and cost them (and their ties: the same block)."""
+        """Cost the ladder's largest block that fits the budget (`j`), its largest
+        whose predicted working set fits each level of the memory hierarchy, their
+        ties (the same block) and, in lockstep, its smallest."""
         assert self.ref is not None
         steps, lad.searched = lad.steps, True
         lad.j = j = 0 if full.fits else self.first_within(steps)
@@ -183,10 +171,9 @@ class Search:
     def first_within(self, steps: list[PlanCandidate]) -> int | None:
         """The first step (the largest block) whose temporaries fit the budget.
 
-        The largest block predicted to fit (`prediction`) is compiled, and the
-        prediction corrected by it, until a step fits and the next larger one is
-        known not to, or predicted not to when it scans the same dims (only a
-        chunk differs: temporaries affine in the block); unless a block predicted
+        The largest step predicted to fit is compiled, correcting the prediction,
+        until a step fits and the next larger one is known not to, or predicted not
+        to when it scans the same dims (temporaries affine in the chunk); unless one
         far within the budget is taken as predicted (`take_predicted`)."""
         lo, hi = 0, len(steps)  # the answer is in steps[lo:hi], or None
         while lo < hi:
@@ -209,15 +196,12 @@ class Search:
     def take_predicted(
         self, steps: list[PlanCandidate], within: list[int]
     ) -> int | None:
-        """The largest block of `within` (the steps predicted to fit, largest
-        first) predicted far within the budget (`SAFE_FRACTION`), taken as
-        predicted, uncompiled, if its estimate is at most `MATERIAL` slower than
-        that of any larger one: a compile is worth a material difference only.
-        `None` if none, or if the planner measures (it runs what it compiles)."""
-        assert self.ref is not None
-        ref, safe = self.ref, self.budget * SAFE_FRACTION
-        temp = lambda c: max(self.prediction(steps, c), ref.temp_bytes(c))  # noqa: E731
-        s = next((i for i in within if temp(steps[i]) <= safe), None)
+        """The largest step of `within` (those predicted to fit, largest first)
+        `cautious`ly predicted within `SAFE_FRACTION` of the budget, taken uncompiled
+        if est. at most `MATERIAL` slower than every larger one; `None` if none, or
+        if the planner measures (it runs what it compiles)."""
+        safe = self.budget * SAFE_FRACTION
+        s = next((i for i in within if self.cautious(steps, steps[i]) <= safe), None)
         if s is None or self.measure:
             return None
         c, larger = steps[s], within[: within.index(s)]
@@ -235,14 +219,14 @@ class Search:
         return s
 
     def estimate(self, c: PlanCandidate, lad: Ladder) -> float:
-        """The estimated time of a candidate of a searched ladder that fits."""
+        """The estimated time of a candidate that fits (`lad` is not read)."""
         known = self.known.get(c.key, c)
         return known.seconds if known.seconds is not None else self.seconds_at(c)
 
     def cannot_win(self, lad: Ladder) -> str | None:
-        """Why no block of the ladder can be materially faster (`MATERIAL`), by the
-        time model, than the best candidate costed; `None` if one may, or if the
-        planner measures (it may find what the model does not see)."""
+        """Why no block of the ladder can be est. `MATERIAL`ly faster than the best
+        costed; `None` if one may, or if the planner measures (it may find what the
+        model does not see)."""
         costed = [c for c in self.known.values() if c.fits and c.seconds]
         if not costed or self.measure:
             return None
@@ -261,19 +245,34 @@ class Search:
         """Plan the call: the chosen nest, and every candidate with its reason.
         Raises `NoFit` if no candidate fits the budget."""
         start = time.perf_counter()
-        full, ladders, considered, free = self._space()
+        call, sizes = self.call, self.sizes
+        fixed = call.options.scan  # the given scans, outermost, as given
+        frozen = frozenset(given_dims(call)) | frozenset(collective_dims(call))
+        free = tuple(n for n in call.mapped if n not in frozen)
+        # Vmapped: the dims of `vmap=` as given, then the others in the output's order.
+        given = call.options.vmap + call.options.scan_names
+        layout = call.options.vmap + tuple(
+            n for n in dim_orders(call, sizes)[0] if n not in given
+        )
+        full = candidate(fixed, layout, sizes, "given scans" if fixed else "full vmap")
+        orders = dim_orders(call, sizes, free, every=self.measure) if free else []
+        ladders = [Ladder(ladder(o, layout, sizes, fixed, frozen)) for o in orders]
+        considered = {full.key: full}
+        steps = (c for lad in ladders for c in lad.steps)
+        for c in sorted(steps, key=lambda c: -c.block):
+            considered.setdefault(c.key, c)
         timed: dict[tuple, float] = {}
         compared: list[PlanCandidate] = []
-        if any(self.sizes[n] == 0 for n in self.call.mapped):
+        if any(sizes[n] == 0 for n in call.mapped):
             chosen = full  # nothing to run; no need to compile anything
             for c in considered.values():
                 self.note(c, "not compiled: a mapped dim has size 0")
             text = (
-                f"Chose {full.nest(self.sizes)}: a mapped dim has size 0, so nothing "
+                f"Chose {full.nest(sizes)}: a mapped dim has size 0, so nothing "
                 "runs and nothing was compiled."
             )
         else:
-            chosen, compared, timed, text = self._choose(full, ladders, free)
+            chosen, compared, timed, text = self._choose(full, ladders, bool(free))
         candidates = tuple(
             with_reason(
                 self.known.get(k, c), chosen, self.notes.get(k), timed,
@@ -290,30 +289,6 @@ class Search:
             time_model=self.model, summary=text, measured=self.measure,
         )  # fmt: skip
 
-    def _space(
-        self,
-    ) -> tuple[PlanCandidate, list[Ladder], dict[tuple, PlanCandidate], bool]:
-        """Full vmap (of the planned dims), the ladders, every candidate by key,
-        and whether any dim is planned."""
-        call, sizes = self.call, self.sizes
-        fixed = call.options.scan  # the given scans, outermost, as given
-        frozen = frozenset(given_dims(call)) | frozenset(collective_dims(call))
-        free = tuple(n for n in call.mapped if n not in frozen)
-        # Unscanned dims are vmapped: those of `vmap=` in the order given, then the
-        # others in the order of the output's dims (no transpose).
-        given = call.options.vmap + call.options.scan_names
-        layout = call.options.vmap + tuple(
-            n for n in dim_orders(call, sizes)[0] if n not in given
-        )
-        full = candidate(fixed, layout, sizes, "given scans" if fixed else "full vmap")
-        orders = dim_orders(call, sizes, free, every=self.measure) if free else []
-        ladders = [Ladder(ladder(o, layout, sizes, fixed, frozen)) for o in orders]
-        considered = {full.key: full}
-        steps = (c for lad in ladders for c in lad.steps)
-        for c in sorted(steps, key=lambda c: -c.block):
-            considered.setdefault(c.key, c)
-        return full, ladders, considered, bool(free)
-
     def _choose(
         self, full: PlanCandidate, ladders: list[Ladder], free: bool
     ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
@@ -324,7 +299,8 @@ class Search:
         self.ref = self.compiler.reference(compiled)
         f = self.costed(full)
         # Full vmap is kept if it fits, its working set is within the last level of
-        # the memory hierarchy, and the planner does not measure.
+        # the memory hierarchy, nothing runs in lockstep, and the planner does not
+        # measure.
         last = max((size for size, _ in self.model.levels), default=0)
         go = bool(ladders) and (
             not f.fits or (f.working_set or 0) > last or self.measure or self.lockstep
@@ -356,17 +332,17 @@ class Search:
         )  # fmt: skip
         return chosen, compared, timed, text
 
-    def rank(self, c: PlanCandidate) -> float:
-        """The estimate by which `pick` chooses: with a while loop in lockstep, a
-        block of one element wins if it is est. at most `MATERIAL` slower (the
-        waste of a larger block depends on the data, which the model cannot see)."""
-        lockstep = self.lockstep and c.block > 1
-        return (c.seconds or 0.0) * (MATERIAL if lockstep else 1.0)
-
     def pick(self) -> tuple[list[PlanCandidate], PlanCandidate]:
-        """The candidates costed that fit, and the fastest by the estimate; one
-        whose temporaries were only predicted, not far within the budget, is
-        compiled first to check that it fits."""
+        """The candidates costed that fit, and the fastest by the estimate (in
+        lockstep, a block of one element wins if est. at most `MATERIAL` slower: the
+        waste of a larger block depends on the data, which the model cannot see).
+        One whose temporaries were only predicted, and not within `SAFE_FRACTION` of
+        the budget, is compiled first to check that it fits."""
+
+        def rank(c: PlanCandidate) -> float:
+            lockstep = self.lockstep and c.block > 1
+            return (c.seconds or 0.0) * (MATERIAL if lockstep else 1.0)
+
         while True:
             fitting = [c for c in self.known.values() if c.fits and c.seconds]
             if not fitting:
@@ -377,7 +353,7 @@ class Search:
                     self.compiler.backward,
                 )  # fmt: skip
                 raise NoFit(message, smallest, len(tried))
-            c = min(fitting, key=self.rank)
+            c = min(fitting, key=rank)
             if not c.predicted or (c.temp_bytes or 0) <= self.budget * SAFE_FRACTION:
                 return fitting, c
             temp = self.compiler.memory(c)
