@@ -33,17 +33,13 @@ class Leaf:
     order."""
 
     nbytes: int
-    axes: tuple[tuple[str, int], ...]
-
-    @property
-    def dims(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.axes)
+    axes: dict[str, int]
 
 
 def leaf(shape: Any, dtype: Any, axes: dict[str, int]) -> Leaf:
     # `itemsize`, not `np.dtype(dtype)`: typed PRNG keys' dtypes are JAX's own.
     nbytes = math.prod(shape) * int(getattr(dtype, "itemsize", 0) or 0)
-    return Leaf(nbytes, tuple(sorted(axes.items(), key=lambda kv: kv[1])))
+    return Leaf(nbytes, dict(sorted(axes.items(), key=lambda kv: kv[1])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,24 +58,24 @@ class Reference:
     inputs: tuple[Leaf, ...]
     outputs: tuple[Leaf, ...]
 
-    def _fraction(self, scan: ScanNest, dims: tuple[str, ...]) -> float:
-        """The part of a leaf with `dims` that one iteration of `scan` covers."""
-        parts = ((k or 1) / max(self.sizes[n], 1) for n, k in scan if n in dims)
+    def _fraction(self, scan: ScanNest, x: Leaf) -> float:
+        """The part of a leaf that one iteration of `scan` covers."""
+        parts = ((k or 1) / max(self.sizes[n], 1) for n, k in scan if n in x.axes)
         return float(math.prod(parts))
 
     def _input_copies(self, scan: ScanNest, x: Leaf) -> float:
         """The bytes a nest of scans copies out of an input leaf: at each level that
         slices it, one iteration's slice, and a transposed copy of that when the
         level's dim does not lead what it scans."""
-        total, gone, axes = 0.0, set(), dict(x.axes)
+        total, gone = 0.0, set()
         for level, (name, chunk) in enumerate(scan):
-            if name not in axes:
+            if name not in x.axes:
                 continue
-            if any(a not in gone for a in range(axes[name])):
-                total += x.nbytes * self._fraction(scan[:level], x.dims)
-            total += x.nbytes * self._fraction(scan[: level + 1], x.dims)
+            if any(a not in gone for a in range(x.axes[name])):
+                total += x.nbytes * self._fraction(scan[:level], x)
+            total += x.nbytes * self._fraction(scan[: level + 1], x)
             if chunk is None:
-                gone.add(axes[name])
+                gone.add(x.axes[name])
         return total
 
     def _output_blocks(self, scan: ScanNest, y: Leaf) -> float:
@@ -87,11 +83,11 @@ class Reference:
         block at each level, and a transposed copy of the whole when the scanned
         dims do not lead it."""
         total = sum(
-            y.nbytes * self._fraction(scan[: level + 1], y.dims)
+            y.nbytes * self._fraction(scan[: level + 1], y)
             for level in range(len(scan))
         )
-        in_y = [n for n, _ in scan if n in y.dims]
-        if list(y.dims[: len(in_y)]) != in_y:
+        in_y = [n for n, _ in scan if n in y.axes]
+        if list(y.axes)[: len(in_y)] != in_y:
             total += y.nbytes
         return total
 
@@ -113,7 +109,7 @@ class Reference:
 
         def shared(scan: ScanNest) -> int:
             scanned = {n for n, _ in scan}
-            return sum(x.nbytes for x in self.inputs if not scanned & set(x.dims))
+            return sum(x.nbytes for x in self.inputs if scanned.isdisjoint(x.axes))
 
         extra = (c.trips - 1) * shared(c.scan)
         base = (self.trips - 1) * shared(self.scan)
@@ -122,8 +118,8 @@ class Reference:
     def working_set(self, c: PlanCandidate) -> int:
         """The bytes one loop iteration of `c` touches: its temporaries, and its
         slice of every input and output."""
-        inputs = sum(x.nbytes * self._fraction(c.scan, x.dims) for x in self.inputs)
-        outputs = sum(y.nbytes * self._fraction(c.scan, y.dims) for y in self.outputs)
+        inputs = sum(x.nbytes * self._fraction(c.scan, x) for x in self.inputs)
+        outputs = sum(y.nbytes * self._fraction(c.scan, y) for y in self.outputs)
         return int(self._body(c) + inputs + outputs)
 
 

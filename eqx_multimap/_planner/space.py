@@ -19,6 +19,10 @@ from .model import TimeModel
 from .plan import dims_of, Plan, PlanCandidate, ScanNest, ShardDim
 
 
+Sizes = dict[str, int]
+Names = tuple[str, ...]
+
+
 # --- Budget
 
 
@@ -97,10 +101,9 @@ def chunk_options(n: int) -> list[int | None]:
     About `n / m` for `m = 2, 4, 8, ...` chunks, moved to a divisor of `n` within a
     factor of `sqrt(2)` when there is one (so that no remainder block is needed).
     """
-    divisors = set()
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            divisors.update((d, n // d))
+    divisors = {
+        d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k)
+    }
     out: list[int | None] = []
     m = 2
     while n // m >= 2:
@@ -115,9 +118,7 @@ def chunk_options(n: int) -> list[int | None]:
     return out
 
 
-def block_and_trips(
-    scan: ScanNest, vmap: tuple[str, ...], sizes: dict[str, int]
-) -> tuple[int, int]:
+def block_and_trips(scan: ScanNest, vmap: Names, sizes: Sizes) -> tuple[int, int]:
     """The elements of one loop iteration, and the number of iterations."""
     block = math.prod(sizes[n] for n in vmap)
     trips = 1
@@ -130,16 +131,14 @@ def block_and_trips(
     return block, trips
 
 
-def candidate(
-    scan: ScanNest, vmap: tuple[str, ...], sizes: dict[str, int], source: str
-) -> PlanCandidate:
+def candidate(scan: ScanNest, vmap: Names, sizes: Sizes, source: str) -> PlanCandidate:
     return PlanCandidate(scan, vmap, *block_and_trips(scan, vmap, sizes), source)
 
 
 def ladder(
-    order: tuple[str, ...],
-    layout: tuple[str, ...],
-    sizes: dict[str, int],
+    order: Names,
+    layout: Names,
+    sizes: Sizes,
     fixed: ScanNest = (),
     frozen: frozenset[str] = frozenset(),
 ) -> list[PlanCandidate]:
@@ -165,11 +164,8 @@ MAX_ORDERS = 24
 
 
 def dim_orders(
-    call: Call,
-    sizes: dict[str, int],
-    names: tuple[str, ...] | None = None,
-    every: bool = False,
-) -> list[tuple[str, ...]]:
+    call: Call, sizes: Sizes, names: Names | None = None, every: bool = False
+) -> list[Names]:
     """Orders in which to scan the mapped dims (or `names` of them), the first the
     layout: the first output's order (its stacking needs no transpose); the inputs'
     order (scanning an input's leading axis needs no copy); largest first (the
@@ -206,14 +202,14 @@ def localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
     return {n: sp.local_sizes[n] for n in call.mapped}, dims
 
 
-def given_dims(call: Call) -> tuple[str, ...]:
+def given_dims(call: Call) -> Names:
     """The mapped dims whose strategy the user gave, in nest order."""
     named = set(call.options.scan_names) | set(call.options.vmap)
     named |= set(call.options.shard_names)
     return tuple(n for n in call.given_nest().dims if n in named)
 
 
-def collective_dims(call: Call) -> tuple[str, ...]:
+def collective_dims(call: Call) -> Names:
     """The mapped dims the body uses in collectives: never scanned."""
     return tuple(n for n in call.mapped if n in call.collective_dims)
 
@@ -229,7 +225,7 @@ class Request:
     times on the call's own values)."""
 
     call: Call
-    sizes: dict[str, int]
+    sizes: Sizes
     shard: tuple[ShardDim, ...]
     budget: int
     source: str
@@ -242,7 +238,7 @@ class Request:
 
 def plan_for(
     call: Call,
-    sizes: dict[str, int],
+    sizes: Sizes,
     chosen: PlanCandidate,
     candidates: tuple[PlanCandidate, ...],
     **fields: Any,
@@ -294,7 +290,7 @@ def summary(
     free: bool,
     budget: int,
     model: TimeModel,
-    sizes: dict[str, int],
+    sizes: Sizes,
     measure_note: str,
 ) -> str:
     """One sentence: what was chosen, and why."""
@@ -409,7 +405,7 @@ def no_fit_message(
     budget: int,
     smallest: PlanCandidate,
     n: int,
-    sizes: dict[str, int],
+    sizes: Sizes,
     backward: bool,
 ) -> str:
     """The `SpecError` message when no candidate fits the budget."""
