@@ -473,11 +473,10 @@ class Compiler:
         (the vmaps inside its scans) is compiled on its own and its cost added
         `trips - 1` more times. The working set is the largest footprint of one
         body, or of the whole candidate when nothing loops."""
-        total, ws, looped = list(xla_costs(compiled)), 0, False
-        for block in blocks(cand.spec, self.problem.sizes):
-            if block.trips <= 1:
-                continue
-            looped = True
+        total, ws = list(xla_costs(compiled)), 0
+        sizes = self.problem.sizes
+        looping = [block for block in blocks(cand.spec, sizes) if block.trips > 1]
+        for block in looping:
             specs, axes = loop_body_inputs(self.specs, self.problem.leaf_axes, block)
             body = build_levels(self.problem.body, block.vmaps, axes)
             body_compiled = self.compile(
@@ -487,9 +486,7 @@ class Compiler:
             for j in range(3):
                 total[j] += (block.trips - 1) * body_costs[j]
             ws = max(ws, _footprint(body_compiled))
-        if not looped:
-            ws = _footprint(compiled)
-        return total[0], total[1], total[2], ws
+        return total[0], total[1], total[2], ws if looping else _footprint(compiled)
 
 
 def lockstep(jaxpr: Any) -> bool:

@@ -1,11 +1,8 @@
 """The planner's search: which candidate nests it compiles, and which it chooses.
-
-Full vmap (of the planned dims) is compiled first, and every other candidate is
-predicted from it (`cost`). On each ladder (`space`) searched, the block that fits
-the budget and those whose working sets fit each level of the memory hierarchy are
-costed; the cheapest by the time model wins, or in measured mode the fastest timed.
-See `docs/design.md`.
-"""
+Full vmap is compiled first and the others predicted from it; on each ladder, the
+blocks at the edge of the budget and of each cache level are costed, and the
+cheapest by the time model wins (in measured mode, the fastest timed). See
+`docs/design.md`."""
 
 import dataclasses
 import time
@@ -205,9 +202,8 @@ class Search:
         if s is None or self.measure:
             return None
         c, larger = steps[s], within[: within.index(s)]
-        if self.seconds_at(c) > MATERIAL * min(
-            (self.seconds_at(steps[i]) for i in larger), default=float("inf")
-        ):
+        fastest = min((self.seconds_at(steps[i]) for i in larger), default=float("inf"))
+        if self.seconds_at(c) > MATERIAL * fastest:
             return None
         for i in larger:
             self.note(
@@ -261,10 +257,8 @@ class Search:
         steps = (c for lad in ladders for c in lad.steps)
         for c in sorted(steps, key=lambda c: -c.block):
             considered.setdefault(c.key, c)
-        timed: dict[tuple, float] = {}
-        compared: list[PlanCandidate] = []
-        if any(sizes[n] == 0 for n in call.mapped):
-            chosen = full  # nothing to run; no need to compile anything
+        if any(sizes[n] == 0 for n in call.mapped):  # nothing runs: nothing compiled
+            chosen, compared, timed = full, [], {}
             for c in considered.values():
                 self.note(c, "not compiled: a mapped dim has size 0")
             text = (

@@ -102,7 +102,7 @@ def chunk_options(n: int) -> list[int | None]:
     factor of `sqrt(2)` when there is one (so that no remainder block is needed).
     """
     divisors = {
-        d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k)
+        x for d in range(1, math.isqrt(n) + 1) if n % d == 0 for x in (d, n // d)
     }
     out: list[int | None] = []
     m = 2
@@ -189,14 +189,9 @@ def localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
     sp = call.shard
     if sp is None:
         return call.mapped_sizes, ()
+    shards = lambda axes: math.prod(sp.mesh.shape[a] for a in axes)
     dims = tuple(
-        ShardDim(
-            name,
-            sp.sizes[name],
-            axes,
-            math.prod(sp.mesh.shape[a] for a in axes),
-            sp.local_sizes[name],
-        )
+        ShardDim(name, sp.sizes[name], axes, shards(axes), sp.local_sizes[name])
         for name, axes in sp.dims
     )
     return {n: sp.local_sizes[n] for n in call.mapped}, dims
