@@ -21,11 +21,6 @@ from .plan import dims_of, Plan, PlanCandidate, ScanNest, ShardDim
 
 Sizes = dict[str, int]
 Names = tuple[str, ...]
-
-
-# --- Budget
-
-
 MemoryBudget = int | float | None
 """Bytes as an `int`, a fraction of device memory as a `float` in `(0, 1]`."""
 
@@ -90,9 +85,6 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
     return int(total * fraction), (
         f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
     )
-
-
-# --- Candidates
 
 
 def chunk_options(n: int) -> list[int | None]:
@@ -209,9 +201,6 @@ def collective_dims(call: Call) -> Names:
     return tuple(n for n in call.mapped if n in call.collective_dims)
 
 
-# --- Request
-
-
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What one plan is for: `localize`'s sizes and sharded dims, the budget and
@@ -271,9 +260,6 @@ def auto_plan(
         collective=collective_dims(call),
         **fields,
     )
-
-
-# --- Reasons
 
 
 def summary(
