@@ -100,8 +100,8 @@ class Reference:
         if c.scan == self.scan:
             return int(self._body(c))
         copies = sum(self._input_copies(c.scan, x) for x in self.inputs)
-        blocks = sum(self._output_blocks(c.scan, y) for y in self.outputs)
-        return int(self._body(c) + copies + blocks)
+        held = sum(self._output_blocks(c.scan, y) for y in self.outputs)
+        return int(self._body(c) + copies + held)
 
     def costs(self, c: PlanCandidate) -> tuple[float, float, float]:
         """Flops, transcendentals and bytes accessed of `c`: full vmap's, and the
