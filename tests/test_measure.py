@@ -156,8 +156,40 @@ def test_the_cap_times_fewer_candidates(monkeypatch):
         monkeypatch.setattr(cost, "CAP", cap)
         plan = tune(_wrapper(Planner(cache_dir=False)), rate, y)
         counts[cap] = sum(c.measured is not None for c in plan.candidates)
-    # A tiny cap still times two (the model's choice and one more).
-    assert counts[1e-6] == 2 < counts[1e6] <= cost.MAX_MEASURED
+    # A tiny cap still times the walk's first steps: the smallest block, and a
+    # block along each of the two dims.
+    assert counts[1e-6] == 3 < counts[1e6] <= cost.MAX_MEASURED
+
+
+def test_the_walk_times_every_block_on_the_same_elements(monkeypatch):
+    # The elements' loop counts differ along F, so a block is only comparable with
+    # another on the same elements: every program the walk runs sees the same
+    # rates, spread over F (its first and last included), whatever its block.
+    seen = []
+    run = cost.Compiler.compile
+
+    def spy(self, fn, specs, what="", runs=False):
+        compiled = run(self, fn, specs, what, runs)
+        if not runs:
+            return compiled
+
+        def call(args):
+            seen.append(sorted(np.asarray(args[0]).ravel().tolist()))
+            return compiled(args)
+
+        return call
+
+    monkeypatch.setattr(cost.Compiler, "compile", spy)
+    rate = jnp.broadcast_to(jnp.linspace(2.0, 40.0, 64), (16, 64))
+    f = filter_multi_vmap(
+        _loop, in_dims=("T F", "T F"), out_dims="T F", plan=Planner(cache_dir=False)
+    )
+    plan = tune(f, rate, jnp.ones_like(rate))
+    timed = [c for c in plan.candidates if c.measured is not None]
+    assert len(timed) >= 3 and {c.block for c in timed} >= {1, 8}
+    assert len(seen) >= len(timed) and all(s == seen[0] for s in seen)
+    assert seen[0][0] == 2.0 and seen[0][-1] == 40.0
+    assert len(seen[0]) < rate.size  # a slice: runs of 8 along each dim
 
 
 def test_tune_needs_a_planned_function_and_arrays():

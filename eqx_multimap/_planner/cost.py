@@ -19,7 +19,7 @@ from .._body import _sub_jaxprs, struct
 from .._nest import Build, build_levels, loop_body_inputs, run
 from .._resolve import Call
 from .._timing import time_interleaved
-from .model import concrete_inputs, TimeModel
+from .model import best_of, concrete_inputs, TimeModel
 from .plan import PlanCandidate, ScanNest
 
 
@@ -199,6 +199,14 @@ MIN_SLICE = 1 / 8
 CAP = 6.0
 KEEP_WITHIN = 1.10
 SLOW_RUN = 0.25  # seconds
+# For a body whose while loop runs in lockstep, measured mode walks blocks
+# (`Search.walk`): first about `WALK_FIRST` elements along each dim, then larger
+# blocks until one is `WALK_SLOWER` than the best; every one timed on the same elements,
+# `WALK_RUNS` runs along each dim (`spread`).
+WALK_FIRST = 8
+WALK_SLOWER = 1.10
+WALK_RUNS = 4
+RUNS = 3  # a candidate's time: the best of this many runs, unless slow
 
 
 def measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
@@ -216,7 +224,10 @@ def measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
     return list(dict.fromkeys([first, *turns]))
 
 
-def sub_slice(c: PlanCandidate, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+Index = dict[str, np.ndarray]  # the elements of some dims
+
+
+def sub_slice(c: PlanCandidate, sizes: dict[str, int]) -> Index:
     """The elements of each dim `c` scans that it is timed on: whole chunks, spread
     evenly over the dim (a cost that depends on the data may vary along it),
     `BLOCKS` loop trips or more (at least `MIN_SLICE` of the elements) in all,
@@ -233,7 +244,16 @@ def sub_slice(c: PlanCandidate, sizes: dict[str, int]) -> dict[str, np.ndarray]:
     return out
 
 
-def _sliced(call: Call, index: dict[str, np.ndarray], sub: dict[str, int]) -> list:
+def spread(n: int, run: int, runs: int = WALK_RUNS) -> np.ndarray:
+    """`runs` runs of `run` contiguous elements of a dim of size `n`, aligned to
+    `run` and spread evenly over it; the whole dim if they would cover it."""
+    if run * runs >= n:
+        return np.arange(n)
+    starts = np.round(np.linspace(0, n // run - 1, runs)).astype(int) * run
+    return (np.unique(starts)[:, None] + np.arange(run)).ravel()
+
+
+def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
     """The call's values at the elements `index` gives (and of the other dims, the
     first `sub` elements: one device's block with `shard=`)."""
     out = []
@@ -247,59 +267,92 @@ def _sliced(call: Call, index: dict[str, np.ndarray], sub: dict[str, int]) -> li
     return out
 
 
-def time_candidates(
-    parent: "Compiler", call: Call, cands: list[PlanCandidate], values: bool
-) -> tuple[dict[tuple, float], dict[tuple, dict[str, int]]]:
-    """Time `cands` on sub-slices (`sub_slice`) of the call's values (with `values`;
-    else of made-up arrays): compiled (counted by `parent`) and run once each, in
-    turn, for 60% of `CAP` times the first compile; then side by side for the
-    rest of it (but a long run 3x the fastest's: once). Their seconds for the whole call (the quickest sample, per
-    element, times the elements), and the sizes each was timed at, by key."""
-    sizes, step = parent.sizes, parent.on_compile or (lambda what: None)
-    deadline, rest, runs, slices = None, 0.0, [], {}
-    for i, c in enumerate(cands):
-        if deadline is not None and i > 1 and time.perf_counter() > deadline - rest:
-            break
-        index = sub_slice(c, sizes)
+class Timer:
+    """Times candidates on sub-slices (`sub_slice`) of the call's values (with
+    `values`; else of made-up arrays), each compiled (counted by `parent`) and run
+    until it has a best of `RUNS` (a long run: once), less the cost of a call, which
+    a whole call pays once, not once per slice. `due` once timing has taken `CAP`
+    times the longest compile, less the 40% that `confirm` takes to time the close
+    ones side by side. Times are for the whole call (per element, times the
+    elements); `slices` holds the sizes each was timed at."""
+
+    def __init__(self, parent: "Compiler", call: Call, values: bool):
+        self.parent, self.call, self.values = parent, call, values
+        self.step = parent.on_compile or (lambda what: None)
+        self.deadline, self.rest, self.once = None, 0.0, 0.0
+        self.start: float | None = None
+        self.longest = 0.0  # the longest compile
+        self.runs: dict[tuple, tuple[Callable, float]] = {}  # by key: thunk, scale
+        self.timed: dict[tuple, float] = {}
+        self.slices: dict[tuple, dict[str, int]] = {}
+
+    def due(self) -> bool:
+        now = time.perf_counter()
+        return self.deadline is not None and now > self.deadline - self.rest
+
+    def time(self, c: PlanCandidate, index: Index | None = None) -> float:
+        """`c`'s time, on its `sub_slice` or on the elements `index` gives (its
+        chunks cut to their sizes)."""
+        if c.key in self.timed:
+            return self.timed[c.key]
+        sizes = self.parent.sizes
+        index = sub_slice(c, sizes) if index is None else index
         sub = {**sizes, **{n: len(x) for n, x in index.items()}}
-        compiler = Compiler(call, sub, parent.model, parent.backward, step)
-        fn, specs = compiler._program(c.spec)
+        spec = NestSpec(
+            tuple((n, k if k is None else min(k, sub[n])) for n, k in c.scan), c.vmap
+        )
+        compiler = Compiler(self.call, sub, self.parent.model, self.parent.backward)
+        fn, specs = compiler._program(spec)
+        self.step(f"compiling {c.nest(sub)} to time it")
         t0 = time.perf_counter()
-        program = compiler.compile(fn, specs, f"compiling {c.nest(sub)}", runs=True)
-        parent.n_compiled += 1
-        if deadline is None:  # the last 40% of it left for timing
-            rest = 0.4 * CAP * (time.perf_counter() - t0)
-            deadline = t0 + CAP * (time.perf_counter() - t0)
-        if not values:
+        program = compiler.compile(fn, specs, runs=True)
+        self.parent.n_compiled += 1
+        self.start = t0 if self.start is None else self.start
+        self.longest = max(self.longest, time.perf_counter() - t0)
+        self.rest = 0.4 * CAP * self.longest
+        self.deadline = self.start + CAP * self.longest
+        if not self.values:
             args = concrete_inputs(specs)
-        elif parent.backward:  # the cotangents made up
-            args = [_sliced(call, index, sub), concrete_inputs(specs[1])]
+        elif self.parent.backward:  # the cotangents made up
+            args = [_sliced(self.call, index, sub), concrete_inputs(specs[1])]
         else:
-            args = _sliced(call, index, sub)
+            args = _sliced(self.call, index, sub)
         args = jax.block_until_ready(args)
-        t0 = time.perf_counter()
-        jax.block_until_ready(program(args))  # a warm-up, and a first time
+        thunk = lambda: program(args)  # noqa: E731
+        if not self.runs:  # a program that does nothing: the cost of a call
+            noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
+            self.once = best_of(lambda: noop(args), RUNS)
+        best = math.inf
+        for _ in range(RUNS):  # the first also warms up
+            t0 = time.perf_counter()
+            jax.block_until_ready(thunk())
+            best = min(best, time.perf_counter() - t0)
+            if best > SLOW_RUN:
+                break
         scale = math.prod(sizes.values()) / math.prod(sub.values())
-        first = time.perf_counter() - t0
-        runs.append((c, lambda p=program, a=args: p(a), scale, first, args))
-        slices[c.key] = {n: sub[n] for n in index}
-    timed = {c.key: first * scale for c, _, scale, first, _ in runs}
-    best = min(timed.values())
-    # A run that took long, and 3x the fastest's, will do; the others are timed
-    # side by side, with a program that does nothing: the cost of a call, which a
-    # whole call pays once, not once per slice.
-    close = [r for r in runs if r[3] < SLOW_RUN or timed[r[0].key] <= 3 * best]
-    noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
-    fns = [r[1] for r in close] + [lambda a=runs[0][4]: noop(a)]
-    left = max((deadline or 0.0) - time.perf_counter(), 0.0)
-    times = time_interleaved(
-        fns, left, min_rounds=2,
-        on_round=lambda r, n: step(f"timing {len(close)} candidates, round {r}"),
-    )  # fmt: skip
-    once = min(times[-1])  # the quickest of each: the least disturbed
-    for (c, _, scale, _, _), ts in zip(close, times):
-        timed[c.key] = max(min(ts) - once, 0.0) * scale + once
-    return timed, slices
+        self.runs[c.key] = (thunk, scale)
+        self.slices[c.key] = {n: sub[n] for n in index}
+        self.timed[c.key] = self._whole(best, scale)
+        return self.timed[c.key]
+
+    def _whole(self, seconds: float, scale: float) -> float:
+        return max(seconds - self.once, 0.0) * scale + self.once
+
+    def confirm(self) -> dict[tuple, float]:
+        """Time the candidates within `KEEP_WITHIN` of the fastest side by side,
+        for what is left of the time (two rounds at least); the best of each (the
+        least disturbed). The times, by key."""
+        best = min(self.timed.values())
+        close = [k for k, t in self.timed.items() if t <= KEEP_WITHIN * best]
+        left = max((self.deadline or 0.0) - time.perf_counter(), 0.0)
+        what = f"timing {len(close)} candidates"
+        times = time_interleaved(
+            [self.runs[k][0] for k in close], left, min_rounds=2,
+            on_round=lambda r, n: self.step(f"{what}, round {r}"),
+        ) if len(close) > 1 else []  # fmt: skip
+        for k, ts in zip(close, times):
+            self.timed[k] = min(self.timed[k], self._whole(min(ts), self.runs[k][1]))
+        return self.timed
 
 
 # ------------------------------------------------------------------------------

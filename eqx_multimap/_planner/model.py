@@ -272,7 +272,10 @@ def stream_bandwidth(nbytes: int, repeats: int = 7) -> float | None:
 
 def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
     """Seconds per trip of a scan whose body runs a few small kernels (a sort, two
-    16x16 matmuls, an `exp`, a max): a trip's cost beyond its arithmetic."""
+    16x16 matmuls, an `exp`, a max), their arithmetic included: it stands for the
+    fixed cost of a loop body's small kernels, which a larger block pays less
+    often (less the arithmetic, 0.1-0.4 us here against 0.9 us, it ranked the
+    MLP's blocks worse: `docs/design.md`)."""
 
     def step(carry: Any, x: Any) -> tuple[Any, Any]:
         w = jnp.eye(16, dtype=x.dtype) * 0.5

@@ -16,7 +16,10 @@ from .cost import (
     measured_pool,
     Progress,
     Reference,
-    time_candidates,
+    spread,
+    Timer,
+    WALK_FIRST,
+    WALK_SLOWER,
 )
 from .plan import Plan, PlanCandidate
 from .space import (
@@ -52,7 +55,6 @@ class Ladder:
     steps: list[PlanCandidate]
     searched: bool = False
     j: int | None = None
-    edge = property(lambda self: self.j)  # what `Search.measured` reads
 
 
 class Search:
@@ -214,11 +216,6 @@ class Search:
         self.taken(steps, c, "far within the budget")
         return s
 
-    def estimate(self, c: PlanCandidate, lad: Ladder) -> float:
-        """The estimated time of a candidate that fits (`lad` is not read)."""
-        known = self.known.get(c.key, c)
-        return known.seconds if known.seconds is not None else self.seconds_at(c)
-
     def cannot_win(self, lad: Ladder) -> str | None:
         """Why no block of the ladder can be est. `MATERIAL`ly faster than the best
         costed; `None` if one may, or if the planner measures (it may find what the
@@ -299,7 +296,11 @@ class Search:
         go = bool(ladders) and (
             not f.fits or (f.working_set or 0) > last or self.measure or self.lockstep
         )
-        for i, lad in enumerate(ladders if go else []):
+        # A body whose while loop runs in lockstep is measured by `walk`, which
+        # needs no search by the model.
+        walk = go and self.measure and self.lockstep
+        walked = self.measured(ladders, full, None) if walk else None
+        for i, lad in enumerate(ladders if go and walked is None else []):
             why = None
             if i > 0 and self.compiler.n_compiled >= MAX_COMPILES:
                 why = f"not compiled: beyond the compile cap ({MAX_COMPILES} compiles)"
@@ -316,10 +317,15 @@ class Search:
                 f"not compiled: full vmap fits, and its working set ({ws}) is "
                 f"within {fmt_bytes(last)} of cache: nothing else needed",
             )
-        fitting, chosen = self.pick()
-        compared, timed, note = fitting, {}, ""
-        if self.measure and (go or len(fitting) > 1):
-            chosen, compared, timed, note = self.measured(ladders, full, chosen)
+        if walked is not None:
+            chosen, compared, timed, note = walked
+        else:
+            fitting, chosen = self.pick()
+            compared, timed, note = fitting, {}, ""
+        if walked is None and self.measure and (go or len(fitting) > 1):
+            measured = self.measured(ladders, full, chosen)
+            assert measured is not None
+            chosen, compared, timed, note = measured
         text = summary(
             chosen, self.known[full.key], compared, timed, go, free, self.budget,
             self.model, self.sizes, note,
@@ -362,43 +368,41 @@ class Search:
         self,
         ladders: list[Ladder],
         full: PlanCandidate,
-        model_choice: PlanCandidate,
-    ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
-        """Time the model's choice and a pool of other candidates that fit
-        (`measured_pool`: every block at most the largest that fits of a searched
-        ladder), on sub-slices; the fastest (its memory compiled), those timed,
-        their times, and a note if timing was impossible."""
-        estimates = {c.key: c.seconds for c in self.known.values() if c.fits}
-        for lad in ladders:
-            if lad.searched and lad.j is not None and lad.edge is not None:
-                for c in lad.steps[lad.j :]:
-                    if self.known.get(c.key, c).fits is not False:
-                        estimates.setdefault(c.key, self.estimate(c, lad))
+        model_choice: PlanCandidate | None,
+    ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str] | None:
+        """Time candidates on sub-slices (`cost.Timer`): with a while loop in
+        lockstep, those of `walk`; else the model's choice and a pool of others
+        that fit (`measured_pool`: every block at most the largest that fits of a
+        searched ladder). The fastest (its memory compiled; the model's choice if
+        within `KEEP_WITHIN` of it), those timed, their times, and a note if timing
+        was impossible; `None` if the walk found nothing that fits."""
         by_key = {c.key: c for lad in ladders for c in lad.steps}
         by_key[full.key] = full
-        ranked = sorted(estimates, key=lambda k: estimates[k] or 0.0)
-        pool = measured_pool(model_choice.key, ranked)
-        cands = [self.known.get(k, by_key[k]) for k in pool]
+        timer = Timer(self.compiler, self.call, self.request.values)
         try:
-            timed, slices = time_candidates(
-                self.compiler, self.call, cands, self.request.values
-            )
+            if model_choice is None:
+                self.walk(ladders, timer)
+                if not timer.timed:
+                    return None
+            else:
+                self.pooled(ladders, model_choice, timer)
+            timed = timer.confirm()
         except Exception as e:  # e.g. inputs of a dtype we cannot make
+            if model_choice is None:
+                return None
             note = f"could not measure ({type(e).__name__}: {e}), so estimated"
             return model_choice, [model_choice], {}, note
-        for k in ranked:
-            if k not in timed and k not in self.known:
-                self.notes[k] = (
-                    f"not timed: est. {fmt_seconds(estimates[k] or 0.0)}; beyond "
-                    "the measuring cap"
-                )
-        self.slices = slices
+        self.slices = timer.slices
         order = sorted(timed, key=lambda k: timed[k])
-        if timed[model_choice.key] <= KEEP_WITHIN * timed[order[0]]:
+        mine = timed.get(model_choice.key) if model_choice else None
+        if mine is not None and mine <= KEEP_WITHIN * timed[order[0]]:
             order.remove(model_choice.key)
             order.insert(0, model_choice.key)
-        # The fastest whose memory, compiled, fits (the model's choice does).
-        chosen = next(c for c in (self.memory(by_key[k]) for k in order) if c.fits)
+        # The fastest whose memory, compiled, fits.
+        fitting = (c for c in (self.memory(by_key[k]) for k in order) if c.fits)
+        chosen = next(fitting, None)
+        if chosen is None:
+            return None
         self.costed(chosen)
         vs = f"vs {fmt_seconds(timed[chosen.key])}; its memory not compiled"
         for k in timed:
@@ -411,3 +415,64 @@ class Search:
                 )
         compared = [self.known.get(k, by_key[k]) for k in timed]
         return self.known[chosen.key], compared, timed, ""
+
+    def pooled(
+        self, ladders: list[Ladder], model_choice: PlanCandidate, timer: Timer
+    ) -> None:
+        """Time the model's choice, then the pool (`measured_pool`) until `due`."""
+        estimates = {c.key: c.seconds for c in self.known.values() if c.fits}
+        for lad in ladders:
+            if lad.searched and lad.j is not None:
+                for c in lad.steps[lad.j :]:
+                    if self.known.get(c.key, c).fits is not False:
+                        known = self.known.get(c.key, c).seconds
+                        estimates.setdefault(c.key, known or self.seconds_at(c))
+        by_key = {c.key: c for lad in ladders for c in lad.steps}
+        ranked = sorted(estimates, key=lambda k: estimates[k] or 0.0)
+        for i, k in enumerate(measured_pool(model_choice.key, ranked)):
+            if i > 1 and timer.due():
+                break
+            timer.time(self.known.get(k) or by_key[k])
+        for k in ranked:
+            if k not in timer.timed and k not in self.known:
+                self.notes[k] = (
+                    f"not timed: est. {fmt_seconds(estimates[k] or 0.0)}; beyond "
+                    "the measuring cap"
+                )
+
+    def walk(self, ladders: list[Ladder], timer: Timer) -> None:
+        """Time blocks of a body whose while loop runs in lockstep when vmapped: a
+        block loops as long as its slowest element, which the time model cannot
+        see. The smallest block; a block of `WALK_FIRST` elements along each dim
+        (on the ladder that scans it innermost); then the larger blocks of the
+        fastest one's ladder, until one is `WALK_SLOWER` than the best (a plateau
+        may come before a gain) or `due`. All on the same elements (`spread`)."""
+        ref = self.ref
+        assert ref is not None
+        ups: dict[str, list[PlanCandidate]] = {}  # by innermost dim, smallest first
+        for lad in ladders:
+            temp = lambda c: max(self.prediction(lad.steps, c), ref.temp_bytes(c))  # noqa: E731
+            fit = [c for c in lad.steps if temp(c) <= self.budget]
+            ups.setdefault(lad.steps[-1].scan[-1][0], fit[::-1])
+        every = [c for up in ups.values() for c in up]
+        if not every:
+            return
+        smallest = min(every, key=lambda c: c.block)
+        for d, up in list(ups.items()):
+            up = [c for c in up if c.block > smallest.block]
+            i = next((i for i, c in enumerate(up) if c.block >= WALK_FIRST), -1)
+            ups[d] = up[i:] if up else []
+        # Runs of each dim's first chunk, spread over it (costs lie along any dim).
+        chunk = {d: dict(up[0].scan).get(d) for d, up in ups.items() if up}
+        index = {d: spread(n, chunk.get(d) or 1) for d, n in self.sizes.items()}
+        seconds = lambda c: timer.time(c, index)  # noqa: E731
+        best = min([smallest] + [up[0] for up in ups.values() if up], key=seconds)
+        rungs = [up for up in ups.values() if up]
+        fastest = min(rungs, key=lambda up: seconds(up[0]), default=[])
+        for c in fastest[1:]:
+            if timer.due() or seconds(c) > WALK_SLOWER * seconds(best):
+                break
+            best = min(best, c, key=seconds)
+        for c in (c for lad in ladders for c in lad.steps):
+            if c.key not in timer.timed and c.key not in self.known:
+                self.notes[c.key] = "not timed: beyond the walk over blocks"
