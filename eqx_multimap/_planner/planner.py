@@ -1,9 +1,9 @@
-"""`Planner`: the plan caches (in memory, and on disk: `cache`), the time model
-(calibrated once per machine: `model`) and the counters; `for_every_size` plans dims
-of symbolic size, and `describe_fixed` describes a nest that is not planned."""
+"""`Planner`: the plan caches (in memory, and on disk), the time model (calibrated
+once per machine) and the counters."""
 
 import collections as co
 import dataclasses
+import functools as ft
 import logging
 import os
 import threading
@@ -49,8 +49,7 @@ logger = logging.getLogger("eqx_multimap")
 PlanMode = Literal["auto"]
 """The planners `filter_multi_vmap(..., plan=...)` accepts by name."""
 
-MAX_CACHE = 256
-"""The most plans a `Planner` keeps in memory, by default."""
+MAX_CACHE = 256  # the most plans a `Planner` keeps in memory, by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +152,6 @@ class Planner:
         self._config = (measure, where, time_model, max_cache)
         self._lock = threading.RLock()  # the caches and counters
         self._calibrating = threading.Lock()
-        self._disk: DiskCache | None = None
-        self._disk_resolved = False
         self._time_model = time_model
         self._cache: co.OrderedDict[Any, Plan | str] = co.OrderedDict()
         self._signatures: co.OrderedDict[Any, None] = co.OrderedDict()
@@ -191,17 +188,13 @@ class Planner:
     @property
     def cache_dir(self) -> str | None:
         """The disk cache's directory, or `None` if there is no disk cache."""
-        disk = self._disk_cache()
-        return None if disk is None else disk.root
+        return None if self._disk is None else self._disk.root
 
-    def _disk_cache(self) -> DiskCache | None:
-        with self._lock:
-            if not self._disk_resolved:
-                where = self._config[1]
-                where = default_cache_dir() if where is None else where
-                self._disk = None if where in (None, False) else DiskCache(where)
-                self._disk_resolved = True
-            return self._disk
+    @ft.cached_property
+    def _disk(self) -> DiskCache | None:
+        where = self._config[1]
+        where = default_cache_dir() if where is None else where
+        return None if where in (None, False) else DiskCache(where)
 
     @property
     def time_model(self) -> TimeModel:
@@ -214,32 +207,23 @@ class Planner:
         return self._time_model
 
     def _model_key(self) -> Any:
-        """The time model as plan keys hold it: a calibrated one by its terms (the
-        machine is in every key), not its constants, so that calibrating again
-        keeps the plans on disk; a given one by its constants."""
+        """The time model as plan keys hold it: a calibrated one by its terms, not its
+        constants, so that calibrating again keeps the plans on disk."""
         given = self._config[2]
         if given is not None:
             return given.to_json()
         return {"calibrated": sorted(f.name for f in dataclasses.fields(TimeModel))}
 
     def _calibrated(self) -> TimeModel:
-        disk, key = self._disk_cache(), calibration_key()
+        disk, key = self._disk, calibration_key()
         if disk is None:
             return self._calibrate(None, key)
-        model = self._stored_model(disk, key)
+        model = disk.read("calibration", key, TimeModel.from_json)
         if model is None:
             with disk.lock("calibration"):  # one process calibrates; others wait
-                model = self._stored_model(disk, key) or self._calibrate(disk, key)
+                model = disk.read("calibration", key, TimeModel.from_json)
+                model = model or self._calibrate(disk, key)
         return model
-
-    def _stored_model(self, disk: DiskCache, key: dict[str, Any]) -> TimeModel | None:
-        stored = disk.read("calibration", key)
-        if stored is not None:
-            try:
-                return TimeModel.from_json(stored)
-            except ValueError as e:
-                disk.invalid(disk.path("calibration", key), str(e))
-        return None
 
     def _calibrate(self, disk: DiskCache | None, key: dict[str, Any]) -> TimeModel:
         logger.info("eqx_multimap: calibrating the planner's time model")
@@ -301,27 +285,31 @@ class Planner:
         wanted += ["model"] if not tune and (not self.measure or data) else []
         with self._lock:
             cached = self._cache.get(key)
+            if isinstance(cached, Plan) and cached.basis in wanted:
+                self._cache.move_to_end(key)
+                return _noted(cached, note)
         if isinstance(cached, str):  # no nest fit this signature
             raise SpecError(cached)
-        if cached is not None and cached.basis in wanted:
-            with self._lock:
-                self._cache.move_to_end(key)
-            return _noted(cached, note)
         request = Request(
             call, sizes, shard, budget, source, backward, self.time_model,
             tune or (self.measure and not data), self._model_key(), tune,
         )  # fmt: skip
-        disk = self._disk_cache()
-        disk_key = None if disk is None else plan_key(request, collective, body)
-        found = None if disk is None else self._read(disk, disk_key, request)
+        disk, disk_key, found = self._disk, None, None
+        if disk is not None:
+            disk_key = plan_key(request, collective, body)
+            path = disk.path("plans", disk_key)
+            read = lambda stored: plan_from_json(stored, request, path)
+            found = disk.read("plans", disk_key, read)
+        if found is not None:
+            with self._lock:
+                self.n_disk_hits += 1
         if isinstance(found, str):  # no nest fits, as found before
             self._store(key, found)
             raise SpecError(found)
         if found is not None and found.basis in wanted:
-            found = dataclasses.replace(found, seconds=_since(start))
+            plan = dataclasses.replace(found, seconds=time.perf_counter() - start)
             earlier = f"read by an earlier call from the disk cache, {found.cache_path}"
-            self._store(key, found, earlier)
-            plan = _noted(found, note)
+            self._store(key, plan, earlier)
         else:
             why = ""
             if self.measure and data and not tune:
@@ -330,28 +318,11 @@ class Planner:
                     "model; call `eqx_multimap.tune(f, *args)` with real arguments "
                     "to measure."
                 )
-            plan = _noted(self._plan_now(request, disk, disk_key, key, why), note)
+            plan = self._plan_now(request, disk, disk_key, key, why)
+        plan = _noted(plan, note)
         if options.verbose:
             print(plan)
         return plan
-
-    def _read(self, disk: DiskCache, key: Any, request: Request) -> "Plan | str | None":
-        """The plan (or no-fit message) stored on disk for this call, if valid."""
-        stored = disk.read("plans", key)
-        if stored is None:
-            return None
-        path = disk.path("plans", key)
-        try:
-            found = plan_from_json(stored, request)
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            disk.invalid(path, f"its plan is not valid here ({e})")
-            return None
-        with self._lock:
-            self.n_disk_hits += 1
-        if isinstance(found, str):
-            return found
-        cache = f"from the disk cache, {path} ({found.cache}); nothing compiled now"
-        return dataclasses.replace(found, cache=cache, cache_path=path)
 
     def _plan_now(
         self, request: Request, disk: DiskCache | None, disk_key: Any, key: Any, why=""
@@ -488,10 +459,6 @@ def _noted(plan: Plan, note: str) -> Plan:
 
 def _concrete(size: Any) -> bool:
     return isinstance(size, (int, np.integer))
-
-
-def _since(start: float) -> float:
-    return time.perf_counter() - start
 
 
 def _new_planner(measure: bool, cache_dir: Any, time_model: Any, max_cache: int):
