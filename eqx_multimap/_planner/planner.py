@@ -149,7 +149,9 @@ class Planner:
                 f"`None`, but got {time_model!r}."
             )
         where = cache_dir if cache_dir in (None, False) else os.fspath(cache_dir)
-        self._config = (measure, where, time_model, max_cache)
+        self._config = dict(
+            measure=measure, cache_dir=where, time_model=time_model, max_cache=max_cache
+        )
         self._lock = threading.RLock()  # the caches and counters
         self._calibrating = threading.Lock()
         self._time_model = time_model
@@ -159,11 +161,11 @@ class Planner:
 
     @property
     def measure(self) -> bool:
-        return self._config[0]
+        return self._config["measure"]
 
     @property
     def max_cache(self) -> int:
-        return self._config[3]
+        return self._config["max_cache"]
 
     def __repr__(self) -> str:
         return "Planner(measure=True)" if self.measure else "Planner()"
@@ -174,7 +176,7 @@ class Planner:
         return self._config == other._config
 
     def __hash__(self) -> int:
-        return hash(self._config)
+        return hash(tuple(self._config.values()))
 
     def __copy__(self) -> "Planner":
         return self
@@ -182,8 +184,8 @@ class Planner:
     def __deepcopy__(self, memo: dict) -> "Planner":
         return self
 
-    def __reduce__(self) -> tuple:
-        return (_new_planner, self._config)
+    def __reduce__(self) -> tuple:  # a planner with the same arguments, caches empty
+        return (ft.partial(Planner, **self._config), ())
 
     @property
     def cache_dir(self) -> str | None:
@@ -192,7 +194,7 @@ class Planner:
 
     @ft.cached_property
     def _disk(self) -> DiskCache | None:
-        where = self._config[1]
+        where = self._config["cache_dir"]
         where = default_cache_dir() if where is None else where
         return None if where in (None, False) else DiskCache(where)
 
@@ -209,7 +211,7 @@ class Planner:
     def _model_key(self) -> Any:
         """The time model as plan keys hold it: a calibrated one by its terms, not its
         constants, so that calibrating again keeps the plans on disk."""
-        given = self._config[2]
+        given = self._config["time_model"]
         if given is not None:
             return given.to_json()
         return {"calibrated": sorted(f.name for f in dataclasses.fields(TimeModel))}
@@ -318,18 +320,16 @@ class Planner:
                     "model; call `eqx_multimap.tune(f, *args)` with real arguments "
                     "to measure."
                 )
-            plan = self._plan_now(request, disk, disk_key, key, why)
+            plan = self._plan_now(request, key, disk_key, why)
         plan = _noted(plan, note)
         if options.verbose:
             print(plan)
         return plan
 
-    def _plan_now(
-        self, request: Request, disk: DiskCache | None, disk_key: Any, key: Any, why=""
-    ) -> Plan:
+    def _plan_now(self, request: Request, key: Any, disk_key: Any, why: str) -> Plan:
         """Search for the plan, and keep it (or the no-fit error) in the caches;
         `why` ends its summary: what it rests on."""
-        call = request.call
+        call, disk = request.call, self._disk
         what = f"{call.fun_name}: planning" + " (backward)" * request.backward
         progress = Progress(what, call.options.plan.verbose)
         search = Search(request, progress)
@@ -459,13 +459,6 @@ def _noted(plan: Plan, note: str) -> Plan:
 
 def _concrete(size: Any) -> bool:
     return isinstance(size, (int, np.integer))
-
-
-def _new_planner(measure: bool, cache_dir: Any, time_model: Any, max_cache: int):
-    """A planner with these arguments and empty caches (a pickled planner, loaded)."""
-    return Planner(
-        measure=measure, cache_dir=cache_dir, time_model=time_model, max_cache=max_cache
-    )
 
 
 _DEFAULT_PLANNER = Planner()
