@@ -112,8 +112,7 @@ class DiskCache:
 
     @contextlib.contextmanager
     def lock(self, kind: str) -> Iterator[None]:
-        """Hold the directory's lock for `kind` against other processes (an
-        exclusive `flock`, waited for); where it cannot be taken, nothing is."""
+        """Hold the directory's `flock` for `kind` (where it cannot be taken, none)."""
         path = os.path.join(self.root, f"v{FORMAT_VERSION}", f"{kind}.lock")
         fd = None
         if fcntl is not None:
@@ -133,8 +132,7 @@ class DiskCache:
         _warn(f"ignoring {path}: {problem}. Planning again, and overwriting it.")
 
     def write(self, kind: str, key: dict[str, Any], value: Any) -> str | None:
-        """Store `value` for `key` atomically; its path, or `None` (with a warning)
-        if it could not be written."""
+        """Store `value` for `key` atomically: its path, or `None` (and a warning)."""
         path = self.path(kind, key)
         record = dict(format=FORMAT, version=FORMAT_VERSION, kind=kind, key=key)
         record["value"] = value
@@ -160,9 +158,8 @@ class DiskCache:
 
 
 def fingerprint(call: Call) -> str:
-    """What determines a call's plan besides its options: the body's jaxpr, and the
-    shapes and dtypes of every input leaf with its mapped axes; stable from process
-    to process (object addresses in a jaxpr's text are dropped)."""
+    """What determines a call's plan besides its options (the body's jaxpr, its
+    leaves' shapes and mapped axes), stable from process to process."""
     axes = zip(call.values, call.leaf_axes)
     leaves = [(str(struct(v)), sorted(a.items())) for v, a in axes]
     text = str(call.body.jaxpr.jaxpr) + repr(leaves)
@@ -172,12 +169,10 @@ def fingerprint(call: Call) -> str:
 
 
 def calibration_key() -> dict[str, Any]:
-    """What a calibration is stored under: the machine and the versions."""
     return {"machine": machine(), "versions": versions(), "calibration": 2}
 
 
 def versions() -> dict[str, str]:
-    """The versions of JAX, jaxlib and `eqx_multimap` (part of every key)."""
     try:
         ours = importlib.metadata.version("eqx_multimap")
     except importlib.metadata.PackageNotFoundError:
@@ -216,7 +211,7 @@ _INTS = ("temp_bytes", "working_set")
 
 
 def cand_json(c: PlanCandidate) -> dict[str, Any]:
-    """A candidate as JSON (non-finite numbers as `null`)."""
+    """A candidate as JSON, non-finite numbers as `null`."""
     finite = lambda x: not isinstance(x, float) or math.isfinite(x)  # noqa: E731
     d = {k: getattr(c, k) if finite(getattr(c, k)) else None for k in _FIELDS}
     return {**d, "scan": [[n, k] for n, k in c.scan], "vmap": list(c.vmap)}

@@ -131,8 +131,7 @@ class TimeModel:
 
 
 def cache_levels(root: str = SYSFS_CACHES) -> tuple[int, ...]:
-    """The sizes of the CPU's data caches (Data and Unified; one per level, the
-    smallest first), as the OS reports them; `FALLBACK_CACHES` if it does not."""
+    """The sizes of the CPU's data caches, smallest first, as the OS reports them."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     found: dict[int, int] = {}
     try:
@@ -148,8 +147,7 @@ def cache_levels(root: str = SYSFS_CACHES) -> tuple[int, ...]:
 
 
 def machine() -> dict[str, Any]:
-    """What plans and calibrations are specific to: the backend, the device kind
-    and, for the CPU backend, the host's processor, core count and caches."""
+    """What plans and calibrations are specific to."""
     device = jax.devices()[0]
     out: dict[str, Any] = {
         "backend": jax.default_backend(),
@@ -172,8 +170,7 @@ def machine() -> dict[str, Any]:
 
 
 def concrete_inputs(specs: Any) -> Any:
-    """Fresh arrays of the shapes and dtypes of a pytree of `ShapeDtypeStruct`s, on
-    the default device: floats uniform in `[-1, 1)`, integers and booleans zero;
+    """Fresh arrays of the shapes and dtypes of a pytree of `ShapeDtypeStruct`s,
     built eagerly even while tracing (the planner runs at trace time)."""
     rng = np.random.default_rng(0)
 
@@ -223,8 +220,8 @@ def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | No
 
 
 def stream_bandwidth(nbytes: int, repeats: int = 7) -> float | None:
-    """Bytes per second read and written by `y = a * y + b` over `nbytes` of
-    float32, repeated in a loop so that the data stays in the level it fits."""
+    """Bytes per second read and written by `y = a * y + b` over `nbytes`, in a
+    loop so that the data stays in the level it fits."""
     n = max(nbytes // 4, 256)
     reps = max(2, 2**28 // (4 * n))
     loop = lambda x: jax.lax.fori_loop(0, reps, lambda i, y: y * 0.999 + 1.0, x)
@@ -233,8 +230,7 @@ def stream_bandwidth(nbytes: int, repeats: int = 7) -> float | None:
 
 
 def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
-    """Seconds per trip of a scan whose body runs a few small kernels (a sort, two
-    16x16 matmuls, an `exp`, a max): a trip's cost beyond its arithmetic."""
+    """Seconds per trip of a scan of a few small kernels, beyond their arithmetic."""
 
     def step(carry: Any, x: Any) -> tuple[Any, Any]:
         w = jnp.eye(16, dtype=x.dtype) * 0.5
@@ -250,11 +246,10 @@ def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
 
 
 def calibrate(repeats: int = 7) -> TimeModel:
-    """Measure the time model's constants on the default backend's first device,
-    each the best of `repeats` runs: a matmul, an `exp`, a streaming kernel inside
-    each level of the memory hierarchy (half its size) and past the last (four
-    times it), and a scan of small steps. About a second on a 2-core CPU. A
-    constant that cannot be measured keeps its default."""
+    """Measure the time model's constants on the default backend's first device: a
+    matmul, an `exp`, a streaming kernel inside each level of the memory hierarchy
+    and past the last, and a scan of small steps. A constant that cannot be
+    measured keeps its default."""
     start = time.perf_counter()
     default = TimeModel.for_backend(jax.default_backend())
     matmul = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2

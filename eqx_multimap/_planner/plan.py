@@ -241,8 +241,6 @@ class Plan:
         return "\n".join(lines)
 
     def _runners_up(self, n: int = RUNNERS_UP) -> list[PlanCandidate]:
-        """The chosen candidate, then the best `n` others compiled."""
-
         def rank(c: PlanCandidate) -> tuple:
             time = c.seconds if c.measured is None else c.measured
             if c.fits is not False and time is not None:
@@ -254,8 +252,7 @@ class Plan:
         return [self.chosen, *sorted(others, key=rank)[:n]]
 
     def _rows(self, cands: list[PlanCandidate]) -> list[str]:
-        """A row of numbers per candidate, the chosen one marked `*`, its nest last
-        (broken before its arrows if need be), and its reason under it."""
+        """A row of numbers per candidate, its nest last and its reason under it."""
         sizes = dict(self.sizes)
         head = ("", "temp", "flops", "bytes", "work set", "est.")
         head += ("measured",) if self.measured else ()
@@ -285,7 +282,6 @@ class Plan:
 
 
 def _columns(rows: list[tuple[str, ...]], rstrip: bool = True) -> list[str]:
-    """Rows as left-aligned columns two spaces apart."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return [line.rstrip() for line in lines] if rstrip else lines
@@ -303,7 +299,6 @@ def _prose(text: str, indent: str = "") -> str:
 
 
 def dims_of(cand: PlanCandidate, sizes: dict[str, int]) -> tuple[PlanDim, ...]:
-    """One `PlanDim` per mapped dim of a candidate, in nest order."""
     nest = [(name, "scan", chunk) for name, chunk in cand.scan]
     nest += [(name, "vmap", None) for name in cand.vmap]
     return tuple(

@@ -101,21 +101,16 @@ class Planner:
     **Arguments:**
 
     - `measure`: `False` (the default) ranks the candidates that fit the budget by
-        the time model's estimate. `True` also times candidates, over every dim
-        order, each on a slice of the data holding a few of its blocks, and takes
-        the fastest (keeping the model's choice when it measured within 1.10x of
-        it), planning for about 6x the compile of the first it times. An
-        un-jitted call times them on its own arguments, as
-        [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
-        unless the body's cost depends on its data (a `while` loop): that one is
-        planned by the model, and its plan says so.
+        the time model's estimate. `True` also times the best of them and takes the
+        fastest: an un-jitted call on its own arguments, as [`eqx_multimap.tune`][]
+        does; a call under `jax.jit` on made-up inputs, unless the body's cost
+        depends on its data (see [Measured mode](../planner.md#measured-mode)).
     - `cache_dir`: where plans and calibrations are kept on disk, so that a plan is
         paid for once per machine. `None` (the default): the environment variable
         `EQX_MULTIMAP_CACHE_DIR` (`off` disables the disk cache), else
         `$XDG_CACHE_HOME/eqx_multimap`, else `~/.cache/eqx_multimap`. `False`: none.
     - `time_model`: the [`eqx_multimap.TimeModel`][] that ranks candidates. `None`
-        (the default): calibrated on first use (about a second, kept on disk; one
-        thread or process measures, the others wait for it).
+        (the default): calibrated on first use (about a second, kept on disk).
     - `max_cache`: the most plans kept in memory.
 
     Planners with the same arguments are equal; a copy is the planner itself, and a
@@ -262,12 +257,8 @@ class Planner:
 
     def plan(self, call: Call, backward: bool = False, tune: bool = False) -> Plan:
         """The (cached) plan of a resolved call; with `backward`, of the nest that
-        differentiation runs (under the budget of its reverse-mode derivative).
-        With `tune`, the call's values are concrete and candidates are timed on
-        them, unless a plan so timed is cached; it is kept for later calls.
-
-        With `shard=`, the plan is of one device's local nest, the sharded dims
-        keeping their strategy, under the budget per device."""
+        differentiation runs. With `tune`, the call's values are concrete and
+        candidates are timed on them, unless a plan so timed is cached."""
         options = call.options.plan
         budget, source = resolve_budget(options.memory_budget)
         sizes, shard = localize(call)
@@ -313,22 +304,15 @@ class Planner:
             earlier = f"read by an earlier call from the disk cache, {found.cache_path}"
             self._store(key, plan, earlier)
         else:
-            why = ""
-            if self.measure and data and not tune:
-                why = (
-                    f" The body's cost depends on its data ({data}): planned by the "
-                    "model; call `eqx_multimap.tune(f, *args)` with real arguments "
-                    "to measure."
-                )
-            plan = self._plan_now(request, key, disk_key, why)
+            plan = self._plan_now(request, key, disk_key, data)
         plan = _noted(plan, note)
         if options.verbose:
             print(plan)
         return plan
 
-    def _plan_now(self, request: Request, key: Any, disk_key: Any, why: str) -> Plan:
+    def _plan_now(self, request: Request, key: Any, disk_key: Any, data: Any) -> Plan:
         """Search for the plan, and keep it (or the no-fit error) in the caches;
-        `why` ends its summary: what it rests on."""
+        `data`: why the body's cost depends on its data, if it does."""
         call, disk = request.call, self._disk
         what = f"{call.fun_name}: planning" + " (backward)" * request.backward
         progress = Progress(what, call.options.plan.verbose)
@@ -349,10 +333,16 @@ class Planner:
                 self.n_compiles += search.compiler.n_compiled
             progress.close()
         how = f"{plan.seconds:.2f} s, {plural(plan.n_compiled, 'compile')}"
-        basis = "model"
+        basis, why = "model", ""
         if request.measure:
             basis = "arguments" if request.values else "inputs"
             why = _measured(plan, search.slices, request.values)
+        elif self.measure:  # and the body's cost depends on its data
+            why = (
+                f" The body's cost depends on its data ({data}): planned by the "
+                "model; call `eqx_multimap.tune(f, *args)` with real arguments "
+                "to measure."
+            )
         plan = dataclasses.replace(plan, basis=basis, summary=plan.summary + why)
         path = None
         if disk is None:
@@ -369,8 +359,7 @@ class Planner:
         return plan
 
     def _store(self, key: Any, value: "Plan | str", earlier: str = "") -> None:
-        """Keep a plan (or no-fit message) in memory, as a later call finds it:
-        `earlier` says where it came from."""
+        """Keep a plan (or no-fit message) in memory; `earlier`: where it came from."""
         if isinstance(value, Plan):
             cache = f"from this process's cache: {earlier}"
             value = dataclasses.replace(value, cache=cache)
@@ -399,8 +388,7 @@ def _measured(plan: Plan, slices: dict[tuple, dict[str, int]], values: bool) -> 
     )
 
 
-SYMBOLIC_STAND_IN = 2
-"""The size a symbolic dim is planned at: it is scanned, so any size will do."""
+SYMBOLIC_STAND_IN = 2  # the size a symbolic dim is planned at (scanned: any will do)
 
 
 def for_every_size(
@@ -465,8 +453,7 @@ _DEFAULT_PLANNER = Planner()
 
 
 def default_planner() -> Planner:
-    """The planner of `plan="auto"` in this process: one `Planner()`, with the
-    default cache directory, created with the module and never replaced."""
+    """The planner of `plan="auto"` in this process, created with the module."""
     return _DEFAULT_PLANNER
 
 
