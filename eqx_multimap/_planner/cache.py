@@ -196,9 +196,7 @@ def plan_key(request: Request, collective: tuple, fingerprint: str) -> dict[str,
         "budget": request.budget,
         "backward": request.backward,
         "search": [SEARCH_VERSION, MAX_COMPILES, MAX_MEASURED, KEEP_WITHIN],
-        "time_model": (
-            request.model.to_json() if request.model_key is None else request.model_key
-        ),
+        "time_model": request.model_key,
         "machine": machine(),
         "versions": versions(),
     }

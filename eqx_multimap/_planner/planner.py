@@ -213,14 +213,12 @@ class Planner:
 
     def _calibrated(self) -> TimeModel:
         disk, key = self._disk, calibration_key()
-        if disk is None:
-            return self._calibrate(None, key)
-        model = disk.read("calibration", key, TimeModel.from_json)
-        if model is None:
+        stored = lambda: disk and disk.read("calibration", key, TimeModel.from_json)
+        model = stored()
+        if model is None and disk is not None:
             with disk.lock("calibration"):  # one process calibrates; others wait
-                model = disk.read("calibration", key, TimeModel.from_json)
-                model = model or self._calibrate(disk, key)
-        return model
+                model = stored() or self._calibrate(disk, key)
+        return model or self._calibrate(disk, key)
 
     def _calibrate(self, disk: DiskCache | None, key: dict[str, Any]) -> TimeModel:
         logger.info("eqx_multimap: calibrating the planner's time model")
@@ -323,9 +321,8 @@ class Planner:
             plan = search.run()
         except NoFit as e:
             if disk is not None:
-                smallest = cand_json(e.smallest)
-                no_fit = {"no_fit": {"smallest": smallest, "n": e.n}}
-                disk.write("plans", disk_key, no_fit)
+                no_fit = {"smallest": cand_json(e.smallest), "n": e.n}
+                disk.write("plans", disk_key, {"no_fit": no_fit})
             self._store(key, str(e))
             raise SpecError(str(e)) from None
         finally:
@@ -404,8 +401,6 @@ def for_every_size(
     options = call.options
     collective = collective_dims(call)
     for name in symbolic:
-        size = call.sizes[name]
-        why = None
         if name not in call.mapped:
             why = "a core dim: the planner compiles the body, which needs its size"
         elif name in options.shard_names:
@@ -414,13 +409,14 @@ def for_every_size(
             why = "`vmap=` names it: the memory of a vmap grows with its size"
         elif name in collective:
             why = "the body uses it in a collective, so it cannot be scanned"
-        if why is not None:
-            raise SpecError(
-                f"`{call.fun_name}`: `plan=...` cannot plan dim '{name}' of symbolic "
-                f"size {size} (as `jax.export` gives it): {why}. A plan must hold "
-                f"for every size of '{name}'. Give '{name}' a concrete size, or drop "
-                "`plan=` and choose its strategies."
-            )
+        else:
+            continue
+        raise SpecError(
+            f"`{call.fun_name}`: `plan=...` cannot plan dim '{name}' of symbolic "
+            f"size {call.sizes[name]} (as `jax.export` gives it): {why}. A plan must "
+            f"hold for every size of '{name}'. Give '{name}' a concrete size, or drop "
+            "`plan=` and choose its strategies."
+        )
     scan = options.scan + tuple(
         (n, None) for n in symbolic if n not in options.scan_names
     )
