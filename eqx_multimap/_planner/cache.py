@@ -116,12 +116,10 @@ class DiskCache:
         path = os.path.join(self.root, f"v{FORMAT_VERSION}", f"{kind}.lock")
         fd = None
         if fcntl is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError:
-                pass
         try:
             yield
         finally:

@@ -242,10 +242,9 @@ class Planner:
         """Whether an un-jitted call of this `signature` is the first (a measuring
         planner then times its nest on its arguments)."""
         with self._lock:
-            if signature in self._signatures:
-                return False
+            first = signature not in self._signatures
             self._keep(self._signatures, signature, None)
-            return True
+            return first
 
     def clear(self) -> None:
         """Forget every plan cached in memory (the disk cache is kept)."""
