@@ -1,17 +1,8 @@
-"""The planner behind `plan="auto"`: which dims to scan, in which order, in which
-chunks, under a memory budget. Read in this order (each module imports only those
-before it):
-
-- `model`: the time model and its calibration, per machine.
-- `plan`: a plan, its candidates, and how `explain` prints them.
-- `cost`: compiling a candidate for its memory and costs, predicting the others
-  from full vmap, and timing them (measured mode).
-- `space`: the candidates (ladders of chunk sizes per dim order), the budget, the
-  request, and why a candidate was not chosen.
-- `search`: which candidates to compile, and which to choose.
-- `cache`: plans on disk.
-- `planner`: `Planner`, which owns the caches and the time model.
-"""
+"""The planner behind `plan="auto"`. Each module imports only those before it:
+`model` (the time model), `plan` (a plan and its text), `cost` (a candidate's memory
+and costs, compiled, predicted or timed), `space` (the candidates, the budget, the
+reasons), `search` (which to compile, which to choose), `cache` (plans on disk) and
+`planner` (`Planner`, which owns the caches and the time model)."""
 
 from .model import TimeModel as TimeModel
 from .plan import Plan as Plan

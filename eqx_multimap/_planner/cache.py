@@ -4,8 +4,6 @@ An entry is `<cache dir>/v<FORMAT_VERSION>/<kind>/<hash of its key>.json`, holdi
 its whole key and value. It is used only if its key, format and version match and
 the planner accepts its value; any other file gives a warning and is planned (and
 written) again. Writes replace the file atomically: the last writer wins, whole.
-A plan's key holds everything that determines it (`plan_key`); a calibrated time
-model is in it by what it was calibrated for, not by its measured constants.
 """
 
 import contextlib
@@ -19,7 +17,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -73,17 +71,16 @@ class DiskCache:
     def __init__(self, root: str):
         self.root = os.fspath(root)
 
-    def __repr__(self) -> str:
-        return f"DiskCache({self.root!r})"
-
     def path(self, kind: str, key: dict[str, Any]) -> str:
         text = json.dumps(key, sort_keys=True)
         digest = hashlib.sha256(text.encode()).hexdigest()[:40]
         return os.path.join(self.root, f"v{FORMAT_VERSION}", kind, digest + ".json")
 
-    def read(self, kind: str, key: dict[str, Any]) -> Any:
-        """The value stored for `key`, or `None` (with a warning if a file is there
-        but unusable)."""
+    def read(
+        self, kind: str, key: dict[str, Any], parse: Callable = lambda x: x
+    ) -> Any:
+        """The value stored for `key`, as `parse` reads it; `None` if there is none,
+        or (with a warning) if the file is unusable or `parse` raises."""
         path = self.path(kind, key)
         try:
             with open(path, encoding="utf-8") as fh:
@@ -99,28 +96,30 @@ class DiskCache:
         elif record.get("version") != FORMAT_VERSION:
             version = record.get("version")
             problem = f"it has format version {version!r}, not {FORMAT_VERSION}"
-        elif record.get("kind") != kind or record.get("key") != _normal(key):
+        elif record.get("kind") != kind or record.get("key") != json.loads(
+            json.dumps(key, sort_keys=True)  # as JSON gives it back (tuples as lists)
+        ):
             problem = "its key is not the one it is stored under"
         elif "value" not in record:
             problem = "it has no value"
-        if problem is not None:
-            self.invalid(path, problem)
-            return None
-        return record["value"]
+        if problem is None:
+            try:
+                return parse(record["value"])
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                problem = f"its value is not valid here ({e})"
+        self.invalid(path, problem)
+        return None
 
     @contextlib.contextmanager
     def lock(self, kind: str) -> Iterator[None]:
-        """Hold the directory's lock for `kind` against other processes (an
-        exclusive `flock`, waited for); where it cannot be taken, nothing is."""
+        """Hold the directory's `flock` for `kind` (where it cannot be taken, none)."""
         path = os.path.join(self.root, f"v{FORMAT_VERSION}", f"{kind}.lock")
         fd = None
         if fcntl is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError:
-                pass
         try:
             yield
         finally:
@@ -131,8 +130,7 @@ class DiskCache:
         _warn(f"ignoring {path}: {problem}. Planning again, and overwriting it.")
 
     def write(self, kind: str, key: dict[str, Any], value: Any) -> str | None:
-        """Store `value` for `key` atomically; its path, or `None` (with a warning)
-        if it could not be written."""
+        """Store `value` for `key` atomically: its path, or `None` (and a warning)."""
         path = self.path(kind, key)
         record = dict(format=FORMAT, version=FORMAT_VERSION, kind=kind, key=key)
         record["value"] = value
@@ -157,15 +155,9 @@ class DiskCache:
         return path
 
 
-def _normal(key: Any) -> Any:
-    """`key` as JSON gives it back (tuples as lists), for comparing keys."""
-    return json.loads(json.dumps(key, sort_keys=True))
-
-
 def fingerprint(call: Call) -> str:
-    """What determines a call's plan besides its options: the body's jaxpr, and the
-    shapes and dtypes of every input leaf with its mapped axes; stable from process
-    to process (object addresses in a jaxpr's text are dropped)."""
+    """What determines a call's plan besides its options (the body's jaxpr, its
+    leaves' shapes and mapped axes), stable from process to process."""
     axes = zip(call.values, call.leaf_axes)
     leaves = [(str(struct(v)), sorted(a.items())) for v, a in axes]
     text = str(call.body.jaxpr.jaxpr) + repr(leaves)
@@ -175,12 +167,10 @@ def fingerprint(call: Call) -> str:
 
 
 def calibration_key() -> dict[str, Any]:
-    """What a calibration is stored under: the machine and the versions."""
     return {"machine": machine(), "versions": versions(), "calibration": 2}
 
 
 def versions() -> dict[str, str]:
-    """The versions of JAX, jaxlib and `eqx_multimap` (part of every key)."""
     try:
         ours = importlib.metadata.version("eqx_multimap")
     except importlib.metadata.PackageNotFoundError:
@@ -204,21 +194,20 @@ def plan_key(request: Request, collective: tuple, fingerprint: str) -> dict[str,
         "budget": request.budget,
         "backward": request.backward,
         "search": [SEARCH_VERSION, MAX_COMPILES, MAX_MEASURED, KEEP_WITHIN],
-        "time_model": (
-            request.model.to_json() if request.model_key is None else request.model_key
-        ),
+        "time_model": request.model_key,
         "machine": machine(),
         "versions": versions(),
     }
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))
+_KEPT = ("checkpoint", "summary", "measured", "basis")  # stored fields of a `Plan`
 _NUMBERS = ("flops", "transcendentals", "bytes_accessed", "seconds", "measured")
 _INTS = ("temp_bytes", "working_set")
 
 
 def cand_json(c: PlanCandidate) -> dict[str, Any]:
-    """A candidate as JSON (non-finite numbers as `null`)."""
+    """A candidate as JSON, non-finite numbers as `null`."""
     finite = lambda x: not isinstance(x, float) or math.isfinite(x)  # noqa: E731
     d = {k: getattr(c, k) if finite(getattr(c, k)) else None for k in _FIELDS}
     return {**d, "scan": [[n, k] for n, k in c.scan], "vmap": list(c.vmap)}
@@ -227,12 +216,11 @@ def cand_json(c: PlanCandidate) -> dict[str, Any]:
 def plan_json(plan: Plan, how: str) -> dict[str, Any]:
     """A plan as JSON: its candidates, which was chosen, and how it was made."""
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    fields = ("checkpoint", "summary", "measured", "basis")
     return {
         "plan": {
             "chosen": plan.candidates.index(plan.chosen),
             "candidates": [cand_json(c) for c in plan.candidates],
-            **{name: getattr(plan, name) for name in fields},
+            **{name: getattr(plan, name) for name in _KEPT},
             "how": how,
             "created": now,
         }
@@ -267,9 +255,9 @@ def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
     return PlanCandidate(scan=scan, vmap=vmap, block=block, trips=trips, **rest)
 
 
-def plan_from_json(stored: Any, request: Request) -> "Plan | str":
-    """A stored plan (or no-fit error message), checked against the request;
-    raises `ValueError` (or `KeyError`, `TypeError`) if it is not a valid one."""
+def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
+    """A plan (or no-fit error message) stored at `path`, checked against the
+    request; raises `ValueError` (or `KeyError`, `TypeError`) if it is not valid."""
     call, sizes, budget = request.call, request.sizes, request.budget
     _check(isinstance(stored, dict), "not a stored plan")
     if "no_fit" in stored:
@@ -287,21 +275,20 @@ def plan_from_json(stored: Any, request: Request) -> "Plan | str":
     empty = any(sizes[n] == 0 for n in call.mapped)
     fits = (chosen.fits or empty) and (chosen.temp_bytes or 0) <= budget
     _check(bool(fits), "the chosen candidate does not fit the budget")
-    checkpoint, measured = p["checkpoint"], p["measured"]
-    _check(isinstance(checkpoint, bool) and isinstance(measured, bool), "bad flags")
+    flags = (p["checkpoint"], p["measured"])
+    _check(all(isinstance(x, bool) for x in flags), "bad flags")
     _check(p["basis"] in ("arguments", "inputs", "model"), "bad basis")
     texts = (p["summary"], p["how"], p["created"])
     _check(all(isinstance(t, str) for t in texts), "bad descriptions")
+    how = f"{p['how']}, on {p['created']}"
     return auto_plan(
         request,
         chosen,
         candidates,
         n_compiled=0,
         seconds=0.0,
-        checkpoint=checkpoint,
         time_model=request.model,
-        summary=p["summary"],
-        measured=measured,
-        basis=p["basis"],
-        cache=f"{p['how']}, on {p['created']}",
+        cache=f"from the disk cache, {path} ({how}); nothing compiled now",
+        cache_path=path,
+        **{name: p[name] for name in _KEPT},
     )

@@ -1,10 +1,5 @@
-"""The planner's time model, the machine it is for, and its calibration.
-
-[`TimeModel`][] estimates the run time of a candidate nest from what XLA reports when
-it compiles it (flops, transcendentals, bytes accessed), its per-iteration working
-set, which sets the bandwidth its bytes move at, and its loop trips. [`calibrate`][]
-measures the constants once per machine (the planner keeps them on disk).
-"""
+"""The planner's time model, the machine it is for, and its calibration (measured
+once per machine; the planner keeps it on disk)."""
 
 import dataclasses
 import datetime
@@ -25,11 +20,9 @@ from .._timing import compiled as compile_program, fmt_bytes
 
 DEFAULT_SOURCE = "default constants, set by hand for one 2-core x86-64"
 SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache"
-# The data caches of the CPU the defaults were set on (L1d, L2, L3), for an OS that
-# does not say.
+# The data caches (L1d, L2, L3) of the CPU the defaults were set on, and the
+# bandwidth a streaming kernel measured there within each level and past the last.
 FALLBACK_CACHES = (48 * 2**10, 2**20, 32 * 2**20)
-# Bytes per second read and written by a streaming kernel whose data fits each
-# level, smallest first, and past the last; measured on that CPU.
 DEFAULT_BANDWIDTHS = (2.5e11, 2e11, 1.1e11)
 DEFAULT_MEMORY = 1e10
 # An accelerator's defaults (unverified: no accelerator was at hand): its on-chip
@@ -78,26 +71,20 @@ class TimeModel:
     def calibrated(self) -> bool:
         return self.calibration is not None
 
-    def bandwidth_at(self, working_set: int) -> float:
-        """The bandwidth of the smallest level that holds `working_set` bytes."""
-        fits = (rate for size, rate in self.levels if working_set <= size)
-        return next(fits, self.bandwidth)
-
     def seconds(
         self, flops: float, trans: float, nbytes: float, trips: int, working_set: int
     ) -> float:
-        """Estimated run time: compute, plus memory traffic (the bytes at the
-        bandwidth of the smallest level that holds one loop iteration's
-        `working_set`), plus loop overhead.
+        """Estimated run time: compute, plus the bytes moved at the bandwidth of the
+        smallest level that holds one loop iteration's `working_set`, plus loop
+        overhead.
 
-        A rough model: it only ranks candidates that fit the budget, and those do
-        the same flops; it separates them by the level their working set fits, by
-        the bytes they move (a small block re-reads shared operands once per
-        iteration) and by their loop trips. Compute and traffic are added, not
-        overlapped as in a roofline: on CPU a compute-heavy body still slows down
-        when its working set leaves the caches (`docs/design.md`)."""
+        It only ranks candidates that fit the budget, which do the same flops. Compute
+        and traffic are added, not overlapped as in a roofline: on CPU a
+        compute-heavy body still slows down when its working set leaves the caches
+        (`docs/design.md`)."""
+        fits = (rate for size, rate in self.levels if working_set <= size)
+        memory = nbytes / next(fits, self.bandwidth)
         compute = flops / self.flops + trans / self.transcendentals
-        memory = nbytes / self.bandwidth_at(working_set)
         return compute + memory + trips * self.loop_overhead
 
     def describe(self) -> str:
@@ -121,66 +108,46 @@ class TimeModel:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, dict) or set(data) != names:
             raise ValueError(f"not a stored time model: {data!r}")
-        for name in ("flops", "transcendentals", "bandwidth", "loop_overhead"):
-            _positive(data[name], name)
         levels = data["levels"]
         if not isinstance(levels, list) or not all(
             isinstance(x, list) and len(x) == 2 and type(x[0]) is int for x in levels
         ):
             raise ValueError(f"bad levels {levels!r}")
-        for size, rate in levels:
-            _positive(size, "level size")
-            _positive(rate, "level bandwidth")
+        rates = ("flops", "transcendentals", "bandwidth", "loop_overhead")
+        numbers = [(data[name], name) for name in rates]
+        numbers += [(size, "level size") for size, _ in levels]
+        numbers += [(rate, "level bandwidth") for _, rate in levels]
+        for x, name in numbers:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
+                raise ValueError(f"`{name}` must be a positive number, got {x!r}")
+            if not math.isfinite(x):
+                raise ValueError(f"`{name}` must be finite, got {x!r}")
         if not (data["calibration"] is None or isinstance(data["calibration"], str)):
             raise ValueError("bad time model description")
         return cls(**{**data, "levels": tuple(map(tuple, levels))})
 
 
-def _positive(x: Any, name: str) -> None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
-        raise ValueError(f"`{name}` must be a positive number, got {x!r}")
-    if not math.isfinite(x):
-        raise ValueError(f"`{name}` must be finite, got {x!r}")
-
-
-#
-# The machine.
-#
-
-
-def _size(text: str) -> int:
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper()
-    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+# --- The machine
 
 
 def cache_levels(root: str = SYSFS_CACHES) -> tuple[int, ...]:
-    """The sizes of the CPU's data caches (Data and Unified; one per level, the
-    smallest first), as the OS reports them; `FALLBACK_CACHES` if it does not."""
+    """The sizes of the CPU's data caches, smallest first, as the OS reports them."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
     found: dict[int, int] = {}
     try:
         for index in sorted(pathlib.Path(root).glob("index*")):
-            kind = (index / "type").read_text().strip()
-            if kind in ("Data", "Unified"):
-                level = int((index / "level").read_text())
-                found[level] = _size((index / "size").read_text())
+            if (index / "type").read_text().strip() in ("Data", "Unified"):
+                text = (index / "size").read_text().strip().upper()
+                unit = units.get(text[-1:], 1)
+                size = int(text[:-1]) * unit if unit > 1 else int(text)
+                found[int((index / "level").read_text())] = size
     except (OSError, ValueError, KeyError):
         found = {}
     return tuple(found[k] for k in sorted(found)) or FALLBACK_CACHES
 
 
-def _cpu_model() -> str:
-    try:
-        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    names = (x.split(":", 1)[1].strip() for x in lines if x.startswith("model name"))
-    return next(names, None) or platform.processor() or platform.machine() or "?"
-
-
 def machine() -> dict[str, Any]:
-    """What plans and calibrations are specific to: the backend, the device kind
-    and, for the CPU backend, the host's processor, core count and caches."""
+    """What plans and calibrations are specific to."""
     device = jax.devices()[0]
     out: dict[str, Any] = {
         "backend": jax.default_backend(),
@@ -189,24 +156,22 @@ def machine() -> dict[str, Any]:
         "n_devices": jax.device_count(),
     }
     if device.platform == "cpu":
-        out.update(cpu=_cpu_model(), cores=os.cpu_count(), arch=platform.machine())
+        try:
+            lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+        except OSError:
+            lines = []
+        names = (
+            x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")
+        )
+        cpu = next(names, None) or platform.processor() or platform.machine() or "?"
+        out.update(cpu=cpu, cores=os.cpu_count(), arch=platform.machine())
         out["caches"] = list(cache_levels())
     return out
 
 
-def describe_machine(m: dict[str, Any]) -> str:
-    if m.get("platform") == "cpu":
-        caches = "/".join(fmt_bytes(s) for s in m.get("caches", ()))
-        return f"cpu: {m.get('cpu')}, {m.get('cores')} cores, caches {caches}"
-    return f"{m.get('platform')}: {m.get('device_kind')}"
-
-
 def concrete_inputs(specs: Any) -> Any:
-    """Fresh arrays of the shapes and dtypes of a pytree of `ShapeDtypeStruct`s, on
-    the default device: floats uniform in `[-1, 1)`, integers and booleans zero.
-
-    Built eagerly even while a function is being traced (the planner runs at trace
-    time), and never from a caller's buffers."""
+    """Fresh arrays of the shapes and dtypes of a pytree of `ShapeDtypeStruct`s,
+    built eagerly even while tracing (the planner runs at trace time)."""
     rng = np.random.default_rng(0)
 
     def make(s: jax.ShapeDtypeStruct) -> Any:
@@ -227,10 +192,8 @@ def concrete_inputs(specs: Any) -> Any:
         return jax.tree.map(make, specs)
 
 
-#
-# Calibration: each constant the best of repeated runs, as `timeit` advises, so
+# --- Calibration: each constant the best of repeated runs, as `timeit` advises, so
 # that another job's noise on the machine does not move it.
-#
 
 
 def best_of(fn: Callable[[], Any], repeats: int, timer: Callable = time.perf_counter):
@@ -257,25 +220,20 @@ def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | No
 
 
 def stream_bandwidth(nbytes: int, repeats: int = 7) -> float | None:
-    """Bytes per second read and written by `y = a * y + b` over `nbytes` of
-    float32, repeated in a loop so that the data stays in the level it fits."""
+    """Bytes per second read and written by `y = a * y + b` over `nbytes`, in a
+    loop so that the data stays in the level it fits."""
     n = max(nbytes // 4, 256)
     reps = max(2, 2**28 // (4 * n))
-    body = lambda i, y: y * 0.999 + 1.0  # noqa: E731
-
-    def loop(x: Any) -> Any:
-        return jax.lax.fori_loop(0, reps, body, x)
-
+    loop = lambda x: jax.lax.fori_loop(0, reps, lambda i, y: y * 0.999 + 1.0, x)
     per_second = _timed(loop, [jax.ShapeDtypeStruct((n,), jnp.float32)], repeats)
     return 8 * n * reps * per_second if per_second else None
 
 
 def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
-    """Seconds per trip of a scan whose body runs a few small kernels (a sort, two
-    16x16 matmuls, an `exp`, a max), their arithmetic included: it stands for the
-    fixed cost of a loop body's small kernels, which a larger block pays less
-    often (less the arithmetic, 0.1-0.4 us here against 0.9 us, it ranked the
-    MLP's blocks worse: `docs/design.md`)."""
+    """Seconds per trip of a scan of a few small kernels (a sort, two 16x16
+    matmuls, an `exp`, a max), their arithmetic included: the fixed cost of a
+    loop body's small kernels, which larger blocks pay less often (`docs/design.md`
+    says why not less the arithmetic)."""
 
     def step(carry: Any, x: Any) -> tuple[Any, Any]:
         w = jnp.eye(16, dtype=x.dtype) * 0.5
@@ -291,16 +249,15 @@ def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
 
 
 def calibrate(repeats: int = 7) -> TimeModel:
-    """Measure the time model's constants on the default backend's first device,
-    each the best of `repeats` runs: a matmul, an `exp`, a streaming kernel inside
-    each level of the memory hierarchy (half its size) and past the last (four
-    times it), and a scan of small steps. About a second on a 2-core CPU. A
-    constant that cannot be measured keeps its default."""
+    """Measure the time model's constants on the default backend's first device: a
+    matmul, an `exp`, a streaming kernel inside each level of the memory hierarchy
+    and past the last, and a scan of small steps. A constant that cannot be
+    measured keeps its default."""
     start = time.perf_counter()
     default = TimeModel.for_backend(jax.default_backend())
     matmul = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
     vector = [jax.ShapeDtypeStruct((2**20,), jnp.float32)]
-    exp = lambda x: jnp.sum(jnp.exp(x))  # noqa: E731
+    exp = lambda x: jnp.sum(jnp.exp(x))
     sizes = [size for size, _ in default.levels]
     rates = [stream_bandwidth(size // 2, repeats) for size in sizes]
     memory = stream_bandwidth(min(4 * max(sizes, default=2**24), 2**28), repeats)
@@ -319,7 +276,12 @@ def calibrate(repeats: int = 7) -> TimeModel:
     missing = sorted(set(measured) - set(kept)) + ["levels"] * (None in rates)
     seconds = time.perf_counter() - start
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
-    note = f"{describe_machine(machine())}, in {seconds:.2f} s on {when}"
+    m = machine()
+    where = f"{m['platform']}: {m['device_kind']}"
+    if m["platform"] == "cpu":
+        caches = "/".join(fmt_bytes(s) for s in m["caches"])
+        where = f"cpu: {m['cpu']}, {m['cores']} cores, caches {caches}"
+    note = f"{where}, in {seconds:.2f} s on {when}"
     if missing:
         note += f" ({', '.join(missing)}: default, not measurable here)"
     return dataclasses.replace(default, levels=tuple(levels), calibration=note, **kept)

@@ -1,12 +1,10 @@
-"""What a plan is, and how it reads: `Plan`, its candidates and dims, and its text.
-
-Every line of the text is at most `WIDTH` columns: prose is wrapped at `PROSE`, a
-nest is broken before its arrows, and a candidate's reason goes under its row.
-"""
+"""What a plan is, and how it reads: `Plan`, its candidates and dims, and its text
+(prose wrapped at `PROSE` columns, nests broken before their arrows at `WIDTH`)."""
 
 import dataclasses
 import textwrap
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from .._blocks import describe_nest, NestSpec, plural, wrap_nest
 from .._shard import describe_split
@@ -156,8 +154,12 @@ class Plan:
         adds the mapped dims, every candidate and the time model. `gradient`: show
         `plan.gradient` in full (`None`: when its nest differs, or with `full`)."""
         lines = self._head()
-        if full:
-            lines += ["", *self._dims_table()]
+        if full:  # a row per mapped dim (the sharded ones are in the nest's line)
+            rows = [("dim", "size", "strategy", "chunk", "order")]
+            for d in self.dims:
+                chunk = "-" if d.strategy == "vmap" else str(d.chunk or 1)
+                rows.append((d.name, str(d.size), d.strategy, chunk, str(d.order)))
+            lines += ["", *_columns(rows)]
         lines += ["", self.table(all=full)]
         if self.backward and self.checkpoint:
             lines.append(
@@ -180,7 +182,6 @@ class Plan:
         return "\n".join(lines)
 
     def _head(self) -> list[str]:
-        """The title, the summary, the budget, the nest, and where it came from."""
         head = "fixed nest"
         if self.auto:
             head = "plan='auto'" + (", measured" if self.measured else "")
@@ -215,14 +216,6 @@ class Plan:
             lines.append(_prose(f"this plan: {self.cache}"))
         return lines
 
-    def _dims_table(self) -> list[str]:
-        """One row per mapped dim (the sharded ones are in the nest's line)."""
-        rows = [("dim", "size", "strategy", "chunk", "order")]
-        for d in self.dims:
-            chunk = "-" if d.strategy == "vmap" else str(d.chunk or 1)
-            rows.append((d.name, str(d.size), d.strategy, chunk, str(d.order)))
-        return _columns(rows)
-
     def table(self, all: bool = False) -> str:
         """The candidates, each with its numbers and its reason: the chosen one and
         the best five others compiled (those that fit, fastest first), or `all`."""
@@ -248,8 +241,6 @@ class Plan:
         return "\n".join(lines)
 
     def _runners_up(self, n: int = RUNNERS_UP) -> list[PlanCandidate]:
-        """The chosen candidate, then the best `n` others compiled."""
-
         def rank(c: PlanCandidate) -> tuple:
             time = c.seconds if c.measured is None else c.measured
             if c.fits is not False and time is not None:
@@ -261,24 +252,22 @@ class Plan:
         return [self.chosen, *sorted(others, key=rank)[:n]]
 
     def _rows(self, cands: list[PlanCandidate]) -> list[str]:
-        """A row of numbers per candidate, the chosen one marked `*`, its nest last
-        (broken before its arrows if need be), and its reason under it."""
+        """A row of numbers per candidate, its nest last and its reason under it."""
         sizes = dict(self.sizes)
         head = ("", "temp", "flops", "bytes", "work set", "est.")
         head += ("measured",) if self.measured else ()
         rows = [head + ("fits",)]
         for c in cands:
-            temp = "-" if c.temp_bytes is None else fmt_bytes(c.temp_bytes)
             row = (
                 "*" if c == self.chosen else "",
-                ("~" if c.predicted else "") + temp,
-                _num(c.flops),
-                _num(c.bytes_accessed),
-                "-" if c.working_set is None else fmt_bytes(c.working_set),
-                "-" if c.seconds is None else fmt_seconds(c.seconds),
+                ("~" if c.predicted else "") + _text(c.temp_bytes, fmt_bytes),
+                _text(c.flops, "{:.3g}".format),
+                _text(c.bytes_accessed, "{:.3g}".format),
+                _text(c.working_set, fmt_bytes),
+                _text(c.seconds, fmt_seconds),
             )
             if self.measured:
-                row += ("-" if c.measured is None else fmt_seconds(c.measured),)
+                row += (_text(c.measured, fmt_seconds),)
             rows.append(row + ("-" if c.fits is None else "yes" if c.fits else "no",))
         numbers = _columns(rows, rstrip=False)
         out = [numbers[0] + "  nest"]
@@ -293,36 +282,26 @@ class Plan:
 
 
 def _columns(rows: list[tuple[str, ...]], rstrip: bool = True) -> list[str]:
-    """Rows as left-aligned columns two spaces apart."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return [line.rstrip() for line in lines] if rstrip else lines
 
 
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
+def _text(x: Any, fmt: Callable[[Any], str]) -> str:
+    return "-" if x is None else fmt(x)
 
 
 def _prose(text: str, indent: str = "") -> str:
     """`text` wrapped at `PROSE` columns, never inside a word."""
-    return textwrap.fill(
-        text,
-        PROSE,
-        initial_indent=indent,
-        subsequent_indent=indent,
-        break_long_words=False,
-        break_on_hyphens=False,
-    )
+    return textwrap.TextWrapper(
+        PROSE, indent, indent, break_long_words=False, break_on_hyphens=False
+    ).fill(text)
 
 
 def dims_of(cand: PlanCandidate, sizes: dict[str, int]) -> tuple[PlanDim, ...]:
-    """One `PlanDim` per mapped dim of a candidate, in nest order."""
-    dims = [
-        PlanDim(name, sizes[name], "scan", chunk, i)
-        for i, (name, chunk) in enumerate(cand.scan)
-    ]
-    dims.extend(
-        PlanDim(name, sizes[name], "vmap", None, len(cand.scan) + i)
-        for i, name in enumerate(cand.vmap)
+    nest = [(name, "scan", chunk) for name, chunk in cand.scan]
+    nest += [(name, "vmap", None) for name in cand.vmap]
+    return tuple(
+        PlanDim(name, sizes[name], strategy, chunk, order)
+        for order, (name, strategy, chunk) in enumerate(nest)
     )
-    return tuple(dims)

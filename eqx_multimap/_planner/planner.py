@@ -1,9 +1,9 @@
-"""`Planner`: the plan caches (in memory, and on disk: `cache`), the time model
-(calibrated once per machine: `model`) and the counters; `for_every_size` plans dims
-of symbolic size, and `describe_fixed` describes a nest that is not planned."""
+"""`Planner`: the plan caches (in memory, and on disk), the time model (calibrated
+once per machine) and the counters."""
 
 import collections as co
 import dataclasses
+import functools as ft
 import logging
 import os
 import threading
@@ -49,8 +49,7 @@ logger = logging.getLogger("eqx_multimap")
 PlanMode = Literal["auto"]
 """The planners `filter_multi_vmap(..., plan=...)` accepts by name."""
 
-MAX_CACHE = 256
-"""The most plans a `Planner` keeps in memory, by default."""
+MAX_CACHE = 256  # the most plans a `Planner` keeps in memory, by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,21 +101,16 @@ class Planner:
     **Arguments:**
 
     - `measure`: `False` (the default) ranks the candidates that fit the budget by
-        the time model's estimate. `True` also times candidates, over every dim
-        order, each on a slice of the data holding a few of its blocks, and takes
-        the fastest (keeping the model's choice when it measured within 1.10x of
-        it), planning for about 6x the compile of the first it times. An
-        un-jitted call times them on its own arguments, as
-        [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
-        unless the body's cost depends on its data (a `while` loop): that one is
-        planned by the model, and its plan says so.
+        the time model's estimate. `True` also times the best of them and takes the
+        fastest: an un-jitted call on its own arguments, as [`eqx_multimap.tune`][]
+        does; a call under `jax.jit` on made-up inputs, unless the body's cost
+        depends on its data (see [Measured mode](../planner.md#measured-mode)).
     - `cache_dir`: where plans and calibrations are kept on disk, so that a plan is
         paid for once per machine. `None` (the default): the environment variable
         `EQX_MULTIMAP_CACHE_DIR` (`off` disables the disk cache), else
         `$XDG_CACHE_HOME/eqx_multimap`, else `~/.cache/eqx_multimap`. `False`: none.
     - `time_model`: the [`eqx_multimap.TimeModel`][] that ranks candidates. `None`
-        (the default): calibrated on first use (about a second, kept on disk; one
-        thread or process measures, the others wait for it).
+        (the default): calibrated on first use (about a second, kept on disk).
     - `max_cache`: the most plans kept in memory.
 
     Planners with the same arguments are equal; a copy is the planner itself, and a
@@ -150,11 +144,11 @@ class Planner:
                 f"`None`, but got {time_model!r}."
             )
         where = cache_dir if cache_dir in (None, False) else os.fspath(cache_dir)
-        self._config = (measure, where, time_model, max_cache)
+        self._config = dict(
+            measure=measure, cache_dir=where, time_model=time_model, max_cache=max_cache
+        )
         self._lock = threading.RLock()  # the caches and counters
         self._calibrating = threading.Lock()
-        self._disk: DiskCache | None = None
-        self._disk_resolved = False
         self._time_model = time_model
         self._cache: co.OrderedDict[Any, Plan | str] = co.OrderedDict()
         self._signatures: co.OrderedDict[Any, None] = co.OrderedDict()
@@ -162,11 +156,11 @@ class Planner:
 
     @property
     def measure(self) -> bool:
-        return self._config[0]
+        return self._config["measure"]
 
     @property
     def max_cache(self) -> int:
-        return self._config[3]
+        return self._config["max_cache"]
 
     def __repr__(self) -> str:
         return "Planner(measure=True)" if self.measure else "Planner()"
@@ -177,7 +171,7 @@ class Planner:
         return self._config == other._config
 
     def __hash__(self) -> int:
-        return hash(self._config)
+        return hash(tuple(self._config.values()))
 
     def __copy__(self) -> "Planner":
         return self
@@ -185,23 +179,19 @@ class Planner:
     def __deepcopy__(self, memo: dict) -> "Planner":
         return self
 
-    def __reduce__(self) -> tuple:
-        return (_new_planner, self._config)
+    def __reduce__(self) -> tuple:  # a planner with the same arguments, caches empty
+        return (ft.partial(Planner, **self._config), ())
 
     @property
     def cache_dir(self) -> str | None:
         """The disk cache's directory, or `None` if there is no disk cache."""
-        disk = self._disk_cache()
-        return None if disk is None else disk.root
+        return None if self._disk is None else self._disk.root
 
-    def _disk_cache(self) -> DiskCache | None:
-        with self._lock:
-            if not self._disk_resolved:
-                where = self._config[1]
-                where = default_cache_dir() if where is None else where
-                self._disk = None if where in (None, False) else DiskCache(where)
-                self._disk_resolved = True
-            return self._disk
+    @ft.cached_property
+    def _disk(self) -> DiskCache | None:
+        where = self._config["cache_dir"]
+        where = default_cache_dir() if where is None else where
+        return None if where in (None, False) else DiskCache(where)
 
     @property
     def time_model(self) -> TimeModel:
@@ -214,32 +204,21 @@ class Planner:
         return self._time_model
 
     def _model_key(self) -> Any:
-        """The time model as plan keys hold it: a calibrated one by its terms (the
-        machine is in every key), not its constants, so that calibrating again
-        keeps the plans on disk; a given one by its constants."""
-        given = self._config[2]
+        """The time model as plan keys hold it: a calibrated one by its terms, not its
+        constants, so that calibrating again keeps the plans on disk."""
+        given = self._config["time_model"]
         if given is not None:
             return given.to_json()
         return {"calibrated": sorted(f.name for f in dataclasses.fields(TimeModel))}
 
     def _calibrated(self) -> TimeModel:
-        disk, key = self._disk_cache(), calibration_key()
-        if disk is None:
-            return self._calibrate(None, key)
-        model = self._stored_model(disk, key)
-        if model is None:
+        disk, key = self._disk, calibration_key()
+        stored = lambda: disk and disk.read("calibration", key, TimeModel.from_json)
+        model = stored()
+        if model is None and disk is not None:
             with disk.lock("calibration"):  # one process calibrates; others wait
-                model = self._stored_model(disk, key) or self._calibrate(disk, key)
-        return model
-
-    def _stored_model(self, disk: DiskCache, key: dict[str, Any]) -> TimeModel | None:
-        stored = disk.read("calibration", key)
-        if stored is not None:
-            try:
-                return TimeModel.from_json(stored)
-            except ValueError as e:
-                disk.invalid(disk.path("calibration", key), str(e))
-        return None
+                model = stored() or self._calibrate(disk, key)
+        return model or self._calibrate(disk, key)
 
     def _calibrate(self, disk: DiskCache | None, key: dict[str, Any]) -> TimeModel:
         logger.info("eqx_multimap: calibrating the planner's time model")
@@ -263,10 +242,9 @@ class Planner:
         """Whether an un-jitted call of this `signature` is the first (a measuring
         planner then times its nest on its arguments)."""
         with self._lock:
-            if signature in self._signatures:
-                return False
+            first = signature not in self._signatures
             self._keep(self._signatures, signature, None)
-            return True
+            return first
 
     def clear(self) -> None:
         """Forget every plan cached in memory (the disk cache is kept)."""
@@ -276,12 +254,8 @@ class Planner:
 
     def plan(self, call: Call, backward: bool = False, tune: bool = False) -> Plan:
         """The (cached) plan of a resolved call; with `backward`, of the nest that
-        differentiation runs (under the budget of its reverse-mode derivative).
-        With `tune`, the call's values are concrete and candidates are timed on
-        them, unless a plan so timed is cached; it is kept for later calls.
-
-        With `shard=`, the plan is of one device's local nest, the sharded dims
-        keeping their strategy, under the budget per device."""
+        differentiation runs. With `tune`, the call's values are concrete and
+        candidates are timed on them, unless a plan so timed is cached."""
         options = call.options.plan
         budget, source = resolve_budget(options.memory_budget)
         sizes, shard = localize(call)
@@ -301,64 +275,42 @@ class Planner:
         wanted += ["model"] if not tune and (not self.measure or data) else []
         with self._lock:
             cached = self._cache.get(key)
+            if isinstance(cached, Plan) and cached.basis in wanted:
+                self._cache.move_to_end(key)
+                return _noted(cached, note)
         if isinstance(cached, str):  # no nest fit this signature
             raise SpecError(cached)
-        if cached is not None and cached.basis in wanted:
-            with self._lock:
-                self._cache.move_to_end(key)
-            return _noted(cached, note)
         request = Request(
             call, sizes, shard, budget, source, backward, self.time_model,
             tune or (self.measure and not data), self._model_key(), tune,
         )  # fmt: skip
-        disk = self._disk_cache()
-        disk_key = None if disk is None else plan_key(request, collective, body)
-        found = None if disk is None else self._read(disk, disk_key, request)
+        disk, disk_key, found = self._disk, None, None
+        if disk is not None:
+            disk_key = plan_key(request, collective, body)
+            path = disk.path("plans", disk_key)
+            read = lambda stored: plan_from_json(stored, request, path)
+            found = disk.read("plans", disk_key, read)
+        if found is not None:
+            with self._lock:
+                self.n_disk_hits += 1
         if isinstance(found, str):  # no nest fits, as found before
             self._store(key, found)
             raise SpecError(found)
         if found is not None and found.basis in wanted:
-            found = dataclasses.replace(found, seconds=_since(start))
+            plan = dataclasses.replace(found, seconds=time.perf_counter() - start)
             earlier = f"read by an earlier call from the disk cache, {found.cache_path}"
-            self._store(key, found, earlier)
-            plan = _noted(found, note)
+            self._store(key, plan, earlier)
         else:
-            why = ""
-            if self.measure and data and not tune:
-                why = (
-                    f" The body's cost depends on its data ({data}): planned by the "
-                    "model; call `eqx_multimap.tune(f, *args)` with real arguments "
-                    "to measure."
-                )
-            plan = _noted(self._plan_now(request, disk, disk_key, key, why), note)
+            plan = self._plan_now(request, key, disk_key, data)
+        plan = _noted(plan, note)
         if options.verbose:
             print(plan)
         return plan
 
-    def _read(self, disk: DiskCache, key: Any, request: Request) -> "Plan | str | None":
-        """The plan (or no-fit message) stored on disk for this call, if valid."""
-        stored = disk.read("plans", key)
-        if stored is None:
-            return None
-        path = disk.path("plans", key)
-        try:
-            found = plan_from_json(stored, request)
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            disk.invalid(path, f"its plan is not valid here ({e})")
-            return None
-        with self._lock:
-            self.n_disk_hits += 1
-        if isinstance(found, str):
-            return found
-        cache = f"from the disk cache, {path} ({found.cache}); nothing compiled now"
-        return dataclasses.replace(found, cache=cache, cache_path=path)
-
-    def _plan_now(
-        self, request: Request, disk: DiskCache | None, disk_key: Any, key: Any, why=""
-    ) -> Plan:
+    def _plan_now(self, request: Request, key: Any, disk_key: Any, data: Any) -> Plan:
         """Search for the plan, and keep it (or the no-fit error) in the caches;
-        `why` ends its summary: what it rests on."""
-        call = request.call
+        `data`: why the body's cost depends on its data, if it does."""
+        call, disk = request.call, self._disk
         what = f"{call.fun_name}: planning" + " (backward)" * request.backward
         progress = Progress(what, call.options.plan.verbose)
         search = Search(request, progress)
@@ -368,9 +320,8 @@ class Planner:
             plan = search.run()
         except NoFit as e:
             if disk is not None:
-                smallest = cand_json(e.smallest)
-                no_fit = {"no_fit": {"smallest": smallest, "n": e.n}}
-                disk.write("plans", disk_key, no_fit)
+                no_fit = {"smallest": cand_json(e.smallest), "n": e.n}
+                disk.write("plans", disk_key, {"no_fit": no_fit})
             self._store(key, str(e))
             raise SpecError(str(e)) from None
         finally:
@@ -378,10 +329,16 @@ class Planner:
                 self.n_compiles += search.compiler.n_compiled
             progress.close()
         how = f"{plan.seconds:.2f} s, {plural(plan.n_compiled, 'compile')}"
-        basis = "model"
+        basis, why = "model", ""
         if request.measure:
             basis = "arguments" if request.values else "inputs"
             why = _measured(plan, search.slices, request.values)
+        elif self.measure:  # and the body's cost depends on its data
+            why = (
+                f" The body's cost depends on its data ({data}): planned by the "
+                "model; call `eqx_multimap.tune(f, *args)` with real arguments "
+                "to measure."
+            )
         plan = dataclasses.replace(plan, basis=basis, summary=plan.summary + why)
         path = None
         if disk is None:
@@ -398,8 +355,7 @@ class Planner:
         return plan
 
     def _store(self, key: Any, value: "Plan | str", earlier: str = "") -> None:
-        """Keep a plan (or no-fit message) in memory, as a later call finds it:
-        `earlier` says where it came from."""
+        """Keep a plan (or no-fit message) in memory; `earlier`: where it came from."""
         if isinstance(value, Plan):
             cache = f"from this process's cache: {earlier}"
             value = dataclasses.replace(value, cache=cache)
@@ -428,8 +384,7 @@ def _measured(plan: Plan, slices: dict[tuple, dict[str, int]], values: bool) -> 
     )
 
 
-SYMBOLIC_STAND_IN = 2
-"""The size a symbolic dim is planned at: it is scanned, so any size will do."""
+SYMBOLIC_STAND_IN = 2  # the size a symbolic dim is planned at (scanned: any will do)
 
 
 def for_every_size(
@@ -445,8 +400,6 @@ def for_every_size(
     options = call.options
     collective = collective_dims(call)
     for name in symbolic:
-        size = call.sizes[name]
-        why = None
         if name not in call.mapped:
             why = "a core dim: the planner compiles the body, which needs its size"
         elif name in options.shard_names:
@@ -455,13 +408,14 @@ def for_every_size(
             why = "`vmap=` names it: the memory of a vmap grows with its size"
         elif name in collective:
             why = "the body uses it in a collective, so it cannot be scanned"
-        if why is not None:
-            raise SpecError(
-                f"`{call.fun_name}`: `plan=...` cannot plan dim '{name}' of symbolic "
-                f"size {size} (as `jax.export` gives it): {why}. A plan must hold "
-                f"for every size of '{name}'. Give '{name}' a concrete size, or drop "
-                "`plan=` and choose its strategies."
-            )
+        else:
+            continue
+        raise SpecError(
+            f"`{call.fun_name}`: `plan=...` cannot plan dim '{name}' of symbolic "
+            f"size {call.sizes[name]} (as `jax.export` gives it): {why}. A plan must "
+            f"hold for every size of '{name}'. Give '{name}' a concrete size, or drop "
+            "`plan=` and choose its strategies."
+        )
     scan = options.scan + tuple(
         (n, None) for n in symbolic if n not in options.scan_names
     )
@@ -490,23 +444,11 @@ def _concrete(size: Any) -> bool:
     return isinstance(size, (int, np.integer))
 
 
-def _since(start: float) -> float:
-    return time.perf_counter() - start
-
-
-def _new_planner(measure: bool, cache_dir: Any, time_model: Any, max_cache: int):
-    """A planner with these arguments and empty caches (a pickled planner, loaded)."""
-    return Planner(
-        measure=measure, cache_dir=cache_dir, time_model=time_model, max_cache=max_cache
-    )
-
-
 _DEFAULT_PLANNER = Planner()
 
 
 def default_planner() -> Planner:
-    """The planner of `plan="auto"` in this process: one `Planner()`, with the
-    default cache directory, created with the module and never replaced."""
+    """The planner of `plan="auto"` in this process, created with the module."""
     return _DEFAULT_PLANNER
 
 
