@@ -332,7 +332,7 @@ class Planner:
         basis, why = "model", ""
         if request.measure:
             basis = "arguments" if request.values else "inputs"
-            why = _measured(plan, search.slices, request.values)
+            why = _measured(plan, search.slices, request.values, search.lockstep)
         elif self.measure:  # and the body's cost depends on its data
             why = (
                 f" The body's cost depends on its data ({data}): planned by the "
@@ -368,19 +368,22 @@ class Planner:
             cache.popitem(last=False)
 
 
-def _measured(plan: Plan, slices: dict[tuple, dict[str, int]], values: bool) -> str:
+def _measured(plan: Plan, slices: dict, values: bool, walked: bool) -> str:
     """The sentence that says what a measured plan's times were taken on."""
     n = sum(c.measured is not None for c in plan.candidates)
     if not n:
         return ""
     what = "the call's arguments" if values else "made-up inputs of its shapes"
+    how = "each on a slice of its scanned dims holding a few of its blocks"
+    if walked:
+        how = "blocks walked up from the smallest (a while loop in lockstep), all on "
+        how += "one slice"
     sizes = dict(plan.sizes)
     sub = slices.get(plan.chosen.key, {})
     at = ", ".join(f"{d} {k} of {sizes[d]}" for d, k in sub.items()) or "whole"
     return (
-        f" Timed on {what}: {n} candidates, each on a slice of its scanned dims "
-        f"holding a few of its blocks (the chosen: {at}), per element, planning "
-        f"for about {CAP:g}x the first compile."
+        f" Timed on {what}: {n} candidates, {how} (the chosen: {at}), per element, "
+        f"planning for about {CAP:g}x the longest compile."
     )
 
 
