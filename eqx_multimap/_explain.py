@@ -16,7 +16,7 @@ from ._planner import describe_fixed, Plan
 from ._resolve import fun_name_of, resolve
 
 
-def _unwrap(fn: Callable) -> tuple[_MultiVmapWrapper, tuple]:
+def _unwrap(fn: Callable, caller: str) -> tuple[_MultiVmapWrapper, tuple]:
     """The wrapper behind `fn` (through decorators applied outside and bound
     methods), and the arguments a bound method adds."""
     wrapper: Any = fn
@@ -36,7 +36,7 @@ def _unwrap(fn: Callable) -> tuple[_MultiVmapWrapper, tuple]:
         return wrapper.func, tuple(wrapper.args)
     if not isinstance(wrapper, _MultiVmapWrapper):
         raise SpecError(
-            "`eqx_multimap.explain(fn, ...)`: `fn` must be a function returned by "
+            f"`eqx_multimap.{caller}(fn, ...)`: `fn` must be a function returned by "
             f"`filter_multi_vmap`, but got {fn!r} of type `{type(fn).__name__}`."
         )
     return wrapper, ()
@@ -68,7 +68,7 @@ def explain(fn: Callable, /, *args, **kwargs) -> Plan:
         print(eqx_multimap.explain(f, jax.ShapeDtypeStruct((4096, 64), jnp.float32)))
         ```
     """
-    wrapper, bound_args = _unwrap(fn)
+    wrapper, bound_args = _unwrap(fn, "explain")
 
     def resolve_and_plan(args: tuple, kwargs: dict) -> Plan:
         call = resolve(wrapper._fun, wrapper._options, args, kwargs)
@@ -117,7 +117,7 @@ def tune(fn: Callable, /, *args, **kwargs) -> Plan:
         f(data)  # uses the plan, as does every later process
         ```
     """
-    wrapper, bound_args = _unwrap(fn)
+    wrapper, bound_args = _unwrap(fn, "tune")
     if wrapper._options.plan is None:
         raise SpecError(
             f"`eqx_multimap.tune(fn, ...)`: `{fun_name_of(wrapper._fun)}` has a fixed "

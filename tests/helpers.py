@@ -1,5 +1,5 @@
-"""Test helpers: `tree_allclose`, `load_benchmark`, and an independent loop reference
-for mapping.
+"""Test helpers: `tree_allclose`, `load_benchmark`, `clean_env`, and an independent
+loop reference for mapping.
 
 `loop_reference` deliberately shares no code with `eqx_multimap`: it reads the dims
 strings with its own few lines, slices with numpy-style indexing one index
@@ -8,6 +8,7 @@ combination at a time, and stacks the per-element results with `np.stack`.
 
 import importlib.util
 import itertools as it
+import os
 import pathlib
 import types
 from collections.abc import Callable, Sequence
@@ -31,6 +32,19 @@ def load_benchmark(name: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment for a subprocess on the CPU, without JAX's or
+    XLA's settings (`conftest.py` sets `XLA_FLAGS` for 8 devices), importing this
+    checkout's `eqx_multimap`."""
+    root = str(pathlib.Path(__file__).parent.parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    return env
 
 
 def _tokens(dims: str, ndim: int) -> list[str]:

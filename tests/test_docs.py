@@ -20,6 +20,8 @@ import textwrap
 
 import pytest
 
+from .helpers import clean_env
+
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -61,17 +63,6 @@ PAGES = ["README.md"] + sorted(
 RUN_PAGES = [p for p in PAGES if _python_blocks((ROOT / p).read_text())]
 
 
-def _clean_env() -> dict[str, str]:
-    """This process's environment without JAX's or XLA's settings (`conftest.py`
-    sets `XLA_FLAGS` for 8 devices), on the CPU."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    return env
-
-
 # Runs one page's blocks in order, in one namespace. Each block is compiled under
 # the page's path with its own line numbers, so a traceback points into the page.
 _RUNNER = r"""
@@ -100,7 +91,7 @@ def _run_page(page: str) -> subprocess.CompletedProcess:
         [sys.executable, "-c", _RUNNER],
         input=json.dumps([page, blocks]),
         cwd=ROOT,
-        env=_clean_env(),
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=_TIMEOUT,
@@ -111,7 +102,7 @@ def _run_generate_check() -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(GENERATE), "--check"],
         cwd=ROOT,
-        env=_clean_env(),
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=_TIMEOUT,
@@ -204,7 +195,7 @@ _NEEDS_MKDOCS = pytest.mark.skipif(
 def site(tmp_path_factory) -> pathlib.Path:
     """The site, built once under `strict: true`."""
     site = tmp_path_factory.mktemp("docs") / "site"
-    env = _clean_env()
+    env = clean_env()
     env["NO_MKDOCS_2_WARNING"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
@@ -298,7 +289,7 @@ def test_example_help_is_complete(example):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / example), "--help"],
         cwd=ROOT,
-        env=_clean_env(),
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=_TIMEOUT,

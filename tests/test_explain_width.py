@@ -2,7 +2,6 @@
 columns: what a docs page's code block shows at 1,280 px, and a wide terminal."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,6 +11,8 @@ import jax.numpy as jnp
 import pytest
 from eqx_multimap import explain, filter_multi_vmap, Plan, Planner, SpecError, TimeModel
 from eqx_multimap._blocks import wrap_nest
+
+from .helpers import clean_env
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -191,14 +192,13 @@ print(json.dumps([str(plan), plan.describe(full=True), plan.summary]))
 
 
 def test_symbolic():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     proc = subprocess.run(
         [sys.executable, "-c", _SYMBOLIC],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=300,
-        env={**env, "JAX_PLATFORMS": "cpu"},
+        env=clean_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text, full, summary = json.loads(proc.stdout.splitlines()[-1])

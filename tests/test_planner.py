@@ -18,6 +18,7 @@ from eqx_multimap import (
     Planner,
     SpecError,
     TimeModel,
+    tune,
 )
 from eqx_multimap._planner import (
     cost as _costing,
@@ -514,6 +515,8 @@ def test_explain_method_and_errors(getkey):
             "must be a function returned by `filter_multi_vmap`",
         ):
             explain(bad, x)
+    with pytest.raises(SpecError, match=r"`eqx_multimap.tune\(fn, ...\)`:\s+`fn` must"):
+        tune(jnp.sum, x)
 
 
 @pytest.mark.slow
