@@ -272,16 +272,17 @@ class Timer:
     `values`; else of made-up arrays), each compiled (counted by `parent`) and run
     until it has a best of `RUNS` (a long run: once), less the cost of a call, which
     a whole call pays once, not once per slice. `due` once timing has taken `CAP`
-    times the longest compile, less the 40% that `confirm` takes to time the close
-    ones side by side. Times are for the whole call (per element, times the
-    elements); `slices` holds the sizes each was timed at."""
+    times the first compile (with `grow`, the longest: a walk starts from the
+    smallest block, often the quickest to compile), less the 40% that `confirm`
+    takes to time the close ones side by side. Times are for the whole call (per
+    element, times the elements); `slices` holds the sizes each was timed at."""
 
-    def __init__(self, parent: "Compiler", call: Call, values: bool):
-        self.parent, self.call, self.values = parent, call, values
+    def __init__(self, parent: "Compiler", call: Call, values: bool, grow: bool):
+        self.parent, self.call, self.values, self.grow = parent, call, values, grow
         self.step = parent.on_compile or (lambda what: None)
         self.deadline, self.rest, self.once = None, 0.0, 0.0
         self.start: float | None = None
-        self.longest = 0.0  # the longest compile
+        self.longest = 0.0  # the compile the cap counts from
         self.runs: dict[tuple, tuple[Callable, float]] = {}  # by key: thunk, scale
         self.timed: dict[tuple, float] = {}
         self.slices: dict[tuple, dict[str, int]] = {}
@@ -308,7 +309,8 @@ class Timer:
         program = compiler.compile(fn, specs, runs=True)
         self.parent.n_compiled += 1
         self.start = t0 if self.start is None else self.start
-        self.longest = max(self.longest, time.perf_counter() - t0)
+        if self.grow or not self.longest:
+            self.longest = max(self.longest, time.perf_counter() - t0)
         self.rest = 0.4 * CAP * self.longest
         self.deadline = self.start + CAP * self.longest
         if not self.values:

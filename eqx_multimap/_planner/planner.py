@@ -375,15 +375,16 @@ def _measured(plan: Plan, slices: dict, values: bool, walked: bool) -> str:
         return ""
     what = "the call's arguments" if values else "made-up inputs of its shapes"
     how = "each on a slice of its scanned dims holding a few of its blocks"
+    cap = "first"
     if walked:
         how = "blocks walked up from the smallest (a while loop in lockstep), all on "
-        how += "one slice"
+        how, cap = how + "one slice", "longest"
     sizes = dict(plan.sizes)
     sub = slices.get(plan.chosen.key, {})
     at = ", ".join(f"{d} {k} of {sizes[d]}" for d, k in sub.items()) or "whole"
     return (
         f" Timed on {what}: {n} candidates, {how} (the chosen: {at}), per element, "
-        f"planning for about {CAP:g}x the longest compile."
+        f"planning for about {CAP:g}x the {cap} compile."
     )
 
 

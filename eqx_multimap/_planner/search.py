@@ -378,9 +378,10 @@ class Search:
         was impossible; `None` if the walk found nothing that fits."""
         by_key = {c.key: c for lad in ladders for c in lad.steps}
         by_key[full.key] = full
-        timer = Timer(self.compiler, self.call, self.request.values)
+        walk = model_choice is None
+        timer = Timer(self.compiler, self.call, self.request.values, grow=walk)
         try:
-            if model_choice is None:
+            if walk:
                 self.walk(ladders, timer)
                 if not timer.timed:
                     return None
