@@ -25,7 +25,7 @@ import jaxlib
 
 from .._body import struct
 from .._resolve import Call
-from .cost import KEEP_WITHIN, MAX_MEASURED
+from .cost import KEEP_WITHIN, WALK_FIRST, WALK_SLOWER
 from .model import machine
 from .plan import Plan, PlanCandidate
 from .search import MAX_COMPILES, SEARCH_VERSION
@@ -193,7 +193,7 @@ def plan_key(request: Request, collective: tuple, fingerprint: str) -> dict[str,
         "checkpoint": call.options.checkpoint,
         "budget": request.budget,
         "backward": request.backward,
-        "search": [SEARCH_VERSION, MAX_COMPILES, MAX_MEASURED, KEEP_WITHIN],
+        "search": [SEARCH_VERSION, MAX_COMPILES, KEEP_WITHIN, WALK_FIRST, WALK_SLOWER],
         "time_model": request.model_key,
         "machine": machine(),
         "versions": versions(),

@@ -4,7 +4,6 @@ progress, and measured mode's timing of candidates on sub-slices of the call.
 """
 
 import dataclasses
-import itertools as it
 import logging
 import math
 import time
@@ -188,12 +187,11 @@ class Progress:
 # Measure
 
 
-# Measured mode times at most `MAX_MEASURED` candidates, each on a sub-slice of the
+# Measured mode times candidates (`Search.walk`), each on a sub-slice of the
 # mapped dims holding `BLOCKS` of its loop trips (and at least `MIN_SLICE` of the
-# elements), and compiles no more once planning has taken `CAP` times the compile
-# of the first one timed (the model's choice). It keeps the model's choice unless
-# another measured faster by more than `KEEP_WITHIN`.
-MAX_MEASURED = 12
+# elements), and compiles no more once planning has taken `CAP` times a compile. It
+# keeps the model's choice unless another measured faster by more than
+# `KEEP_WITHIN`.
 BLOCKS = 4
 MIN_SLICE = 1 / 8
 CAP = 6.0
@@ -207,21 +205,6 @@ WALK_FIRST = 8
 WALK_SLOWER = 1.10
 WALK_RUNS = 4
 RUNS = 3  # a candidate's time: the best of this many runs, unless slow
-
-
-def measured_pool(first: tuple, ranked: list[tuple]) -> list[tuple]:
-    """The candidates measured mode times, in the order it compiles them: `first`
-    (the model's choice), then an even spread over the rest `ranked` by estimate,
-    from the worst estimate up, taking turns with the best estimates (the
-    estimates cannot see what measuring is for: the smallest blocks, which loop
-    the most, waste the least when the elements' costs differ)."""
-    rest = [k for k in ranked if k != first]
-    room = MAX_MEASURED - 1
-    head, tail = rest[: room // 2], rest[room // 2 :]
-    m = min(room - len(head), len(tail))
-    spread = [tail[round(i * (len(tail) - 1) / max(m - 1, 1))] for i in range(m)]
-    turns = [k for pair in it.zip_longest(spread[::-1], head) for k in pair if k]
-    return list(dict.fromkeys([first, *turns]))
 
 
 Index = dict[str, np.ndarray]  # the elements of some dims

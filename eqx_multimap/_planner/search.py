@@ -5,6 +5,7 @@ cheapest by the time model wins (in measured mode, the fastest timed). See
 `docs/design.md`."""
 
 import dataclasses
+import math
 import time
 
 from .._timing import fmt_bytes, fmt_seconds
@@ -13,7 +14,6 @@ from .cost import (
     corrected,
     KEEP_WITHIN,
     lockstep,
-    measured_pool,
     Progress,
     Reference,
     spread,
@@ -45,7 +45,7 @@ SAFE_FRACTION = 1 / 8
 # A compile (another ladder, a larger block) is worth an estimate this much faster:
 # smaller differences are within the time model's error.
 MATERIAL = 1.05
-SEARCH_VERSION = 8  # bumped when the search chooses otherwise: older plans unused
+SEARCH_VERSION = 9  # bumped when the search chooses otherwise: older plans unused
 
 
 @dataclasses.dataclass
@@ -370,23 +370,19 @@ class Search:
         full: PlanCandidate,
         model_choice: PlanCandidate | None,
     ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str] | None:
-        """Time candidates on sub-slices (`cost.Timer`): with a while loop in
-        lockstep, those of `walk`; else the model's choice and a pool of others
-        that fit (`measured_pool`: every block at most the largest that fits of a
-        searched ladder). The fastest (its memory compiled; the model's choice if
-        within `KEEP_WITHIN` of it), those timed, their times, and a note if timing
-        was impossible; `None` if the walk found nothing that fits."""
+        """Time candidates on sub-slices (`cost.Timer`), walking the ladders from
+        the model's choice (`None`: a body in lockstep, from the smallest block).
+        The fastest (its memory compiled; the model's choice if within
+        `KEEP_WITHIN` of it), those timed, their times, and a note if timing was
+        impossible; `None` if nothing timed fits, or timing failed in lockstep."""
         by_key = {c.key: c for lad in ladders for c in lad.steps}
         by_key[full.key] = full
-        walk = model_choice is None
-        timer = Timer(self.compiler, self.call, self.request.values, grow=walk)
+        lockstep = model_choice is None  # the cap grows with the longest compile
+        timer = Timer(self.compiler, self.call, self.request.values, lockstep)
         try:
-            if walk:
-                self.walk(ladders, timer)
-                if not timer.timed:
-                    return None
-            else:
-                self.pooled(ladders, model_choice, timer)
+            self.walk(ladders, timer, model_choice)
+            if not timer.timed:
+                return None
             timed = timer.confirm()
         except Exception as e:  # e.g. inputs of a dtype we cannot make
             if model_choice is None:
@@ -417,37 +413,17 @@ class Search:
         compared = [self.known.get(k, by_key[k]) for k in timed]
         return self.known[chosen.key], compared, timed, ""
 
-    def pooled(
-        self, ladders: list[Ladder], model_choice: PlanCandidate, timer: Timer
+    def walk(
+        self, ladders: list[Ladder], timer: Timer, start: PlanCandidate | None
     ) -> None:
-        """Time the model's choice, then the pool (`measured_pool`) until `due`."""
-        estimates = {c.key: c.seconds for c in self.known.values() if c.fits}
-        for lad in ladders:
-            if lad.searched and lad.j is not None:
-                for c in lad.steps[lad.j :]:
-                    if self.known.get(c.key, c).fits is not False:
-                        known = self.known.get(c.key, c).seconds
-                        estimates.setdefault(c.key, known or self.seconds_at(c))
-        by_key = {c.key: c for lad in ladders for c in lad.steps}
-        ranked = sorted(estimates, key=lambda k: estimates[k] or 0.0)
-        for i, k in enumerate(measured_pool(model_choice.key, ranked)):
-            if i > 1 and timer.due():
-                break
-            timer.time(self.known.get(k) or by_key[k])
-        for k in ranked:
-            if k not in timer.timed and k not in self.known:
-                self.notes[k] = (
-                    f"not timed: est. {fmt_seconds(estimates[k] or 0.0)}; beyond "
-                    "the measuring cap"
-                )
-
-    def walk(self, ladders: list[Ladder], timer: Timer) -> None:
-        """Time blocks of a body whose while loop runs in lockstep when vmapped: a
-        block loops as long as its slowest element, which the time model cannot
-        see. The smallest block; a block of `WALK_FIRST` elements along each dim
-        (on the ladder that scans it innermost); then the larger blocks of the
-        fastest one's ladder, until one is `WALK_SLOWER` than the best (a plateau
-        may come before a gain) or `due`. All on the same elements (`spread`)."""
+        """Time blocks from `start`, the model's choice, or for a body whose while
+        loop runs in lockstep (a block loops as long as its slowest element, which
+        the model cannot see), from the smallest block. Then a block of about
+        `start`'s size (in lockstep, of `WALK_FIRST` elements) along each dim, on
+        the ladder that scans it innermost; then from the fastest, larger blocks
+        of its ladder until one is `WALK_SLOWER` than the best, then smaller ones
+        alike, until `due`. In lockstep, all on the same elements (`spread`): the
+        elements' costs differ."""
         ref = self.ref
         assert ref is not None
         ups: dict[str, list[PlanCandidate]] = {}  # by innermost dim, smallest first
@@ -458,22 +434,31 @@ class Search:
         every = [c for up in ups.values() for c in up]
         if not every:
             return
-        smallest = min(every, key=lambda c: c.block)
-        for d, up in list(ups.items()):
-            up = [c for c in up if c.block > smallest.block]
-            i = next((i for i, c in enumerate(up) if c.block >= WALK_FIRST), -1)
-            ups[d] = up[i:] if up else []
-        # Runs of each dim's first chunk, spread over it (costs lie along any dim).
-        chunk = {d: dict(up[0].scan).get(d) for d, up in ups.items() if up}
-        index = {d: spread(n, chunk.get(d) or 1) for d, n in self.sizes.items()}
+        first = start or min(every, key=lambda c: c.block)
+        seeds = {}
+        for d, up in ups.items():
+            if start is not None and up:
+                near = [abs(math.log(c.block / max(start.block, 1))) for c in up]
+                seeds[d] = near.index(min(near))
+            elif up and up[-1].block > first.block:
+                seeds[d] = next(
+                    i for i, c in enumerate(up)
+                    if c.block >= WALK_FIRST and c.block > first.block or c is up[-1]
+                )  # fmt: skip
+        index = None
+        if start is None:  # runs of each dim's seed chunk, spread over it
+            chunk = {d: dict(ups[d][i].scan).get(d) for d, i in seeds.items()}
+            index = {d: spread(n, chunk.get(d) or 1) for d, n in self.sizes.items()}
         seconds = lambda c: timer.time(c, index)  # noqa: E731
-        best = min([smallest] + [up[0] for up in ups.values() if up], key=seconds)
-        rungs = [up for up in ups.values() if up]
-        fastest = min(rungs, key=lambda up: seconds(up[0]), default=[])
-        for c in fastest[1:]:
-            if timer.due() or seconds(c) > WALK_SLOWER * seconds(best):
-                break
-            best = min(best, c, key=seconds)
+        best = min([first] + [ups[d][i] for d, i in seeds.items()], key=seconds)
+        d = min(seeds, key=lambda d: seconds(ups[d][seeds[d]]), default=None)
+        if d is not None:
+            i, up = seeds[d], ups[d]
+            for way in (up[i + 1 :], up[:i][::-1] if start is not None else []):
+                for c in way:
+                    if timer.due() or seconds(c) > WALK_SLOWER * seconds(best):
+                        break
+                    best = min(best, c, key=seconds)
         for c in (c for lad in ladders for c in lad.steps):
             if c.key not in timer.timed and c.key not in self.known:
                 self.notes[c.key] = "not timed: beyond the walk over blocks"

@@ -14,7 +14,7 @@ import jax
 from .._errors import SpecError
 from .._resolve import Call
 from .._timing import fmt_bytes, fmt_seconds
-from .cost import KEEP_WITHIN, MAX_MEASURED
+from .cost import KEEP_WITHIN
 from .model import TimeModel
 from .plan import dims_of, Plan, PlanCandidate, ScanNest, ShardDim
 
@@ -366,7 +366,7 @@ def with_reason(
         est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
         why = f"slower ({est})"
         if measure and timed:
-            why = f"not measured: {est}, not among the {MAX_MEASURED} measured"
+            why = f"not timed: {est}, beyond the walk over blocks"
     else:
         why = note or "fits, not costed: smaller than the largest block that fits"
     return dataclasses.replace(c, measured=t, reason=why)
