@@ -432,7 +432,7 @@ class Search:
             fit = [c for c in lad.steps if temp(c) <= self.budget]
             ups.setdefault(lad.steps[-1].scan[-1][0], fit[::-1])
         every = [c for up in ups.values() for c in up]
-        if not every:
+        if not every and start is None:
             return
         first = start or min(every, key=lambda c: c.block)
         seeds = {}
