@@ -103,9 +103,9 @@ class Planner:
     - `measure`: `False` (the default) ranks the candidates that fit the budget by
         the time model's estimate. `True` also times blocks around its choice and
         takes the fastest: an un-jitted call on its own arguments, as
-        [`eqx_multimap.tune`][]
-        does; a call under `jax.jit` on made-up inputs, unless the body's cost
-        depends on its data (see [Measured mode](../planner.md#measured-mode)).
+        [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
+        unless the body's cost depends on its data (see
+        [Measured mode](../planner.md#measured-mode)).
     - `cache_dir`: where plans and calibrations are kept on disk, so that a plan is
         paid for once per machine. `None` (the default): the environment variable
         `EQX_MULTIMAP_CACHE_DIR` (`off` disables the disk cache), else
