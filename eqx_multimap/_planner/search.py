@@ -424,12 +424,9 @@ class Search:
         of its ladder until one is `WALK_SLOWER` than the best, then smaller ones
         alike, until `due`. In lockstep, all on the same elements (`spread`): the
         elements' costs differ."""
-        ref = self.ref
-        assert ref is not None
         ups: dict[str, list[PlanCandidate]] = {}  # by innermost dim, smallest first
         for lad in ladders:
-            temp = lambda c: max(self.prediction(lad.steps, c), ref.temp_bytes(c))  # noqa: E731
-            fit = [c for c in lad.steps if temp(c) <= self.budget]
+            fit = [c for c in lad.steps if self.cautious(lad.steps, c) <= self.budget]
             ups.setdefault(lad.steps[-1].scan[-1][0], fit[::-1])
         every = [c for up in ups.values() for c in up]
         if not every and start is None:
