@@ -197,10 +197,9 @@ MIN_SLICE = 1 / 8
 CAP = 6.0
 KEEP_WITHIN = 1.10
 SLOW_RUN = 0.25  # seconds
-# For a body whose while loop runs in lockstep, measured mode walks blocks
-# (`Search.walk`): first about `WALK_FIRST` elements along each dim, then larger
-# blocks until one is `WALK_SLOWER` than the best; every one timed on the same elements,
-# `WALK_RUNS` runs along each dim (`spread`).
+# The walk stops at a block `WALK_SLOWER` than the best. In lockstep it starts from
+# about `WALK_FIRST` elements along each dim, every block timed on the same
+# elements: `WALK_RUNS` runs along each dim (`spread`).
 WALK_FIRST = 8
 WALK_SLOWER = 1.10
 WALK_RUNS = 4
@@ -221,8 +220,7 @@ def sub_slice(c: PlanCandidate, sizes: dict[str, int]) -> Index:
         k = chunk or 1
         n = max(sizes[name] // k, 1)
         m = min(n, math.ceil(trips ** (1 / (len(c.scan) - i))))
-        starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * k
-        out[name] = (starts[:, None] + np.arange(k)).ravel()
+        out[name] = spread(n * k, k, m)
         trips = math.ceil(trips / m)
     return out
 
@@ -263,16 +261,21 @@ class Timer:
     def __init__(self, parent: "Compiler", call: Call, values: bool, grow: bool):
         self.parent, self.call, self.values, self.grow = parent, call, values, grow
         self.step = parent.on_compile or (lambda what: None)
-        self.deadline, self.rest, self.once = None, 0.0, 0.0
-        self.start: float | None = None
+        self.once = 0.0  # the cost of a call
+        self.start: float | None = None  # of the first compile
         self.longest = 0.0  # the compile the cap counts from
         self.runs: dict[tuple, tuple[Callable, float]] = {}  # by key: thunk, scale
         self.timed: dict[tuple, float] = {}
         self.slices: dict[tuple, dict[str, int]] = {}
 
+    def left(self, share: float = 1.0) -> float:
+        """Seconds left of `share` of the cap (`inf` before the first compile)."""
+        if self.start is None:
+            return math.inf
+        return self.start + share * CAP * self.longest - time.perf_counter()
+
     def due(self) -> bool:
-        now = time.perf_counter()
-        return self.deadline is not None and now > self.deadline - self.rest
+        return self.left(0.6) < 0
 
     def time(self, c: PlanCandidate, index: Index | None = None) -> float:
         """`c`'s time, on its `sub_slice` or on the elements `index` gives (its
@@ -294,8 +297,6 @@ class Timer:
         self.start = t0 if self.start is None else self.start
         if self.grow or not self.longest:
             self.longest = max(self.longest, time.perf_counter() - t0)
-        self.rest = 0.4 * CAP * self.longest
-        self.deadline = self.start + CAP * self.longest
         if not self.values:
             args = concrete_inputs(specs)
         elif self.parent.backward:  # the cotangents made up
@@ -329,10 +330,9 @@ class Timer:
         least disturbed). The times, by key."""
         best = min(self.timed.values())
         close = [k for k, t in self.timed.items() if t <= KEEP_WITHIN * best]
-        left = max((self.deadline or 0.0) - time.perf_counter(), 0.0)
         what = f"timing {len(close)} candidates"
         times = time_interleaved(
-            [self.runs[k][0] for k in close], left, min_rounds=2,
+            [self.runs[k][0] for k in close], max(self.left(), 0.0), min_rounds=2,
             on_round=lambda r, n: self.step(f"{what}, round {r}"),
         ) if len(close) > 1 else []  # fmt: skip
         for k, ts in zip(close, times):
