@@ -45,6 +45,27 @@ def _wrapper(plan):
     return filter_multi_vmap(_loop, in_dims=("T F", "T F"), out_dims="T F", plan=plan)
 
 
+def _first_arguments_run(monkeypatch, summarise) -> list:
+    """A spy on the programs measured mode runs: `summarise` of the first argument
+    of each run, in a list that fills as they run."""
+    seen = []
+    compile_ = cost.Compiler.compile
+
+    def spy(self, fn, specs, what="", runs=False):
+        compiled = compile_(self, fn, specs, what, runs)
+        if not runs:
+            return compiled
+
+        def call(args):
+            seen.append(summarise(np.asarray(args[0])))
+            return compiled(args)
+
+        return call
+
+    monkeypatch.setattr(cost.Compiler, "compile", spy)
+    return seen
+
+
 def test_data_dependent_reads_the_jaxpr():
     jaxpr = lambda f, *a: jax.make_jaxpr(f)(*a).jaxpr  # noqa: E731
     assert data_dependent(jaxpr(_loop, 1.0, 1.0)) == "a while loop"
@@ -94,21 +115,7 @@ def test_tune_times_the_arguments_and_is_reused():
 def test_measured_values_reach_the_body(monkeypatch):
     # A spy on the programs measured mode runs: the arguments' rates reach them
     # (made-up floats are in [-1, 1)).
-    seen = []
-    run = cost.Compiler.compile
-
-    def spy(self, fn, specs, what="", runs=False):
-        compiled = run(self, fn, specs, what, runs)
-        if not runs:
-            return compiled
-
-        def call(args):
-            seen.append(float(np.max(np.asarray(args[0]))))
-            return compiled(args)
-
-        return call
-
-    monkeypatch.setattr(cost.Compiler, "compile", spy)
+    seen = _first_arguments_run(monkeypatch, lambda x: float(np.max(x)))
     rate, y = _args()
     tune(_wrapper(Planner(cache_dir=False)), rate, y)
     assert seen and max(seen) == 40.0
@@ -165,21 +172,7 @@ def test_the_walk_times_every_block_on_the_same_elements(monkeypatch):
     # The elements' loop counts differ along F, so a block is only comparable with
     # another on the same elements: every program the walk runs sees the same
     # rates, spread over F (its first and last included), whatever its block.
-    seen = []
-    run = cost.Compiler.compile
-
-    def spy(self, fn, specs, what="", runs=False):
-        compiled = run(self, fn, specs, what, runs)
-        if not runs:
-            return compiled
-
-        def call(args):
-            seen.append(sorted(np.asarray(args[0]).ravel().tolist()))
-            return compiled(args)
-
-        return call
-
-    monkeypatch.setattr(cost.Compiler, "compile", spy)
+    seen = _first_arguments_run(monkeypatch, lambda x: sorted(x.ravel().tolist()))
     rate = jnp.broadcast_to(jnp.linspace(2.0, 40.0, 64), (16, 64))
     f = filter_multi_vmap(
         _loop, in_dims=("T F", "T F"), out_dims="T F", plan=Planner(cache_dir=False)
