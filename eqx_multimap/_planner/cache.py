@@ -16,8 +16,9 @@ import math
 import os
 import re
 import tempfile
+import typing
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -82,32 +83,27 @@ class DiskCache:
         """The value stored for `key`, as `parse` reads it; `None` if there is none,
         or (with a warning) if the file is unusable or `parse` raises."""
         path = self.path(kind, key)
+        header = dict(format=FORMAT, version=FORMAT_VERSION, kind=kind, key=key)
+        header = json.loads(json.dumps(header))  # as JSON gives it back (lists)
         try:
             with open(path, encoding="utf-8") as fh:
                 record = json.load(fh)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:  # unreadable, or not JSON (or not UTF-8)
-            self.invalid(path, f"cannot read it ({type(e).__name__}: {e})")
-            return None
-        problem = None
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            record = e
+        if isinstance(record, Exception):
+            problem = f"cannot read it ({type(record).__name__}: {record})"
+        elif not isinstance(record, dict) or "value" not in record:
             problem = "it is not an eqx_multimap cache entry"
-        elif record.get("version") != FORMAT_VERSION:
-            version = record.get("version")
-            problem = f"it has format version {version!r}, not {FORMAT_VERSION}"
-        elif record.get("kind") != kind or record.get("key") != json.loads(
-            json.dumps(key, sort_keys=True)  # as JSON gives it back (tuples as lists)
-        ):
-            problem = "its key is not the one it is stored under"
-        elif "value" not in record:
-            problem = "it has no value"
-        if problem is None:
+        elif wrong := [k for k, v in header.items() if record.get(k) != v]:
+            problem = f"it has a different {', '.join(wrong)}"
+        else:
             try:
                 return parse(record["value"])
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 problem = f"its value is not valid here ({e})"
-        self.invalid(path, problem)
+        _warn(f"ignoring {path}: {problem}. Planning again, and overwriting it.")
         return None
 
     @contextlib.contextmanager
@@ -126,32 +122,26 @@ class DiskCache:
             if fd is not None:
                 os.close(fd)  # releases the lock
 
-    def invalid(self, path: str, problem: str) -> None:
-        _warn(f"ignoring {path}: {problem}. Planning again, and overwriting it.")
-
     def write(self, kind: str, key: dict[str, Any], value: Any) -> str | None:
         """Store `value` for `key` atomically: its path, or `None` (and a warning)."""
         path = self.path(kind, key)
         record = dict(format=FORMAT, version=FORMAT_VERSION, kind=kind, key=key)
         record["value"] = value
         text = json.dumps(record, indent=1, sort_keys=True, allow_nan=False)
-        tmp = None
+        directory, tmp = os.path.dirname(path), None
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            directory = os.path.dirname(path)
+            os.makedirs(directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(text)
             os.replace(tmp, path)
-            tmp = None
         except (OSError, ValueError) as e:
-            problem = f"{type(e).__name__}: {e}"
-            _warn(f"cannot write {path} ({problem}); kept in memory only.")
-            return None
-        finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+            problem = f"{type(e).__name__}: {e}"
+            _warn(f"cannot write {path} ({problem}); kept in memory only.")
+            return None
         return path
 
 
@@ -171,15 +161,11 @@ def calibration_key() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    try:
-        ours = importlib.metadata.version("eqx_multimap")
-    except importlib.metadata.PackageNotFoundError:
-        ours = "unknown"
-    jaxlib_version = getattr(jaxlib, "__version__", "unknown")
-    return {"jax": jax.__version__, "jaxlib": jaxlib_version, "eqx_multimap": ours}
+    ours = importlib.metadata.version("eqx_multimap")  # as `eqx_multimap.__version__`
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "eqx_multimap": ours}
 
 
-def plan_key(request: Request, collective: tuple, fingerprint: str) -> dict[str, Any]:
+def plan_key(request: Request, fingerprint: str) -> dict[str, Any]:
     """Everything that determines a plan, as JSON (a measured plan and a planned
     one share it: which will do is the planner's choice, by `Plan.basis`)."""
     call = request.call
@@ -189,7 +175,7 @@ def plan_key(request: Request, collective: tuple, fingerprint: str) -> dict[str,
         "scan": [[n, c] for n, c in call.options.scan],
         "vmap": list(call.options.vmap),
         "shard": [dataclasses.astuple(d) for d in request.shard],
-        "collective": list(collective),
+        "collective": list(collective_dims(call)),
         "checkpoint": call.options.checkpoint,
         "budget": request.budget,
         "backward": request.backward,
@@ -202,8 +188,6 @@ def plan_key(request: Request, collective: tuple, fingerprint: str) -> dict[str,
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))
 _KEPT = ("checkpoint", "summary", "measured", "basis")  # stored fields of a `Plan`
-_NUMBERS = ("flops", "transcendentals", "bytes_accessed", "seconds", "measured")
-_INTS = ("temp_bytes", "working_set")
 
 
 def cand_json(c: PlanCandidate) -> dict[str, Any]:
@@ -232,6 +216,17 @@ def _check(ok: bool, what: str) -> None:
         raise ValueError(what)
 
 
+def _typed(d: dict[str, Any], cls: type, names: Iterable[str]) -> dict[str, Any]:
+    """The fields `names` of `d`, each checked to be of its type in `cls` (as JSON
+    gives it: an `int` will do for a `float`)."""
+    hints = typing.get_type_hints(cls)
+    for name in names:
+        kinds = typing.get_args(hints[name]) or (hints[name],)
+        kinds += (int,) * (float in kinds)
+        _check(type(d[name]) in kinds, f"bad `{name}`")  # `bool` is no `int` here
+    return {name: d[name] for name in names}
+
+
 def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
     """A stored candidate, checked to be a valid nest of this call."""
     _check(isinstance(d, dict) and set(d) == set(_FIELDS), "not a candidate")
@@ -244,15 +239,9 @@ def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
     planned = {n for n, _ in scan[len(call.options.scan) :]}
     frozen = set(given_dims(call)) | set(collective_dims(call))
     _check(not planned & frozen, "a candidate scans a dim it must not")
-    for name in _NUMBERS + _INTS:
-        x, kinds = d[name], (int,) if name in _INTS else (int, float)
-        _check(x is None or (isinstance(x, kinds) and not isinstance(x, bool)), name)
-    _check(d["fits"] is None or isinstance(d["fits"], bool), "bad `fits`")
-    _check(isinstance(d["source"], str) and isinstance(d["reason"], str), "text")
     block, trips = block_and_trips(scan, vmap, sizes)
-    rest = {k: d[k] for k in _FIELDS if k not in ("scan", "vmap", "block", "trips")}
-    rest["predicted"] = d["predicted"] is True
-    return PlanCandidate(scan=scan, vmap=vmap, block=block, trips=trips, **rest)
+    nest = dict(scan=scan, vmap=vmap, block=block, trips=trips)
+    return PlanCandidate(**nest, **_typed(d, PlanCandidate, set(_FIELDS) - set(nest)))
 
 
 def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
@@ -269,17 +258,11 @@ def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
         return no_fit_message(call, budget, smallest, n, sizes, request.backward)
     p = stored["plan"]
     candidates = tuple(_cand_from_json(d, call, sizes) for d in p["candidates"])
-    index = p["chosen"]
-    _check(isinstance(index, int) and not isinstance(index, bool), "bad chosen index")
-    chosen = candidates[index]
+    _check(type(p["chosen"]) is int, "bad chosen index")
+    chosen = candidates[p["chosen"]]
     empty = any(sizes[n] == 0 for n in call.mapped)
     fits = (chosen.fits or empty) and (chosen.temp_bytes or 0) <= budget
     _check(bool(fits), "the chosen candidate does not fit the budget")
-    flags = (p["checkpoint"], p["measured"])
-    _check(all(isinstance(x, bool) for x in flags), "bad flags")
-    _check(p["basis"] in ("arguments", "inputs", "model"), "bad basis")
-    texts = (p["summary"], p["how"], p["created"])
-    _check(all(isinstance(t, str) for t in texts), "bad descriptions")
     how = f"{p['how']}, on {p['created']}"
     return auto_plan(
         request,
@@ -290,5 +273,5 @@ def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
         time_model=request.model,
         cache=f"from the disk cache, {path} ({how}); nothing compiled now",
         cache_path=path,
-        **{name: p[name] for name in _KEPT},
+        **_typed(p, Plan, _KEPT),
     )

@@ -1,12 +1,14 @@
 """The planner's time model, the machine it is for, and its calibration (measured
 once per machine; the planner keeps it on disk)."""
 
+import contextlib
 import dataclasses
 import datetime
 import math
 import os
 import pathlib
 import platform
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -105,24 +107,19 @@ class TimeModel:
     @classmethod
     def from_json(cls, data: Any) -> "TimeModel":
         """The model stored by `to_json`; `ValueError` if it is not one."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(data, dict) or set(data) != names:
+        fields = dataclasses.fields(cls)
+        if not isinstance(data, dict) or set(data) != {f.name for f in fields}:
             raise ValueError(f"not a stored time model: {data!r}")
         levels = data["levels"]
         if not isinstance(levels, list) or not all(
             isinstance(x, list) and len(x) == 2 and type(x[0]) is int for x in levels
         ):
             raise ValueError(f"bad levels {levels!r}")
-        rates = ("flops", "transcendentals", "bandwidth", "loop_overhead")
-        numbers = [(data[name], name) for name in rates]
-        numbers += [(size, "level size") for size, _ in levels]
-        numbers += [(rate, "level bandwidth") for _, rate in levels]
-        for x, name in numbers:
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
-                raise ValueError(f"`{name}` must be a positive number, got {x!r}")
-            if not math.isfinite(x):
-                raise ValueError(f"`{name}` must be finite, got {x!r}")
-        if not (data["calibration"] is None or isinstance(data["calibration"], str)):
+        numbers = [(f.name, data[f.name]) for f in fields if f.type is float]
+        for name, x in numbers + [("levels", x) for level in levels for x in level]:
+            if type(x) not in (int, float) or not 0 < x < math.inf:
+                raise ValueError(f"`{name}` must be positive and finite, got {x!r}")
+        if not isinstance(data["calibration"], (str, type(None))):
             raise ValueError("bad time model description")
         return cls(**{**data, "levels": tuple(map(tuple, levels))})
 
@@ -156,15 +153,12 @@ def machine() -> dict[str, Any]:
         "n_devices": jax.device_count(),
     }
     if device.platform == "cpu":
-        try:
-            lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-        except OSError:
-            lines = []
-        names = (
-            x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")
-        )
-        cpu = next(names, None) or platform.processor() or platform.machine() or "?"
-        out.update(cpu=cpu, cores=os.cpu_count(), arch=platform.machine())
+        info = ""
+        with contextlib.suppress(OSError):
+            info = pathlib.Path("/proc/cpuinfo").read_text()
+        name = re.search(r"^model name[^:]*:(.*)$", info, re.MULTILINE)
+        cpu = name and name[1].strip() or platform.processor() or platform.machine()
+        out.update(cpu=cpu or "?", cores=os.cpu_count(), arch=platform.machine())
         out["caches"] = list(cache_levels())
     return out
 
@@ -213,9 +207,7 @@ def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | No
     compiled = compile_program(fn, *specs)
     args = concrete_inputs(specs)
     seconds = best_of(lambda: compiled(*args), repeats)
-    ca = compiled.cost_analysis() if key else {}
-    ca = (ca[0] if ca else {}) if isinstance(ca, (list, tuple)) else ca
-    amount = float((ca or {}).get(key, 1.0))
+    amount = float((compiled.cost_analysis() or {}).get(key, 1.0)) if key else 1.0
     return amount / seconds if amount > 0 and seconds > 0 else None
 
 
@@ -231,9 +223,8 @@ def stream_bandwidth(nbytes: int, repeats: int = 7) -> float | None:
 
 def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
     """Seconds per trip of a scan of a few small kernels (a sort, two 16x16
-    matmuls, an `exp`, a max), their arithmetic included: the fixed cost of a
-    loop body's small kernels, which larger blocks pay less often (`docs/design.md`
-    says why not less the arithmetic)."""
+    matmuls, an `exp`, a max), their arithmetic included (`docs/design.md` says
+    why): the fixed cost of a loop body, which larger blocks pay less often."""
 
     def step(carry: Any, x: Any) -> tuple[Any, Any]:
         w = jnp.eye(16, dtype=x.dtype) * 0.5
@@ -263,7 +254,7 @@ def calibrate(repeats: int = 7) -> TimeModel:
     memory = stream_bandwidth(min(4 * max(sizes, default=2**24), 2**28), repeats)
     # A smaller level is never slower than a larger one: noise is.
     floor, levels = memory or default.bandwidth, []
-    for size, rate, (_, old) in reversed(list(zip(sizes, rates, default.levels))):
+    for (size, old), rate in reversed(list(zip(default.levels, rates))):
         floor = max(rate or old, floor)
         levels.insert(0, (size, floor))
     measured = {
@@ -272,16 +263,14 @@ def calibrate(repeats: int = 7) -> TimeModel:
         "bandwidth": memory,
         "loop_overhead": _loop_overhead(repeats),
     }
-    kept = {k: v for k, v in measured.items() if v is not None and v > 0}
+    kept = {k: v for k, v in measured.items() if v}  # each `None` or positive
     missing = sorted(set(measured) - set(kept)) + ["levels"] * (None in rates)
-    seconds = time.perf_counter() - start
-    when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
     m = machine()
     where = f"{m['platform']}: {m['device_kind']}"
     if m["platform"] == "cpu":
         caches = "/".join(fmt_bytes(s) for s in m["caches"])
         where = f"cpu: {m['cpu']}, {m['cores']} cores, caches {caches}"
-    note = f"{where}, in {seconds:.2f} s on {when}"
-    if missing:
-        note += f" ({', '.join(missing)}: default, not measurable here)"
+    when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
+    note = f"{where}, in {time.perf_counter() - start:.2f} s on {when}"
+    note += f" ({', '.join(missing)}: default, not measurable here)" * bool(missing)
     return dataclasses.replace(default, levels=tuple(levels), calibration=note, **kept)

@@ -2,6 +2,7 @@
 once per machine) and the counters."""
 
 import collections as co
+import contextlib
 import dataclasses
 import functools as ft
 import logging
@@ -11,9 +12,8 @@ import time
 from typing import Any, Literal
 
 import jax
-import numpy as np
 
-from .._blocks import plural
+from .._blocks import known, plural
 from .._body import data_dependent
 from .._errors import SpecError
 from .._resolve import Call
@@ -70,10 +70,6 @@ class PlanOptions:
     def mode(self) -> str:
         """`plan=` as the wrapper's repr shows it."""
         return "'auto'" if self.given is None else repr(self.given)
-
-    def __repr__(self) -> str:
-        budget = "" if self.memory_budget is None else f", {self.memory_budget!r}"
-        return f"{self.mode}{budget}"
 
 
 def plan_options(plan: Any, memory_budget: Any, verbose: bool) -> "PlanOptions | None":
@@ -144,10 +140,14 @@ class Planner:
                 f"{what}time_model=...)` must be an `eqx_multimap.TimeModel` or "
                 f"`None`, but got {time_model!r}."
             )
-        where = cache_dir if cache_dir in (None, False) else os.fspath(cache_dir)
+        where = os.fspath(cache_dir) if path else cache_dir
         self._config = dict(
             measure=measure, cache_dir=where, time_model=time_model, max_cache=max_cache
         )
+        # The time model as plan keys hold it: a calibrated one by its terms, not its
+        # constants, so that calibrating again keeps the plans on disk.
+        terms = {"calibrated": sorted(f.name for f in dataclasses.fields(TimeModel))}
+        self._model_key = terms if time_model is None else time_model.to_json()
         self._lock = threading.RLock()  # the caches and counters
         self._calibrating = threading.Lock()
         self._time_model = time_model
@@ -204,40 +204,29 @@ class Planner:
                     self._time_model = self._calibrated()
         return self._time_model
 
-    def _model_key(self) -> Any:
-        """The time model as plan keys hold it: a calibrated one by its terms, not its
-        constants, so that calibrating again keeps the plans on disk."""
-        given = self._config["time_model"]
-        if given is not None:
-            return given.to_json()
-        return {"calibrated": sorted(f.name for f in dataclasses.fields(TimeModel))}
-
     def _calibrated(self) -> TimeModel:
         disk, key = self._disk, calibration_key()
-        stored = lambda: disk and disk.read("calibration", key, TimeModel.from_json)
-        model = stored()
-        if model is None and disk is not None:
-            with disk.lock("calibration"):  # one process calibrates; others wait
-                model = stored() or self._calibrate(disk, key)
-        return model or self._calibrate(disk, key)
-
-    def _calibrate(self, disk: DiskCache | None, key: dict[str, Any]) -> TimeModel:
-        logger.info("eqx_multimap: calibrating the planner's time model")
-        try:
-            model = calibrate()
-        except Exception as e:  # a backend that cannot run the micro-benchmark
-            logger.warning(
-                "eqx_multimap: could not calibrate the planner's time model (%s: "
-                "%s); using the default constants",
-                type(e).__name__,
-                e,
-            )
-            return TimeModel.for_backend(jax.default_backend())
-        with self._lock:
-            self.n_calibrations += 1
-        if disk is not None:
-            disk.write("calibration", key, model.to_json())
-        return model
+        # One process calibrates; the others wait, then read its calibration.
+        with disk.lock("calibration") if disk else contextlib.nullcontext():
+            model = disk.read("calibration", key, TimeModel.from_json) if disk else None
+            if model is not None:
+                return model
+            logger.info("eqx_multimap: calibrating the planner's time model")
+            try:
+                model = calibrate()
+            except Exception as e:  # a backend that cannot run the micro-benchmark
+                logger.warning(
+                    "eqx_multimap: could not calibrate the planner's time model (%s: "
+                    "%s); using the default constants",
+                    type(e).__name__,
+                    e,
+                )
+                return TimeModel.for_backend(jax.default_backend())
+            with self._lock:
+                self.n_calibrations += 1
+            if disk is not None:
+                disk.write("calibration", key, model.to_json())
+            return model
 
     def first_time(self, signature: Any) -> bool:
         """Whether an un-jitted call of this `signature` is the first (a measuring
@@ -258,7 +247,7 @@ class Planner:
         differentiation runs. With `tune`, the call's values are concrete and
         candidates are timed on them, unless a plan so timed is cached."""
         options = call.options.plan
-        budget, source = resolve_budget(options.memory_budget)
+        budget, src = resolve_budget(options.memory_budget)
         sizes, shard = localize(call)
         # Nothing in a key refers back to the planner; `progress=` plans alike.
         kept = dataclasses.replace(
@@ -266,8 +255,8 @@ class Planner:
         )
         key = (kept, budget, shard, tuple(sizes.items()), backward)
         call, sizes, note = for_every_size(call, sizes)
-        collective, body = collective_dims(call), fingerprint(call)
-        key += (body, collective)
+        body = fingerprint(call)
+        key += (body, collective_dims(call))
         start = time.perf_counter()
         data = data_dependent(call.body.standalone.jaxpr.jaxpr)
         # The plans that will do: timed on arguments to tune; on made-up inputs
@@ -278,16 +267,17 @@ class Planner:
             cached = self._cache.get(key)
             if isinstance(cached, Plan) and cached.basis in wanted:
                 self._cache.move_to_end(key)
-                return _noted(cached, note)
+                return cached
         if isinstance(cached, str):  # no nest fit this signature
             raise SpecError(cached)
+        measure = tune or (self.measure and not data)
+        model, model_key = self.time_model, self._model_key
         request = Request(
-            call, sizes, shard, budget, source, backward, self.time_model,
-            tune or (self.measure and not data), self._model_key(), tune,
-        )  # fmt: skip
+            call, sizes, shard, budget, src, backward, model, measure, model_key, tune
+        )
         disk, disk_key, found = self._disk, None, None
         if disk is not None:
-            disk_key = plan_key(request, collective, body)
+            disk_key = plan_key(request, body)
             path = disk.path("plans", disk_key)
             read = lambda stored: plan_from_json(stored, request, path)
             found = disk.read("plans", disk_key, read)
@@ -302,21 +292,21 @@ class Planner:
             earlier = f"read by an earlier call from the disk cache, {found.cache_path}"
             self._store(key, plan, earlier)
         else:
-            plan = self._plan_now(request, key, disk_key, data)
-        plan = _noted(plan, note)
+            plan = self._plan_now(request, key, disk_key, note, data)
         if options.verbose:
             print(plan)
         return plan
 
-    def _plan_now(self, request: Request, key: Any, disk_key: Any, data: Any) -> Plan:
-        """Search for the plan, and keep it (or the no-fit error) in the caches;
-        `data`: why the body's cost depends on its data, if it does."""
+    def _plan_now(
+        self, request: Request, key: Any, disk_key: Any, note: str, data: Any
+    ) -> Plan:
+        """Search for the plan (its summary opening with `note`), and keep it (or the
+        no-fit error) in the caches; `data`: why the body's cost depends on its
+        data, if it does."""
         call, disk = request.call, self._disk
         what = f"{call.fun_name}: planning" + " (backward)" * request.backward
         progress = Progress(what, call.options.plan.verbose)
         search = Search(request, progress)
-        with self._lock:
-            self.n_plans += 1
         try:
             plan = search.run()
         except NoFit as e:
@@ -327,9 +317,9 @@ class Planner:
             raise SpecError(str(e)) from None
         finally:
             with self._lock:
+                self.n_plans += 1
                 self.n_compiles += search.compiler.n_compiled
             progress.close()
-        how = f"{plan.seconds:.2f} s, {plural(plan.n_compiled, 'compile')}"
         basis, why = "model", ""
         if request.measure:
             basis = "arguments" if request.values else "inputs"
@@ -340,18 +330,15 @@ class Planner:
                 "model; call `eqx_multimap.tune(f, *args)` with real arguments "
                 "to measure."
             )
-        plan = dataclasses.replace(plan, basis=basis, summary=plan.summary + why)
-        path = None
-        if disk is None:
-            where = "no disk cache, kept in this process only"
-        else:
+        plan = dataclasses.replace(plan, basis=basis, summary=note + plan.summary + why)
+        how = f"{plan.seconds:.2f} s, {plural(plan.n_compiled, 'compile')}"
+        path, where = None, "no disk cache, kept in this process only"
+        if disk is not None:
             path = disk.write("plans", disk_key, plan_json(plan, f"planned in {how}"))
-            where = f"written to {path}"
-            if path is None:
-                where = f"could not write it to {disk.path('plans', disk_key)}"
-        plan = dataclasses.replace(
-            plan, cache=f"planned now ({how}); {where}", cache_path=path
-        )
+            failed = f"could not write it to {disk.path('plans', disk_key)}"
+            where = f"written to {path}" if path else failed
+        cache = f"planned now ({how}); {where}"
+        plan = dataclasses.replace(plan, cache=cache, cache_path=path)
         self._store(key, plan, f"planned by an earlier call ({how}); {where}")
         return plan
 
@@ -399,11 +386,10 @@ def for_every_size(
     plan must hold for every size, so each such dim is scanned, outermost (one at a
     time, unless `scan=` gives its chunks), planned at a stand-in size; where the
     nest cannot do so, a `SpecError` names the dim. Also a note for the summary."""
-    symbolic = [n for n, s in call.sizes.items() if not _concrete(s)]
+    symbolic = [n for n, s in call.sizes.items() if not known(s)]
     if not symbolic:
         return call, sizes, ""
     options = call.options
-    collective = collective_dims(call)
     for name in symbolic:
         if name not in call.mapped:
             why = "a core dim: the planner compiles the body, which needs its size"
@@ -411,7 +397,7 @@ def for_every_size(
             why = "it is sharded: the planner needs its size per device"
         elif name in options.vmap:
             why = "`vmap=` names it: the memory of a vmap grows with its size"
-        elif name in collective:
+        elif name in collective_dims(call):
             why = "the body uses it in a collective, so it cannot be scanned"
         else:
             continue
@@ -424,12 +410,8 @@ def for_every_size(
     scan = options.scan + tuple(
         (n, None) for n in symbolic if n not in options.scan_names
     )
-    chunks = dict(scan)
     call = dataclasses.replace(call, options=dataclasses.replace(options, scan=scan))
-    stand_in = {
-        n: (s if _concrete(s) else chunks[n] or SYMBOLIC_STAND_IN)
-        for n, s in sizes.items()
-    }
+    stand_in = {**sizes, **{n: dict(scan)[n] or SYMBOLIC_STAND_IN for n in symbolic}}
     dims = ", ".join(
         f"'{n}' (size {call.sizes[n]}, planned at {stand_in[n]})" for n in symbolic
     )
@@ -438,15 +420,6 @@ def for_every_size(
         "the chunks `scan=` gives), which holds for every size. "
     )
     return call, stand_in, note
-
-
-def _noted(plan: Plan, note: str) -> Plan:
-    """`plan`, its summary opening with `note`."""
-    return dataclasses.replace(plan, summary=note + plan.summary) if note else plan
-
-
-def _concrete(size: Any) -> bool:
-    return isinstance(size, (int, np.integer))
 
 
 _DEFAULT_PLANNER = Planner()
