@@ -57,9 +57,8 @@ def default_cache_dir() -> str | None:
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
         return None if env.lower() in _OFF else os.path.expanduser(env)
-    base = os.environ.get("XDG_CACHE_HOME", "").strip()
-    base = base or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "eqx_multimap")
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or "~/.cache"
+    return os.path.join(os.path.expanduser(base), "eqx_multimap")
 
 
 def _warn(message: str) -> None:
@@ -110,17 +109,12 @@ class DiskCache:
     def lock(self, kind: str) -> Iterator[None]:
         """Hold the directory's `flock` for `kind` (where it cannot be taken, none)."""
         path = os.path.join(self.root, f"v{FORMAT_VERSION}", f"{kind}.lock")
-        fd = None
-        if fcntl is not None:
-            with contextlib.suppress(OSError):
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
+        with contextlib.ExitStack() as held:  # closing the file releases the lock
+            if fcntl is not None:
+                with contextlib.suppress(OSError):
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    fcntl.flock(held.enter_context(open(path, "a")), fcntl.LOCK_EX)
             yield
-        finally:
-            if fd is not None:
-                os.close(fd)  # releases the lock
 
     def write(self, kind: str, key: dict[str, Any], value: Any) -> str | None:
         """Store `value` for `key` atomically: its path, or `None` (and a warning)."""
@@ -193,8 +187,7 @@ _KEPT = ("checkpoint", "summary", "measured", "basis")  # stored fields of a `Pl
 def cand_json(c: PlanCandidate) -> dict[str, Any]:
     """A candidate as JSON, non-finite numbers as `null`."""
     finite = lambda x: not isinstance(x, float) or math.isfinite(x)  # noqa: E731
-    d = {k: getattr(c, k) if finite(getattr(c, k)) else None for k in _FIELDS}
-    return {**d, "scan": [[n, k] for n, k in c.scan], "vmap": list(c.vmap)}
+    return {k: x if finite(x) else None for k, x in dataclasses.asdict(c).items()}
 
 
 def plan_json(plan: Plan, how: str) -> dict[str, Any]:
@@ -248,14 +241,12 @@ def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
     """A plan (or no-fit error message) stored at `path`, checked against the
     request; raises `ValueError` (or `KeyError`, `TypeError`) if it is not valid."""
     call, sizes, budget = request.call, request.sizes, request.budget
-    _check(isinstance(stored, dict), "not a stored plan")
     if "no_fit" in stored:
         nf = stored["no_fit"]
         smallest = _cand_from_json(nf["smallest"], call, sizes)
-        temp = smallest.temp_bytes
-        _check(temp is not None and temp > budget, "an inconsistent no-fit result")
-        n = int(nf["n"])
-        return no_fit_message(call, budget, smallest, n, sizes, request.backward)
+        _check((smallest.temp_bytes or 0) > budget, "an inconsistent no-fit result")
+        n, backward = int(nf["n"]), request.backward
+        return no_fit_message(call, budget, smallest, n, sizes, backward)
     p = stored["plan"]
     candidates = tuple(_cand_from_json(d, call, sizes) for d in p["candidates"])
     _check(type(p["chosen"]) is int, "bad chosen index")

@@ -10,6 +10,7 @@ import pathlib
 import platform
 import re
 import time
+import timeit
 from collections.abc import Callable
 from typing import Any
 
@@ -193,11 +194,9 @@ def concrete_inputs(specs: Any) -> Any:
 def best_of(fn: Callable[[], Any], repeats: int, timer: Callable = time.perf_counter):
     """The quickest of `repeats` timed calls of `fn`, after one untimed call."""
     jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = timer()
-        jax.block_until_ready(fn())
-        times.append(timer() - start)
+    times = timeit.repeat(
+        lambda: jax.block_until_ready(fn()), timer=timer, repeat=repeats, number=1
+    )
     return min(times)
 
 

@@ -174,11 +174,10 @@ class Planner:
     def __hash__(self) -> int:
         return hash(tuple(self._config.values()))
 
-    def __copy__(self) -> "Planner":
+    def __deepcopy__(self, memo: dict | None = None) -> "Planner":
         return self
 
-    def __deepcopy__(self, memo: dict) -> "Planner":
-        return self
+    __copy__ = __deepcopy__
 
     def __reduce__(self) -> tuple:  # a planner with the same arguments, caches empty
         return (ft.partial(Planner, **self._config), ())
@@ -363,16 +362,14 @@ def _measured(plan: Plan, slices: dict, values: bool, walked: bool) -> str:
         return ""
     what = "the call's arguments" if values else "made-up inputs of its shapes"
     how = "each on a slice of its scanned dims holding a few of its blocks"
-    cap = "first"
     if walked:
         how = "blocks walked up from the smallest (a while loop in lockstep), all on "
-        how, cap = how + "one slice", "longest"
-    sizes = dict(plan.sizes)
-    sub = slices.get(plan.chosen.key, {})
+        how += "one slice"
+    sub, sizes = slices.get(plan.chosen.key, {}), dict(plan.sizes)
     at = ", ".join(f"{d} {k} of {sizes[d]}" for d, k in sub.items()) or "whole"
     return (
         f" Timed on {what}: {n} candidates, {how} (the chosen: {at}), per element, "
-        f"planning for about {CAP:g}x the {cap} compile."
+        f"planning for about {CAP:g}x the {'longest' if walked else 'first'} compile."
     )
 
 
