@@ -136,10 +136,9 @@ def cache_levels(root: str = SYSFS_CACHES) -> tuple[int, ...]:
         for index in sorted(pathlib.Path(root).glob("index*")):
             if (index / "type").read_text().strip() in ("Data", "Unified"):
                 text = (index / "size").read_text().strip().upper()
-                unit = units.get(text[-1:], 1)
-                size = int(text[:-1]) * unit if unit > 1 else int(text)
+                size = int(text.rstrip("KMG")) * units.get(text[-1:], 1)
                 found[int((index / "level").read_text())] = size
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
         found = {}
     return tuple(found[k] for k in sorted(found)) or FALLBACK_CACHES
 
