@@ -22,10 +22,6 @@ from .model import best_of, concrete_inputs, TimeModel
 from .plan import PlanCandidate, ScanNest
 
 
-# ------------------------------------------------------------------------------
-# Predict
-
-
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """An input or output leaf: its bytes, and the axis of each mapped dim, in axis
@@ -139,10 +135,6 @@ def corrected(ref: Reference, c: PlanCandidate, compiled: list[PlanCandidate]) -
     return ref.temp_bytes(c) * ratio
 
 
-# ------------------------------------------------------------------------------
-# Progress
-
-
 logger = logging.getLogger("eqx_multimap")
 
 
@@ -181,10 +173,6 @@ class Progress:
         if self.reported:
             seconds = time.perf_counter() - self.start
             logger.info("%s: planned in %.1f s (%d steps)", self.what, seconds, self.n)
-
-
-# ------------------------------------------------------------------------------
-# Measure
 
 
 # Measured mode times candidates (`Search.walk`), each on a sub-slice of the
@@ -340,10 +328,6 @@ class Timer:
         return self.timed
 
 
-# ------------------------------------------------------------------------------
-# Costing
-
-
 # XLA options for programs that are analysed, never run; on CPU, with `CPU_ONLY`.
 ANALYSIS_OPTIONS = {
     "xla_backend_optimization_level": 0,
@@ -453,13 +437,10 @@ class Compiler:
         memory compiled), its costs, and the leaves."""
         assert full.temp_bytes is not None
         compiled = self.programs[full.spec]
-        if full.scan:  # given scans: XLA costs their loop body once
-            if self.backward:
-                what = f"compiling the forward nest of {full.nest(self.sizes)}"
-                compiled = self.compile(*self._program(full.spec, True), what)
-            flops, trans, nbytes, _ = self.corrected_cost(compiled, full)
-        else:
-            flops, trans, nbytes = xla_costs(compiled)
+        if full.scan and self.backward:  # the forward nest: its loop bodies are added
+            what = f"compiling the forward nest of {full.nest(self.sizes)}"
+            compiled = self.compile(*self._program(full.spec, True), what)
+        flops, trans, nbytes, _ = self.corrected_cost(compiled, full)
         outs = self._outs if self.backward else enumerate(compiled.out_info)
         inputs = tuple(
             leaf(s.shape, s.dtype, axes)
@@ -470,9 +451,8 @@ class Compiler:
             mapped = [n for n in self.problem.out_dims[i].names if n in self.sizes]
             axes = {name: a for a, name in enumerate(mapped)}
             outputs.append(leaf(s.shape, s.dtype, axes))
-        trips = full.trips if full.scan else 1
         return Reference(
-            full.block, full.temp_bytes, flops, trans, nbytes, trips, full.scan,
+            full.block, full.temp_bytes, flops, trans, nbytes, full.trips, full.scan,
             self.sizes, inputs, tuple(outputs),
         )  # fmt: skip
 
@@ -512,18 +492,16 @@ class Compiler:
         `trips - 1` more times. The working set is the largest footprint of one
         body, or of the whole candidate when nothing loops."""
         total, ws = list(xla_costs(compiled)), 0
-        sizes = self.problem.sizes
-        looping = [block for block in blocks(cand.spec, sizes) if block.trips > 1]
+        what = f"costing the loop body of {cand.nest(self.sizes)}"
+        looping = [b for b in blocks(cand.spec, self.problem.sizes) if b.trips > 1]
         for block in looping:
             specs, axes = loop_body_inputs(self.specs, self.problem.leaf_axes, block)
-            body = build_levels(self.problem.body, block.vmaps, axes)
-            body_compiled = self.compile(
-                body, specs, f"costing the loop body of {cand.nest(self.sizes)}"
+            body = self.compile(
+                build_levels(self.problem.body, block.vmaps, axes), specs, what
             )
-            body_costs = xla_costs(body_compiled)
-            for j in range(3):
-                total[j] += (block.trips - 1) * body_costs[j]
-            ws = max(ws, _footprint(body_compiled))
+            n = block.trips - 1
+            total = [t + n * b for t, b in zip(total, xla_costs(body))]
+            ws = max(ws, _footprint(body))
         return total[0], total[1], total[2], ws if looping else _footprint(compiled)
 
 
@@ -560,8 +538,6 @@ def _footprint(compiled: Any) -> int:
 
 def xla_costs(compiled: Any) -> tuple[float, float, float]:
     """XLA's flops, transcendentals and bytes accessed of a compiled program."""
-    ca = compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):  # older JAX: one dict per computation
-        ca = ca[0] if ca else {}
+    ca = compiled.cost_analysis() or {}
     keys = ("flops", "transcendentals", "bytes accessed")
-    return tuple(float((ca or {}).get(k, 0.0)) for k in keys)  # type: ignore
+    return tuple(float(ca.get(k, 0.0)) for k in keys)  # type: ignore
