@@ -31,9 +31,10 @@ class Leaf:
     axes: dict[str, int]
 
 
-def leaf(shape: Any, dtype: Any, axes: dict[str, int]) -> Leaf:
+def leaf(s: Any, axes: dict[str, int]) -> Leaf:
+    """The leaf of shape and dtype `s` (a `ShapeDtypeStruct`, say)."""
     # `itemsize`, not `np.dtype(dtype)`: typed PRNG keys' dtypes are JAX's own.
-    nbytes = math.prod(shape) * int(getattr(dtype, "itemsize", 0) or 0)
+    nbytes = math.prod(s.shape) * int(getattr(s.dtype, "itemsize", 0) or 0)
     return Leaf(nbytes, dict(sorted(axes.items(), key=lambda kv: kv[1])))
 
 
@@ -248,7 +249,6 @@ class Timer:
 
     def __init__(self, parent: "Compiler", call: Call, values: bool, grow: bool):
         self.parent, self.call, self.values, self.grow = parent, call, values, grow
-        self.step = parent.on_compile or (lambda what: None)
         self.once = 0.0  # the cost of a call
         self.start: float | None = None  # of the first compile
         self.longest = 0.0  # the compile the cap counts from
@@ -278,7 +278,7 @@ class Timer:
         )
         compiler = Compiler(self.call, sub, self.parent.model, self.parent.backward)
         fn, specs = compiler._program(spec)
-        self.step(f"compiling {c.nest(sub)} to time it")
+        self.parent.report(f"compiling {c.nest(sub)} to time it")
         t0 = time.perf_counter()
         program = compiler.compile(fn, specs, runs=True)
         self.parent.n_compiled += 1
@@ -321,7 +321,7 @@ class Timer:
         what = f"timing {len(close)} candidates"
         times = time_interleaved(
             [self.runs[k][0] for k in close], max(self.left(), 0.0), min_rounds=2,
-            on_round=lambda r, n: self.step(f"{what}, round {r}"),
+            on_round=lambda r, n: self.parent.report(f"{what}, round {r}"),
         ) if len(close) > 1 else []  # fmt: skip
         for k, ts in zip(close, times):
             self.timed[k] = min(self.timed[k], self._whole(min(ts), self.runs[k][1]))
@@ -362,12 +362,12 @@ class Compiler:
         sizes: dict[str, int],
         model: TimeModel,
         backward: bool = False,
-        on_compile: Callable[[str], None] | None = None,
+        report: Callable[[str], None] = lambda doing: None,
     ):
         self.problem = call.problem(sizes, standalone=True)
         self.checkpoint, self.isolate = call.options.checkpoint, call.isolate
         self.backward, self.model, self.sizes = backward, model, sizes
-        self.on_compile = on_compile
+        self.report = report  # each step of planning, as `Progress.step`
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
             shape = list(np.shape(v))
@@ -385,8 +385,7 @@ class Compiler:
     ) -> Any:
         """Compile `fn` for `specs`; with `runs`, as a program to run, else for its
         memory and cost analyses only (`analysed`)."""
-        if self.on_compile is not None:
-            self.on_compile(what or "compiling a loop body")
+        self.report(what)
         self.n_compiled += 1
         traced = jax.jit(fn).trace(specs)
         self.jaxpr = traced.jaxpr.jaxpr
@@ -442,15 +441,11 @@ class Compiler:
             compiled = self.compile(*self._program(full.spec, True), what)
         flops, trans, nbytes, _ = self.corrected_cost(compiled, full)
         outs = self._outs if self.backward else enumerate(compiled.out_info)
-        inputs = tuple(
-            leaf(s.shape, s.dtype, axes)
-            for s, axes in zip(self.specs, self.problem.leaf_axes)
-        )
+        inputs = tuple(map(leaf, self.specs, self.problem.leaf_axes))
         outputs = []
         for i, s in outs:  # an output's mapped dims in order: their axes, roughly
             mapped = [n for n in self.problem.out_dims[i].names if n in self.sizes]
-            axes = {name: a for a, name in enumerate(mapped)}
-            outputs.append(leaf(s.shape, s.dtype, axes))
+            outputs.append(leaf(s, {name: a for a, name in enumerate(mapped)}))
         return Reference(
             full.block, full.temp_bytes, flops, trans, nbytes, full.trips, full.scan,
             self.sizes, inputs, tuple(outputs),
