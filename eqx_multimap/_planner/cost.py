@@ -79,8 +79,7 @@ class Reference:
         block at each level, and a transposed copy of the whole when the scanned
         dims do not lead it."""
         total = sum(
-            y.nbytes * self._fraction(scan[: level + 1], y)
-            for level in range(len(scan))
+            y.nbytes * self._fraction(scan[: i + 1], y) for i in range(len(scan))
         )
         in_y = [n for n, _ in scan if n in y.axes]
         if list(y.axes)[: len(in_y)] != in_y:
@@ -125,11 +124,10 @@ def corrected(ref: Reference, c: PlanCandidate, compiled: list[PlanCandidate]) -
     prediction."""
     if not compiled:
         return float(ref.temp_bytes(c))
-    dims = [n for n, _ in c.scan]
 
     def rank(k: PlanCandidate) -> tuple[bool, float]:
-        same = [n for n, _ in k.scan] == dims
-        return (not same, abs(math.log(max(k.block, 1) / max(c.block, 1))))
+        other = [n for n, _ in k.scan] != [n for n, _ in c.scan]
+        return other, abs(math.log(max(k.block, 1) / max(c.block, 1)))
 
     near = min(compiled, key=rank)
     ratio = (near.temp_bytes or 0) / max(ref.temp_bytes(near), 1)
@@ -273,11 +271,9 @@ class Timer:
         sizes = self.parent.sizes
         index = sub_slice(c, sizes) if index is None else index
         sub = {**sizes, **{n: len(x) for n, x in index.items()}}
-        spec = NestSpec(
-            tuple((n, k if k is None else min(k, sub[n])) for n, k in c.scan), c.vmap
-        )
+        scan = tuple((n, k if k is None else min(k, sub[n])) for n, k in c.scan)
         compiler = Compiler(self.call, sub, self.parent.model, self.parent.backward)
-        fn, specs = compiler._program(spec)
+        fn, specs = compiler._program(NestSpec(scan, c.vmap))
         self.parent.report(f"compiling {c.nest(sub)} to time it")
         t0 = time.perf_counter()
         program = compiler.compile(fn, specs, runs=True)
@@ -339,9 +335,7 @@ CPU_ONLY = {"xla_cpu_use_fusion_emitters": False}
 def analysed(lowered: Any) -> Any:
     """`lowered` compiled for its memory and cost analyses only (`ANALYSIS_OPTIONS`;
     without `CPU_ONLY` on a jaxlib that knows no such option)."""
-    options = dict(ANALYSIS_OPTIONS)
-    if jax.default_backend() == "cpu":
-        options.update(CPU_ONLY)
+    options = ANALYSIS_OPTIONS | (CPU_ONLY if jax.default_backend() == "cpu" else {})
     try:
         return lowered.compile(options)
     except Exception as e:

@@ -369,15 +369,12 @@ class Search:
         if chosen is None:
             return None
         self.costed(chosen)
-        vs = f"vs {fmt_seconds(timed[chosen.key])}; its memory not compiled"
-        for k in timed:
-            if k not in self.known:
-                self.notes[k] = (
-                    f"slower: measured {fmt_seconds(timed[k])} {vs}"
-                    if timed[k] >= timed[chosen.key]
-                    else f"faster, measured {fmt_seconds(timed[k])} {vs}, but within "
-                    f"{KEEP_WITHIN}x: the time model's choice was kept"
-                )
+        t = timed[chosen.key]
+        for k in (k for k in timed if k not in self.known):
+            vs = f"measured {fmt_seconds(timed[k])} vs {fmt_seconds(t)}"
+            kept = f"faster, {vs}, but within {KEEP_WITHIN}x: the model's pick was kept"
+            why = kept if timed[k] < t else f"slower: {vs}"
+            self.notes[k] = f"{why}; its memory not compiled"
         compared = [self.known.get(k, self.considered[k]) for k in timed]
         return self.known[chosen.key], compared, timed, ""
 
