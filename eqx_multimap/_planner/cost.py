@@ -4,6 +4,7 @@ progress, and measured mode's timing of candidates on sub-slices of the call.
 """
 
 import dataclasses
+import functools as ft
 import logging
 import math
 import time
@@ -116,22 +117,6 @@ class Reference:
         inputs = sum(x.nbytes * self._fraction(c.scan, x) for x in self.inputs)
         outputs = sum(y.nbytes * self._fraction(c.scan, y) for y in self.outputs)
         return int(self._body(c) + inputs + outputs)
-
-
-def corrected(ref: Reference, c: PlanCandidate, compiled: list[PlanCandidate]) -> float:
-    """`ref.temp_bytes(c)`, scaled by how XLA's figure for the compiled candidate
-    nearest `c` (by block; those that scan the same dims first) compared with its
-    prediction."""
-    if not compiled:
-        return float(ref.temp_bytes(c))
-
-    def rank(k: PlanCandidate) -> tuple[bool, float]:
-        other = [n for n, _ in k.scan] != [n for n, _ in c.scan]
-        return other, abs(math.log(max(k.block, 1) / max(c.block, 1)))
-
-    near = min(compiled, key=rank)
-    ratio = (near.temp_bytes or 0) / max(ref.temp_bytes(near), 1)
-    return ref.temp_bytes(c) * ratio
 
 
 logger = logging.getLogger("eqx_multimap")
@@ -393,11 +378,7 @@ class Compiler:
     def _program(self, spec: NestSpec, forward: bool = False) -> tuple[Callable, Any]:
         """A candidate's program (with `forward`, the nest even when differentiated),
         and the `ShapeDtypeStruct`s of its one argument."""
-        build = self.build(spec)
-
-        def nest(values: list) -> Any:
-            return run(self.problem, spec, build, values)
-
+        nest = ft.partial(run, self.problem, spec, self.build(spec))
         if forward or not self.backward:
             return nest, self.specs
         outs = jax.eval_shape(nest, self.specs)

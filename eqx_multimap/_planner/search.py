@@ -11,7 +11,6 @@ import time
 from .._timing import fmt_bytes, fmt_seconds
 from .cost import (
     Compiler,
-    corrected,
     KEEP_WITHIN,
     lockstep,
     Progress,
@@ -85,10 +84,21 @@ class Search:
         return self.known[c.key]
 
     def prediction(self, steps: Steps, c: PlanCandidate) -> float:
-        """The temporaries of `c`, a step of `steps`, predicted and corrected by the
-        steps compiled (`cost.corrected`)."""
+        """The temporaries of `c`, a step of `steps`, predicted, and scaled by how
+        XLA's figure for the step compiled nearest `c` (by block; those that scan the
+        same dims first) compared with its prediction."""
         known = (self.known.get(s.key) for s in steps)
-        return corrected(self.ref, c, [k for k in known if k and not k.predicted])
+        compiled = [k for k in known if k and not k.predicted]
+        if not compiled:
+            return float(self.ref.temp_bytes(c))
+
+        def rank(k: PlanCandidate) -> tuple[bool, float]:
+            other = [n for n, _ in k.scan] != [n for n, _ in c.scan]
+            return other, abs(math.log(max(k.block, 1) / max(c.block, 1)))
+
+        near = min(compiled, key=rank)
+        ratio = (near.temp_bytes or 0) / max(self.ref.temp_bytes(near), 1)
+        return self.ref.temp_bytes(c) * ratio
 
     def cautious(self, steps: Steps, c: PlanCandidate) -> int | float:
         """The larger of `prediction` and the uncorrected one: a correction scales by
