@@ -1,7 +1,6 @@
 """Costing candidate nests: XLA's memory and cost analyses of compiled ones, the
 others predicted from full vmap's (`Reference`; see `docs/design.md`), planning's
-progress, and measured mode's timing of candidates on sub-slices of the call.
-"""
+progress, and measured mode's timing of candidates on sub-slices of the call."""
 
 import dataclasses
 import functools as ft
@@ -25,15 +24,13 @@ from .plan import PlanCandidate, ScanNest
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """An input or output leaf: its bytes, and the axis of each mapped dim, in axis
-    order."""
+    """An input or output leaf: its bytes, and its mapped dims' axes, in order."""
 
     nbytes: int
     axes: dict[str, int]
 
 
 def leaf(s: Any, axes: dict[str, int]) -> Leaf:
-    """The leaf of shape and dtype `s` (a `ShapeDtypeStruct`, say)."""
     # `itemsize`, not `np.dtype(dtype)`: typed PRNG keys' dtypes are JAX's own.
     nbytes = math.prod(s.shape) * int(getattr(s.dtype, "itemsize", 0) or 0)
     return Leaf(nbytes, dict(sorted(axes.items(), key=lambda kv: kv[1])))
@@ -221,14 +218,12 @@ def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
 
 
 class Timer:
-    """Times candidates on sub-slices (`sub_slice`) of the call's values (with
-    `values`; else of made-up arrays), each compiled (counted by `parent`) and run
-    until it has a best of `RUNS` (a long run: once), less the cost of a call, which
-    a whole call pays once, not once per slice. `due` once timing has taken `CAP`
-    times the first compile (with `grow`, the longest: a walk starts from the
-    smallest block, often the quickest to compile), less the 40% that `confirm`
-    takes to time the close ones side by side. Times are for the whole call (per
-    element, times the elements); `slices` holds the sizes each was timed at."""
+    """Times candidates on sub-slices (`sub_slice`; `slices`: their sizes) of the
+    call's values (with `values`; else of made-up arrays): the best of `RUNS` runs
+    (a long run: once), less the cost of a call, which a whole call pays once,
+    scaled to the whole call. `due` once timing has taken `CAP` times the first
+    compile (with `grow`, the longest: a walk starts from the smallest block, often
+    the quickest to compile), less the 40% that `confirm` takes."""
 
     def __init__(self, parent: "Compiler", call: Call, values: bool, grow: bool):
         self.parent, self.call, self.values, self.grow = parent, call, values, grow

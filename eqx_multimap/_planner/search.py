@@ -278,9 +278,8 @@ class Search:
         self.lockstep = lockstep(self.compiler.jaxpr)
         self.ref = self.compiler.reference(self.known[full.key])
         f = self.costed(full)
-        # Full vmap is kept if it fits, its working set is within the last level of
-        # the memory hierarchy, nothing runs in lockstep, and the planner does not
-        # measure.
+        # Full vmap is kept, unsearched, if it fits, its working set is within the
+        # last cache level, nothing runs in lockstep and the planner does not measure.
         last = max((size for size, _ in self.model.levels), default=0)
         go = bool(ladders) and (
             not f.fits or (f.working_set or 0) > last or self.measure or self.lockstep
@@ -391,14 +390,13 @@ class Search:
     def walk(
         self, ladders: list[Steps], timer: Timer, start: PlanCandidate | None
     ) -> None:
-        """Time blocks from `start`, the model's choice, or for a body whose while
-        loop runs in lockstep (a block loops as long as its slowest element, which
-        the model cannot see), from the smallest block. Then a block of about
-        `start`'s size (in lockstep, of `WALK_FIRST` elements) along each dim, on
-        the ladder that scans it innermost; then from the fastest, larger blocks
-        of its ladder until one is `WALK_SLOWER` than the best, then smaller ones
-        alike, until `due`. In lockstep, all on the same elements (`spread`): the
-        elements' costs differ."""
+        """Time blocks from `start`, the model's choice (`None`: in lockstep, where
+        a block loops as long as its slowest element, from the smallest; all on the
+        same elements, `spread`, as their costs differ), then one of about its size
+        (in lockstep, of `WALK_FIRST` elements) along each dim, on the ladder
+        scanning it innermost; from the fastest, its ladder's larger blocks, then
+        smaller ones (not in lockstep), until one is `WALK_SLOWER` than the best, or
+        `due`."""
         ups: dict[str, Steps] = {}  # by innermost dim, smallest first
         for steps in ladders:
             fit = [c for c in steps if self.cautious(steps, c) <= self.budget]
