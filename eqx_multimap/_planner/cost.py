@@ -16,6 +16,7 @@ import numpy as np
 from .._blocks import blocks, NestSpec
 from .._body import _sub_jaxprs, struct
 from .._nest import Build, build_levels, loop_body_inputs, run
+from .._progress_bar import tqdm_installed
 from .._resolve import Call
 from .._timing import time_interleaved
 from .model import best_of, concrete_inputs, TimeModel
@@ -38,16 +39,14 @@ def leaf(s: Any, axes: dict[str, int]) -> Leaf:
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """Full vmap's compiled figures, and the leaves every candidate reads and writes
-    (outputs: those whose blocks a loop iteration holds)."""
+    """Full vmap (`full`) and its compiled figures, and the leaves every candidate
+    reads and writes (outputs: those whose blocks a loop iteration holds)."""
 
-    block: int
+    full: PlanCandidate
     temp: int
     flops: float
     transcendentals: float
     nbytes: float
-    trips: int
-    scan: ScanNest
     sizes: dict[str, int]
     inputs: tuple[Leaf, ...]
     outputs: tuple[Leaf, ...]
@@ -85,12 +84,12 @@ class Reference:
         return total
 
     def _body(self, c: PlanCandidate) -> float:
-        return self.temp * c.block / max(self.block, 1)
+        return self.temp * c.block / max(self.full.block, 1)
 
     def temp_bytes(self, c: PlanCandidate) -> int:
         """The temporaries of `c`, predicted: the body's, scaled to its block, and
         the slices and blocks its scans copy."""
-        if c.scan == self.scan:
+        if c.scan == self.full.scan:
             return int(self._body(c))
         copies = sum(self._input_copies(c.scan, x) for x in self.inputs)
         held = sum(self._output_blocks(c.scan, y) for y in self.outputs)
@@ -105,7 +104,7 @@ class Reference:
             return sum(x.nbytes for x in self.inputs if scanned.isdisjoint(x.axes))
 
         extra = (c.trips - 1) * shared(c.scan)
-        base = (self.trips - 1) * shared(self.scan)
+        base = (self.full.trips - 1) * shared(self.full.scan)
         return self.flops, self.transcendentals, max(self.nbytes + extra - base, 0.0)
 
     def working_set(self, c: PlanCandidate) -> int:
@@ -122,7 +121,7 @@ logger = logging.getLogger("eqx_multimap")
 class Progress:
     """Reports a planning run that has taken `after` seconds: each step is logged at
     INFO level on the `"eqx_multimap"` logger and, with `verbose`, shown on a `tqdm`
-    progress bar (if installed; it is optional)."""
+    progress bar (if installed; it is optional: the `bench` extra installs it)."""
 
     def __init__(self, what: str, verbose: bool, after: float = 1.0):
         self.what, self.verbose, self.after = what, verbose, after
@@ -137,13 +136,10 @@ class Progress:
         self.reported = True
         what, n = self.what, self.n
         logger.info("%s: %s (step %d, %.1f s so far)", what, doing, n, elapsed)
-        if self.verbose and self.bar is None:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:  # optional: the `bench` extra installs it
-                self.verbose = False
-            else:
-                self.bar = tqdm(desc=self.what, initial=self.n - 1, leave=False)
+        if self.verbose and self.bar is None and tqdm_installed():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc=self.what, initial=self.n - 1, leave=False)
         if self.bar is not None:
             self.bar.set_postfix_str(doing, refresh=False)
             self.bar.update(1)
@@ -417,8 +413,8 @@ class Compiler:
             mapped = [n for n in self.problem.out_dims[i].names if n in self.sizes]
             outputs.append(leaf(s, {name: a for a, name in enumerate(mapped)}))
         return Reference(
-            full.block, full.temp_bytes, flops, trans, nbytes, full.trips, full.scan,
-            self.sizes, inputs, tuple(outputs),
+            full, full.temp_bytes, flops, trans, nbytes, self.sizes, inputs,
+            tuple(outputs),
         )  # fmt: skip
 
     def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
