@@ -299,12 +299,9 @@ class Search:
             for c in steps if why else []:
                 self.note(c, why)
         ws, cache = fmt_bytes(f.working_set or 0), fmt_bytes(last)
+        kept = f"full vmap fits, and its working set ({ws}) is within {cache} of cache"
         for c in self.considered.values() if not go else ():
-            self.note(
-                c,
-                f"not compiled: full vmap fits, and its working set ({ws}) is "
-                f"within {cache} of cache: nothing else needed",
-            )
+            self.note(c, f"not compiled: {kept}: nothing else needed")
         choice = walked
         if choice is None:
             fitting, chosen = self.pick()
@@ -354,8 +351,7 @@ class Search:
         The fastest (its memory compiled; the model's choice if within
         `KEEP_WITHIN` of it), those timed, their times, and a note if timing was
         impossible; `None` if nothing timed fits, or timing failed in lockstep."""
-        lockstep = model_choice is None  # the cap grows with the longest compile
-        timer = Timer(self.compiler, self.call, self.request.values, lockstep)
+        timer = Timer(self.compiler, self.call, self.request.values, not model_choice)
         try:
             self.walk(ladders, timer, model_choice)
             if not timer.timed:
@@ -367,12 +363,11 @@ class Search:
             note = f"could not measure ({type(e).__name__}: {e}), so estimated"
             return model_choice, [model_choice], {}, note
         self.slices = timer.slices
-        order = sorted(timed, key=lambda k: timed[k])
-        mine = timed.get(model_choice.key) if model_choice else None
-        if mine is not None and mine <= KEEP_WITHIN * timed[order[0]]:
-            order.remove(model_choice.key)
-            order.insert(0, model_choice.key)
-        # The fastest whose memory, compiled, fits.
+        first = model_choice.key if model_choice else None
+        if first not in timed or timed[first] > KEEP_WITHIN * min(timed.values()):
+            first = None  # the model's choice is kept only within `KEEP_WITHIN`
+        order = sorted(timed, key=lambda k: (k != first, timed[k]))
+        # The fastest whose memory, compiled, fits (the model's choice if kept).
         fitting = (self.memory(self.considered[k]) for k in order)
         chosen = next((c for c in fitting if c.fits), None)
         if chosen is None:
