@@ -51,10 +51,10 @@ class Reference:
     inputs: tuple[Leaf, ...]
     outputs: tuple[Leaf, ...]
 
-    def _fraction(self, scan: ScanNest, x: Leaf) -> float:
-        """The part of a leaf that one iteration of `scan` covers."""
+    def _bytes(self, scan: ScanNest, x: Leaf) -> float:
+        """The bytes of a leaf that one iteration of `scan` covers."""
         parts = ((k or 1) / max(self.sizes[n], 1) for n, k in scan if n in x.axes)
-        return float(math.prod(parts))
+        return x.nbytes * float(math.prod(parts))
 
     def _input_copies(self, scan: ScanNest, x: Leaf) -> float:
         """The bytes a nest of scans copies out of an input leaf: at each level that
@@ -65,8 +65,8 @@ class Reference:
             if name not in x.axes:
                 continue
             if any(a not in gone for a in range(x.axes[name])):
-                total += x.nbytes * self._fraction(scan[:level], x)
-            total += x.nbytes * self._fraction(scan[: level + 1], x)
+                total += self._bytes(scan[:level], x)
+            total += self._bytes(scan[: level + 1], x)
             if chunk is None:
                 gone.add(x.axes[name])
         return total
@@ -75,9 +75,7 @@ class Reference:
         """The bytes of an output leaf that a nest of scans holds: one iteration's
         block at each level, and a transposed copy of the whole when the scanned
         dims do not lead it."""
-        total = sum(
-            y.nbytes * self._fraction(scan[: i + 1], y) for i in range(len(scan))
-        )
+        total = sum(self._bytes(scan[: i + 1], y) for i in range(len(scan)))
         in_y = [n for n, _ in scan if n in y.axes]
         if list(y.axes)[: len(in_y)] != in_y:
             total += y.nbytes
@@ -110,8 +108,8 @@ class Reference:
     def working_set(self, c: PlanCandidate) -> int:
         """The bytes one loop iteration of `c` touches: its temporaries, and its
         slice of every input and output."""
-        inputs = sum(x.nbytes * self._fraction(c.scan, x) for x in self.inputs)
-        outputs = sum(y.nbytes * self._fraction(c.scan, y) for y in self.outputs)
+        inputs = sum(self._bytes(c.scan, x) for x in self.inputs)
+        outputs = sum(self._bytes(c.scan, y) for y in self.outputs)
         return int(self._body(c) + inputs + outputs)
 
 

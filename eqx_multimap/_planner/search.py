@@ -208,10 +208,12 @@ class Search:
         self.taken(steps, c, "far within the budget")
         return s
 
-    def cannot_win(self, steps: Steps) -> str | None:
-        """Why no block of the ladder can be est. `MATERIAL`ly faster than the best
-        costed; `None` if one may, or if the planner measures (it may find what the
-        model does not see)."""
+    def skipped(self, steps: Steps) -> str | None:
+        """Why a ladder is not searched (`None` if it is): past `MAX_COMPILES`, or no
+        block of it can be est. `MATERIAL`ly faster than the best costed (unless the
+        planner measures: it may find what the model does not see)."""
+        if self.compiler.n_compiled >= MAX_COMPILES:
+            return f"not compiled: beyond the compile cap ({MAX_COMPILES} compiles)"
         costed = [c for c in self.known.values() if c.fits and c.seconds]
         if not costed or self.measure:
             return None
@@ -289,11 +291,7 @@ class Search:
         walk = go and self.measure and self.lockstep
         walked = self.measured(ladders, None) if walk else None
         for i, steps in enumerate(ladders if go and walked is None else []):
-            why = None
-            if i > 0 and self.compiler.n_compiled >= MAX_COMPILES:
-                why = f"not compiled: beyond the compile cap ({MAX_COMPILES} compiles)"
-            elif i > 0:  # the first ladder is always searched
-                why = self.cannot_win(steps)
+            why = self.skipped(steps) if i > 0 else None  # the first: always searched
             if why is None:
                 self.search(steps, f)
             for c in steps if why else []:
