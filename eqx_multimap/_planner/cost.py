@@ -1,9 +1,9 @@
 """Costing candidate nests: XLA's memory and cost analyses of compiled ones, the
 others predicted from full vmap's (`Reference`; see `docs/design.md`), planning's
-progress, and measured mode's timing of candidates on sub-slices of the call.
-"""
+progress, and measured mode's timing of candidates on sub-slices of the call."""
 
 import dataclasses
+import functools as ft
 import logging
 import math
 import time
@@ -16,51 +16,45 @@ import numpy as np
 from .._blocks import blocks, NestSpec
 from .._body import _sub_jaxprs, struct
 from .._nest import Build, build_levels, loop_body_inputs, run
+from .._progress_bar import tqdm_installed
 from .._resolve import Call
 from .._timing import time_interleaved
 from .model import best_of, concrete_inputs, TimeModel
 from .plan import PlanCandidate, ScanNest
 
 
-# ------------------------------------------------------------------------------
-# Predict
-
-
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """An input or output leaf: its bytes, and the axis of each mapped dim, in axis
-    order."""
+    """An input or output leaf: its bytes, and its mapped dims' axes, in order."""
 
     nbytes: int
     axes: dict[str, int]
 
 
-def leaf(shape: Any, dtype: Any, axes: dict[str, int]) -> Leaf:
+def leaf(s: Any, axes: dict[str, int]) -> Leaf:
     # `itemsize`, not `np.dtype(dtype)`: typed PRNG keys' dtypes are JAX's own.
-    nbytes = math.prod(shape) * int(getattr(dtype, "itemsize", 0) or 0)
+    nbytes = math.prod(s.shape) * int(getattr(s.dtype, "itemsize", 0) or 0)
     return Leaf(nbytes, dict(sorted(axes.items(), key=lambda kv: kv[1])))
 
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """Full vmap's compiled figures, and the leaves every candidate reads and writes
-    (outputs: those whose blocks a loop iteration holds)."""
+    """Full vmap (`full`) and its compiled figures, and the leaves every candidate
+    reads and writes (outputs: those whose blocks a loop iteration holds)."""
 
-    block: int
+    full: PlanCandidate
     temp: int
     flops: float
     transcendentals: float
     nbytes: float
-    trips: int
-    scan: ScanNest
     sizes: dict[str, int]
     inputs: tuple[Leaf, ...]
     outputs: tuple[Leaf, ...]
 
-    def _fraction(self, scan: ScanNest, x: Leaf) -> float:
-        """The part of a leaf that one iteration of `scan` covers."""
+    def _bytes(self, scan: ScanNest, x: Leaf) -> float:
+        """The bytes of a leaf that one iteration of `scan` covers."""
         parts = ((k or 1) / max(self.sizes[n], 1) for n, k in scan if n in x.axes)
-        return float(math.prod(parts))
+        return x.nbytes * float(math.prod(parts))
 
     def _input_copies(self, scan: ScanNest, x: Leaf) -> float:
         """The bytes a nest of scans copies out of an input leaf: at each level that
@@ -71,8 +65,8 @@ class Reference:
             if name not in x.axes:
                 continue
             if any(a not in gone for a in range(x.axes[name])):
-                total += x.nbytes * self._fraction(scan[:level], x)
-            total += x.nbytes * self._fraction(scan[: level + 1], x)
+                total += self._bytes(scan[:level], x)
+            total += self._bytes(scan[: level + 1], x)
             if chunk is None:
                 gone.add(x.axes[name])
         return total
@@ -81,22 +75,19 @@ class Reference:
         """The bytes of an output leaf that a nest of scans holds: one iteration's
         block at each level, and a transposed copy of the whole when the scanned
         dims do not lead it."""
-        total = sum(
-            y.nbytes * self._fraction(scan[: level + 1], y)
-            for level in range(len(scan))
-        )
+        total = sum(self._bytes(scan[: i + 1], y) for i in range(len(scan)))
         in_y = [n for n, _ in scan if n in y.axes]
         if list(y.axes)[: len(in_y)] != in_y:
             total += y.nbytes
         return total
 
     def _body(self, c: PlanCandidate) -> float:
-        return self.temp * c.block / max(self.block, 1)
+        return self.temp * c.block / max(self.full.block, 1)
 
     def temp_bytes(self, c: PlanCandidate) -> int:
         """The temporaries of `c`, predicted: the body's, scaled to its block, and
         the slices and blocks its scans copy."""
-        if c.scan == self.scan:
+        if c.scan == self.full.scan:
             return int(self._body(c))
         copies = sum(self._input_copies(c.scan, x) for x in self.inputs)
         held = sum(self._output_blocks(c.scan, y) for y in self.outputs)
@@ -111,36 +102,15 @@ class Reference:
             return sum(x.nbytes for x in self.inputs if scanned.isdisjoint(x.axes))
 
         extra = (c.trips - 1) * shared(c.scan)
-        base = (self.trips - 1) * shared(self.scan)
+        base = (self.full.trips - 1) * shared(self.full.scan)
         return self.flops, self.transcendentals, max(self.nbytes + extra - base, 0.0)
 
     def working_set(self, c: PlanCandidate) -> int:
         """The bytes one loop iteration of `c` touches: its temporaries, and its
         slice of every input and output."""
-        inputs = sum(x.nbytes * self._fraction(c.scan, x) for x in self.inputs)
-        outputs = sum(y.nbytes * self._fraction(c.scan, y) for y in self.outputs)
+        inputs = sum(self._bytes(c.scan, x) for x in self.inputs)
+        outputs = sum(self._bytes(c.scan, y) for y in self.outputs)
         return int(self._body(c) + inputs + outputs)
-
-
-def corrected(ref: Reference, c: PlanCandidate, compiled: list[PlanCandidate]) -> float:
-    """`ref.temp_bytes(c)`, scaled by how XLA's figure for the compiled candidate
-    nearest `c` (by block; those that scan the same dims first) compared with its
-    prediction."""
-    if not compiled:
-        return float(ref.temp_bytes(c))
-    dims = [n for n, _ in c.scan]
-
-    def rank(k: PlanCandidate) -> tuple[bool, float]:
-        same = [n for n, _ in k.scan] == dims
-        return (not same, abs(math.log(max(k.block, 1) / max(c.block, 1))))
-
-    near = min(compiled, key=rank)
-    ratio = (near.temp_bytes or 0) / max(ref.temp_bytes(near), 1)
-    return ref.temp_bytes(c) * ratio
-
-
-# ------------------------------------------------------------------------------
-# Progress
 
 
 logger = logging.getLogger("eqx_multimap")
@@ -149,7 +119,7 @@ logger = logging.getLogger("eqx_multimap")
 class Progress:
     """Reports a planning run that has taken `after` seconds: each step is logged at
     INFO level on the `"eqx_multimap"` logger and, with `verbose`, shown on a `tqdm`
-    progress bar (if installed; it is optional)."""
+    progress bar (if installed; it is optional: the `bench` extra installs it)."""
 
     def __init__(self, what: str, verbose: bool, after: float = 1.0):
         self.what, self.verbose, self.after = what, verbose, after
@@ -164,13 +134,10 @@ class Progress:
         self.reported = True
         what, n = self.what, self.n
         logger.info("%s: %s (step %d, %.1f s so far)", what, doing, n, elapsed)
-        if self.verbose and self.bar is None:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:  # optional: the `bench` extra installs it
-                self.verbose = False
-            else:
-                self.bar = tqdm(desc=self.what, initial=self.n - 1, leave=False)
+        if self.verbose and self.bar is None and tqdm_installed():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc=self.what, initial=self.n - 1, leave=False)
         if self.bar is not None:
             self.bar.set_postfix_str(doing, refresh=False)
             self.bar.update(1)
@@ -181,10 +148,6 @@ class Progress:
         if self.reported:
             seconds = time.perf_counter() - self.start
             logger.info("%s: planned in %.1f s (%d steps)", self.what, seconds, self.n)
-
-
-# ------------------------------------------------------------------------------
-# Measure
 
 
 # Measured mode times candidates (`Search.walk`), each on a sub-slice of the
@@ -249,18 +212,15 @@ def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
 
 
 class Timer:
-    """Times candidates on sub-slices (`sub_slice`) of the call's values (with
-    `values`; else of made-up arrays), each compiled (counted by `parent`) and run
-    until it has a best of `RUNS` (a long run: once), less the cost of a call, which
-    a whole call pays once, not once per slice. `due` once timing has taken `CAP`
-    times the first compile (with `grow`, the longest: a walk starts from the
-    smallest block, often the quickest to compile), less the 40% that `confirm`
-    takes to time the close ones side by side. Times are for the whole call (per
-    element, times the elements); `slices` holds the sizes each was timed at."""
+    """Times candidates on sub-slices (`sub_slice`; `slices`: their sizes) of the
+    call's values (with `values`; else of made-up arrays): the best of `RUNS` runs
+    (a long run: once), less the cost of a call, which a whole call pays once,
+    scaled to the whole call. `due` once timing has taken `CAP` times the first
+    compile (with `grow`, the longest: a walk starts from the smallest block, often
+    the quickest to compile), less the 40% that `confirm` takes."""
 
     def __init__(self, parent: "Compiler", call: Call, values: bool, grow: bool):
         self.parent, self.call, self.values, self.grow = parent, call, values, grow
-        self.step = parent.on_compile or (lambda what: None)
         self.once = 0.0  # the cost of a call
         self.start: float | None = None  # of the first compile
         self.longest = 0.0  # the compile the cap counts from
@@ -285,12 +245,10 @@ class Timer:
         sizes = self.parent.sizes
         index = sub_slice(c, sizes) if index is None else index
         sub = {**sizes, **{n: len(x) for n, x in index.items()}}
-        spec = NestSpec(
-            tuple((n, k if k is None else min(k, sub[n])) for n, k in c.scan), c.vmap
-        )
+        scan = tuple((n, k if k is None else min(k, sub[n])) for n, k in c.scan)
         compiler = Compiler(self.call, sub, self.parent.model, self.parent.backward)
-        fn, specs = compiler._program(spec)
-        self.step(f"compiling {c.nest(sub)} to time it")
+        fn, specs = compiler._program(NestSpec(scan, c.vmap))
+        self.parent.report(f"compiling {c.nest(sub)} to time it")
         t0 = time.perf_counter()
         program = compiler.compile(fn, specs, runs=True)
         self.parent.n_compiled += 1
@@ -333,15 +291,11 @@ class Timer:
         what = f"timing {len(close)} candidates"
         times = time_interleaved(
             [self.runs[k][0] for k in close], max(self.left(), 0.0), min_rounds=2,
-            on_round=lambda r, n: self.step(f"{what}, round {r}"),
+            on_round=lambda r, n: self.parent.report(f"{what}, round {r}"),
         ) if len(close) > 1 else []  # fmt: skip
         for k, ts in zip(close, times):
             self.timed[k] = min(self.timed[k], self._whole(min(ts), self.runs[k][1]))
         return self.timed
-
-
-# ------------------------------------------------------------------------------
-# Costing
 
 
 # XLA options for programs that are analysed, never run; on CPU, with `CPU_ONLY`.
@@ -355,9 +309,7 @@ CPU_ONLY = {"xla_cpu_use_fusion_emitters": False}
 def analysed(lowered: Any) -> Any:
     """`lowered` compiled for its memory and cost analyses only (`ANALYSIS_OPTIONS`;
     without `CPU_ONLY` on a jaxlib that knows no such option)."""
-    options = dict(ANALYSIS_OPTIONS)
-    if jax.default_backend() == "cpu":
-        options.update(CPU_ONLY)
+    options = ANALYSIS_OPTIONS | (CPU_ONLY if jax.default_backend() == "cpu" else {})
     try:
         return lowered.compile(options)
     except Exception as e:
@@ -378,12 +330,12 @@ class Compiler:
         sizes: dict[str, int],
         model: TimeModel,
         backward: bool = False,
-        on_compile: Callable[[str], None] | None = None,
+        report: Callable[[str], None] = lambda doing: None,
     ):
         self.problem = call.problem(sizes, standalone=True)
         self.checkpoint, self.isolate = call.options.checkpoint, call.isolate
         self.backward, self.model, self.sizes = backward, model, sizes
-        self.on_compile = on_compile
+        self.report = report  # each step of planning, as `Progress.step`
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
             shape = list(np.shape(v))
@@ -401,8 +353,7 @@ class Compiler:
     ) -> Any:
         """Compile `fn` for `specs`; with `runs`, as a program to run, else for its
         memory and cost analyses only (`analysed`)."""
-        if self.on_compile is not None:
-            self.on_compile(what or "compiling a loop body")
+        self.report(what)
         self.n_compiled += 1
         traced = jax.jit(fn).trace(specs)
         self.jaxpr = traced.jaxpr.jaxpr
@@ -416,11 +367,7 @@ class Compiler:
     def _program(self, spec: NestSpec, forward: bool = False) -> tuple[Callable, Any]:
         """A candidate's program (with `forward`, the nest even when differentiated),
         and the `ShapeDtypeStruct`s of its one argument."""
-        build = self.build(spec)
-
-        def nest(values: list) -> Any:
-            return run(self.problem, spec, build, values)
-
+        nest = ft.partial(run, self.problem, spec, self.build(spec))
         if forward or not self.backward:
             return nest, self.specs
         outs = jax.eval_shape(nest, self.specs)
@@ -453,27 +400,19 @@ class Compiler:
         memory compiled), its costs, and the leaves."""
         assert full.temp_bytes is not None
         compiled = self.programs[full.spec]
-        if full.scan:  # given scans: XLA costs their loop body once
-            if self.backward:
-                what = f"compiling the forward nest of {full.nest(self.sizes)}"
-                compiled = self.compile(*self._program(full.spec, True), what)
-            flops, trans, nbytes, _ = self.corrected_cost(compiled, full)
-        else:
-            flops, trans, nbytes = xla_costs(compiled)
+        if full.scan and self.backward:  # the forward nest: its loop bodies are added
+            what = f"compiling the forward nest of {full.nest(self.sizes)}"
+            compiled = self.compile(*self._program(full.spec, True), what)
+        flops, trans, nbytes, _ = self.corrected_cost(compiled, full)
         outs = self._outs if self.backward else enumerate(compiled.out_info)
-        inputs = tuple(
-            leaf(s.shape, s.dtype, axes)
-            for s, axes in zip(self.specs, self.problem.leaf_axes)
-        )
+        inputs = tuple(map(leaf, self.specs, self.problem.leaf_axes))
         outputs = []
         for i, s in outs:  # an output's mapped dims in order: their axes, roughly
             mapped = [n for n in self.problem.out_dims[i].names if n in self.sizes]
-            axes = {name: a for a, name in enumerate(mapped)}
-            outputs.append(leaf(s.shape, s.dtype, axes))
-        trips = full.trips if full.scan else 1
+            outputs.append(leaf(s, {name: a for a, name in enumerate(mapped)}))
         return Reference(
-            full.block, full.temp_bytes, flops, trans, nbytes, trips, full.scan,
-            self.sizes, inputs, tuple(outputs),
+            full, full.temp_bytes, flops, trans, nbytes, self.sizes, inputs,
+            tuple(outputs),
         )  # fmt: skip
 
     def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
@@ -512,18 +451,16 @@ class Compiler:
         `trips - 1` more times. The working set is the largest footprint of one
         body, or of the whole candidate when nothing loops."""
         total, ws = list(xla_costs(compiled)), 0
-        sizes = self.problem.sizes
-        looping = [block for block in blocks(cand.spec, sizes) if block.trips > 1]
+        what = f"costing the loop body of {cand.nest(self.sizes)}"
+        looping = [b for b in blocks(cand.spec, self.problem.sizes) if b.trips > 1]
         for block in looping:
             specs, axes = loop_body_inputs(self.specs, self.problem.leaf_axes, block)
-            body = build_levels(self.problem.body, block.vmaps, axes)
-            body_compiled = self.compile(
-                body, specs, f"costing the loop body of {cand.nest(self.sizes)}"
+            body = self.compile(
+                build_levels(self.problem.body, block.vmaps, axes), specs, what
             )
-            body_costs = xla_costs(body_compiled)
-            for j in range(3):
-                total[j] += (block.trips - 1) * body_costs[j]
-            ws = max(ws, _footprint(body_compiled))
+            n = block.trips - 1
+            total = [t + n * b for t, b in zip(total, xla_costs(body))]
+            ws = max(ws, _footprint(body))
         return total[0], total[1], total[2], ws if looping else _footprint(compiled)
 
 
@@ -560,8 +497,6 @@ def _footprint(compiled: Any) -> int:
 
 def xla_costs(compiled: Any) -> tuple[float, float, float]:
     """XLA's flops, transcendentals and bytes accessed of a compiled program."""
-    ca = compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):  # older JAX: one dict per computation
-        ca = ca[0] if ca else {}
+    ca = compiled.cost_analysis() or {}
     keys = ("flops", "transcendentals", "bytes accessed")
-    return tuple(float((ca or {}).get(k, 0.0)) for k in keys)  # type: ignore
+    return tuple(float(ca.get(k, 0.0)) for k in keys)  # type: ignore

@@ -11,7 +11,6 @@ import time
 from .._timing import fmt_bytes, fmt_seconds
 from .cost import (
     Compiler,
-    corrected,
     KEEP_WITHIN,
     lockstep,
     Progress,
@@ -47,19 +46,15 @@ SAFE_FRACTION = 1 / 8
 MATERIAL = 1.05
 SEARCH_VERSION = 9  # bumped when the search chooses otherwise: older plans unused
 
-
-@dataclasses.dataclass
-class Ladder:
-    """One ladder, as searched: the index of its largest block that fits (`j`)."""
-
-    steps: list[PlanCandidate]
-    searched: bool = False
-    j: int | None = None
+Steps = list[PlanCandidate]  # a ladder: largest block first
+Choice = tuple[PlanCandidate, Steps, dict[tuple, float], str]
 
 
 class Search:
     """One planning run: compiles candidates (each at most once), remembers what it
     learnt about each, and says why each was or was not chosen."""
+
+    ref: Reference  # full vmap's figures, the others' basis (from `_choose`)
 
     def __init__(self, request: Request, progress: Progress):
         self.request, self.call = request, request.call
@@ -68,9 +63,9 @@ class Search:
         self.compiler = Compiler(
             self.call, self.sizes, self.model, request.backward, progress.step
         )
+        self.considered: dict[tuple, PlanCandidate] = {}  # full vmap, then by block
         self.known: dict[tuple, PlanCandidate] = {}  # compiled, or taken as predicted
         self.notes: dict[tuple, str] = {}  # why one not compiled was not chosen
-        self.ref: Reference | None = None  # full vmap's figures, the others' basis
         self.lockstep = False  # a vmapped block runs a while loop in lockstep
         self.slices: dict[tuple, dict[str, int]] = {}  # measured: sizes timed at
 
@@ -85,36 +80,42 @@ class Search:
     def costed(self, c: PlanCandidate) -> PlanCandidate:
         c = self.known.get(c.key) or self.memory(c)
         if c.fits and c.seconds is None:
-            assert self.ref is not None
             self.known[c.key] = self.compiler.predicted_costs(c, self.ref)
         return self.known[c.key]
 
-    def prediction(self, steps: list[PlanCandidate], c: PlanCandidate) -> float:
-        """The temporaries of `c`, a step of `steps`, predicted and corrected by the
-        steps compiled (`cost.corrected`)."""
-        assert self.ref is not None
+    def prediction(self, steps: Steps, c: PlanCandidate) -> float:
+        """The temporaries of `c`, a step of `steps`, predicted, and scaled by how
+        XLA's figure for the step compiled nearest `c` (by block; those that scan the
+        same dims first) compared with its prediction."""
         known = (self.known.get(s.key) for s in steps)
-        return corrected(self.ref, c, [k for k in known if k and not k.predicted])
+        compiled = [k for k in known if k and not k.predicted]
+        if not compiled:
+            return float(self.ref.temp_bytes(c))
 
-    def cautious(self, steps: list[PlanCandidate], c: PlanCandidate) -> int | float:
+        def rank(k: PlanCandidate) -> tuple[bool, float]:
+            other = [n for n, _ in k.scan] != [n for n, _ in c.scan]
+            return other, abs(math.log(max(k.block, 1) / max(c.block, 1)))
+
+        near = min(compiled, key=rank)
+        ratio = (near.temp_bytes or 0) / max(self.ref.temp_bytes(near), 1)
+        return self.ref.temp_bytes(c) * ratio
+
+    def cautious(self, steps: Steps, c: PlanCandidate) -> int | float:
         """The larger of `prediction` and the uncorrected one: a correction scales by
         a neighbour's ratio, which a fusion XLA makes at one block and not at the
         next breaks."""
-        assert self.ref is not None
         return max(self.prediction(steps, c), self.ref.temp_bytes(c))
 
     def seconds_at(self, c: PlanCandidate) -> float:
         """The estimated time of `c`, its costs predicted from full vmap's."""
-        assert self.ref is not None
         return self.compiler.predicted_costs(c, self.ref).seconds or 0.0
 
-    def taken(self, steps: list[PlanCandidate], c: PlanCandidate, why: str) -> None:
-        """Cost `c` uncompiled, its temporaries `cautious`ly predicted (`pick` checks
-        them if it wins); compiled if the planner measures (it runs it)."""
-        assert self.ref is not None
-        if self.measure:
+    def taken(self, steps: Steps, c: PlanCandidate, why: str) -> None:
+        """Cost `c`: if not compiled, its temporaries `cautious`ly predicted (`pick`
+        checks them if it wins), unless the planner measures (it runs it)."""
+        if self.measure or c.key in self.known:
             self.costed(c)
-        elif c.key not in self.known:
+        else:
             temp = int(self.cautious(steps, c))
             guess = dataclasses.replace(c, temp_bytes=temp, fits=True, predicted=True)
             self.known[c.key] = self.compiler.predicted_costs(guess, self.ref)
@@ -124,13 +125,11 @@ class Search:
         if c.key not in self.known:
             self.notes.setdefault(c.key, why)
 
-    def search(self, lad: Ladder, full: PlanCandidate) -> None:
+    def search(self, steps: Steps, full: PlanCandidate) -> None:
         """Cost the ladder's largest block that fits the budget (`j`), its largest
         whose predicted working set fits each level of the memory hierarchy, their
         ties (the same block) and, in lockstep, its smallest."""
-        assert self.ref is not None
-        steps, lad.searched = lad.steps, True
-        lad.j = j = 0 if full.fits else self.first_within(steps)
+        j = 0 if full.fits else self.first_within(steps)
         if j is None:
             for c in steps:
                 self.note(c, "not compiled: a smaller block is over budget")
@@ -150,24 +149,19 @@ class Search:
                     f"({fmt_bytes(ws[i])}) fits {fmt_bytes(size)} of cache"
                 )
         for e, why in edges.items():
-            for c in steps:
-                if c.block == steps[e].block and c.key in self.known:
-                    self.costed(c)
-                elif c.block == steps[e].block:
-                    self.taken(steps, c, why)
+            for c in (c for c in steps if c.block == steps[e].block):
+                self.taken(steps, c, why)
         for i, c in enumerate(steps):
-            if i < j:
-                over = "over budget, or predicted to be"
-                self.note(c, f"not compiled: a larger block than one {over}")
-            elif c.key not in self.known:
+            why = "a larger block than one over budget, or predicted to be"
+            if i >= j:
                 e = steps[max(k for k in edges if k <= i)].nest(self.sizes)
-                self.note(
-                    c,
-                    f"not compiled: a smaller block than {e}, whose working set "
-                    "fits the same level of the memory hierarchy: more loop trips",
+                why = (
+                    f"a smaller block than {e}, whose working set fits the same "
+                    "level of the memory hierarchy: more loop trips"
                 )
+            self.note(c, f"not compiled: {why}")
 
-    def first_within(self, steps: list[PlanCandidate]) -> int | None:
+    def first_within(self, steps: Steps) -> int | None:
         """The first step (the largest block) whose temporaries fit the budget.
 
         The largest step predicted to fit is compiled, correcting the prediction,
@@ -192,9 +186,7 @@ class Search:
                 break
         return hi if hi < len(steps) else None
 
-    def take_predicted(
-        self, steps: list[PlanCandidate], within: list[int]
-    ) -> int | None:
+    def take_predicted(self, steps: Steps, within: list[int]) -> int | None:
         """The largest step of `within` (those predicted to fit, largest first)
         `cautious`ly predicted within `SAFE_FRACTION` of the budget, taken uncompiled
         if est. at most `MATERIAL` slower than every larger one; `None` if none, or
@@ -204,7 +196,7 @@ class Search:
         if s is None or self.measure:
             return None
         c, larger = steps[s], within[: within.index(s)]
-        fastest = min((self.seconds_at(steps[i]) for i in larger), default=float("inf"))
+        fastest = min((self.seconds_at(steps[i]) for i in larger), default=math.inf)
         if self.seconds_at(c) > MATERIAL * fastest:
             return None
         for i in larger:
@@ -216,16 +208,18 @@ class Search:
         self.taken(steps, c, "far within the budget")
         return s
 
-    def cannot_win(self, lad: Ladder) -> str | None:
-        """Why no block of the ladder can be est. `MATERIAL`ly faster than the best
-        costed; `None` if one may, or if the planner measures (it may find what the
-        model does not see)."""
+    def skipped(self, steps: Steps) -> str | None:
+        """Why a ladder is not searched (`None` if it is): past `MAX_COMPILES`, or no
+        block of it can be est. `MATERIAL`ly faster than the best costed (unless the
+        planner measures: it may find what the model does not see)."""
+        if self.compiler.n_compiled >= MAX_COMPILES:
+            return f"not compiled: beyond the compile cap ({MAX_COMPILES} compiles)"
         costed = [c for c in self.known.values() if c.fits and c.seconds]
         if not costed or self.measure:
             return None
         best = min(costed, key=lambda c: c.seconds or 0.0)
-        for c in lad.steps:
-            fits = self.prediction(lad.steps, c) <= self.budget
+        for c in steps:
+            fits = self.prediction(steps, c) <= self.budget
             if fits and self.seconds_at(c) * MATERIAL < (best.seconds or 0.0):
                 return None
         return (
@@ -249,14 +243,13 @@ class Search:
         )
         full = candidate(fixed, layout, sizes, "given scans" if fixed else "full vmap")
         orders = dim_orders(call, sizes, free, every=self.measure) if free else []
-        ladders = [Ladder(ladder(o, layout, sizes, fixed, frozen)) for o in orders]
-        considered = {full.key: full}
-        steps = (c for lad in ladders for c in lad.steps)
-        for c in sorted(steps, key=lambda c: -c.block):
-            considered.setdefault(c.key, c)
+        ladders = [ladder(o, layout, sizes, fixed, frozen) for o in orders]
+        self.considered[full.key] = full
+        for c in sorted((c for s in ladders for c in s), key=lambda c: -c.block):
+            self.considered.setdefault(c.key, c)
         if any(sizes[n] == 0 for n in call.mapped):  # nothing runs: nothing compiled
             chosen, compared, timed = full, [], {}
-            for c in considered.values():
+            for c in self.considered.values():
                 self.note(c, "not compiled: a mapped dim has size 0")
             text = (
                 f"Chose {full.nest(sizes)}: a mapped dim has size 0, so nothing "
@@ -269,7 +262,7 @@ class Search:
                 self.known.get(k, c), chosen, self.notes.get(k), timed,
                 self.measure, self.budget, compared,
             )  # fmt: skip
-            for k, c in considered.items()
+            for k, c in self.considered.items()
         )
         chosen = next(c for c in candidates if c.key == chosen.key)
         return auto_plan(
@@ -280,18 +273,15 @@ class Search:
             time_model=self.model, summary=text, measured=self.measure,
         )  # fmt: skip
 
-    def _choose(
-        self, full: PlanCandidate, ladders: list[Ladder], free: bool
-    ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str]:
+    def _choose(self, full: PlanCandidate, ladders: list[Steps], free: bool) -> Choice:
         """Search the ladders: the chosen candidate, those compared, their measured
         times (measured mode), and the summary."""
-        compiled = self.memory(full)
+        self.memory(full)
         self.lockstep = lockstep(self.compiler.jaxpr)
-        self.ref = self.compiler.reference(compiled)
+        self.ref = self.compiler.reference(self.known[full.key])
         f = self.costed(full)
-        # Full vmap is kept if it fits, its working set is within the last level of
-        # the memory hierarchy, nothing runs in lockstep, and the planner does not
-        # measure.
+        # Full vmap is kept, unsearched, if it fits, its working set is within the
+        # last cache level, nothing runs in lockstep and the planner does not measure.
         last = max((size for size, _ in self.model.levels), default=0)
         go = bool(ladders) and (
             not f.fits or (f.working_set or 0) > last or self.measure or self.lockstep
@@ -299,40 +289,31 @@ class Search:
         # A body whose while loop runs in lockstep is measured by `walk`, which
         # needs no search by the model.
         walk = go and self.measure and self.lockstep
-        walked = self.measured(ladders, full, None) if walk else None
-        for i, lad in enumerate(ladders if go and walked is None else []):
-            why = None
-            if i > 0 and self.compiler.n_compiled >= MAX_COMPILES:
-                why = f"not compiled: beyond the compile cap ({MAX_COMPILES} compiles)"
-            elif i > 0:  # the first ladder is always searched
-                why = self.cannot_win(lad)
+        walked = self.measured(ladders, None) if walk else None
+        for i, steps in enumerate(ladders if go and walked is None else []):
+            why = self.skipped(steps) if i > 0 else None  # the first: always searched
             if why is None:
-                self.search(lad, f)
-            for c in lad.steps if why else []:
+                self.search(steps, f)
+            for c in steps if why else []:
                 self.note(c, why)
-        ws = fmt_bytes(f.working_set or 0)
-        for c in (c for lad in ladders for c in lad.steps) if not go else ():
-            self.note(
-                c,
-                f"not compiled: full vmap fits, and its working set ({ws}) is "
-                f"within {fmt_bytes(last)} of cache: nothing else needed",
-            )
-        if walked is not None:
-            chosen, compared, timed, note = walked
-        else:
+        ws, cache = fmt_bytes(f.working_set or 0), fmt_bytes(last)
+        kept = f"full vmap fits, and its working set ({ws}) is within {cache} of cache"
+        for c in self.considered.values() if not go else ():
+            self.note(c, f"not compiled: {kept}: nothing else needed")
+        choice = walked
+        if choice is None:
             fitting, chosen = self.pick()
-            compared, timed, note = fitting, {}, ""
-        if walked is None and self.measure and (go or len(fitting) > 1):
-            measured = self.measured(ladders, full, chosen)
-            assert measured is not None
-            chosen, compared, timed, note = measured
+            choice = chosen, fitting, {}, ""
+            if self.measure and (go or len(fitting) > 1):
+                choice = self.measured(ladders, chosen) or choice
+        chosen, compared, timed, note = choice
         text = summary(
             chosen, self.known[full.key], compared, timed, go, free, self.budget,
             self.model, self.sizes, note,
         )  # fmt: skip
         return chosen, compared, timed, text
 
-    def pick(self) -> tuple[list[PlanCandidate], PlanCandidate]:
+    def pick(self) -> tuple[Steps, PlanCandidate]:
         """The candidates costed that fit, and the fastest by the estimate (in
         lockstep, a block of one element wins if est. at most `MATERIAL` slower: the
         waste of a larger block depends on the data, which the model cannot see).
@@ -356,29 +337,19 @@ class Search:
             c = min(fitting, key=rank)
             if not c.predicted or (c.temp_bytes or 0) <= self.budget * SAFE_FRACTION:
                 return fitting, c
-            temp = self.compiler.memory(c)
-            fits = temp <= self.budget
-            self.known[c.key] = dataclasses.replace(
-                c, temp_bytes=temp, fits=fits, predicted=False,
-                seconds=c.seconds if fits else None,
-            )  # fmt: skip
+            del self.known[c.key]  # compiled now, and costed again if it fits
             self.notes.pop(c.key, None)
+            self.costed(dataclasses.replace(c, predicted=False, seconds=None))
 
     def measured(
-        self,
-        ladders: list[Ladder],
-        full: PlanCandidate,
-        model_choice: PlanCandidate | None,
-    ) -> tuple[PlanCandidate, list[PlanCandidate], dict[tuple, float], str] | None:
+        self, ladders: list[Steps], model_choice: PlanCandidate | None
+    ) -> Choice | None:
         """Time candidates on sub-slices (`cost.Timer`), walking the ladders from
         the model's choice (`None`: a body in lockstep, from the smallest block).
         The fastest (its memory compiled; the model's choice if within
         `KEEP_WITHIN` of it), those timed, their times, and a note if timing was
         impossible; `None` if nothing timed fits, or timing failed in lockstep."""
-        by_key = {c.key: c for lad in ladders for c in lad.steps}
-        by_key[full.key] = full
-        lockstep = model_choice is None  # the cap grows with the longest compile
-        timer = Timer(self.compiler, self.call, self.request.values, lockstep)
+        timer = Timer(self.compiler, self.call, self.request.values, not model_choice)
         try:
             self.walk(ladders, timer, model_choice)
             if not timer.timed:
@@ -390,44 +361,39 @@ class Search:
             note = f"could not measure ({type(e).__name__}: {e}), so estimated"
             return model_choice, [model_choice], {}, note
         self.slices = timer.slices
-        order = sorted(timed, key=lambda k: timed[k])
-        mine = timed.get(model_choice.key) if model_choice else None
-        if mine is not None and mine <= KEEP_WITHIN * timed[order[0]]:
-            order.remove(model_choice.key)
-            order.insert(0, model_choice.key)
-        # The fastest whose memory, compiled, fits.
-        fitting = (c for c in (self.memory(by_key[k]) for k in order) if c.fits)
-        chosen = next(fitting, None)
+        first = model_choice.key if model_choice else None
+        if first not in timed or timed[first] > KEEP_WITHIN * min(timed.values()):
+            first = None  # the model's choice is kept only within `KEEP_WITHIN`
+        order = sorted(timed, key=lambda k: (k != first, timed[k]))
+        # The fastest whose memory, compiled, fits (the model's choice if kept).
+        fitting = (self.memory(self.considered[k]) for k in order)
+        chosen = next((c for c in fitting if c.fits), None)
         if chosen is None:
             return None
         self.costed(chosen)
-        vs = f"vs {fmt_seconds(timed[chosen.key])}; its memory not compiled"
-        for k in timed:
-            if k not in self.known:
-                self.notes[k] = (
-                    f"slower: measured {fmt_seconds(timed[k])} {vs}"
-                    if timed[k] >= timed[chosen.key]
-                    else f"faster, measured {fmt_seconds(timed[k])} {vs}, but within "
-                    f"{KEEP_WITHIN}x: the time model's choice was kept"
-                )
-        compared = [self.known.get(k, by_key[k]) for k in timed]
+        t = timed[chosen.key]
+        for k in (k for k in timed if k not in self.known):
+            vs = f"measured {fmt_seconds(timed[k])} vs {fmt_seconds(t)}"
+            kept = f"faster, {vs}, but within {KEEP_WITHIN}x: the model's pick was kept"
+            why = kept if timed[k] < t else f"slower: {vs}"
+            self.notes[k] = f"{why}; its memory not compiled"
+        compared = [self.known.get(k, self.considered[k]) for k in timed]
         return self.known[chosen.key], compared, timed, ""
 
     def walk(
-        self, ladders: list[Ladder], timer: Timer, start: PlanCandidate | None
+        self, ladders: list[Steps], timer: Timer, start: PlanCandidate | None
     ) -> None:
-        """Time blocks from `start`, the model's choice, or for a body whose while
-        loop runs in lockstep (a block loops as long as its slowest element, which
-        the model cannot see), from the smallest block. Then a block of about
-        `start`'s size (in lockstep, of `WALK_FIRST` elements) along each dim, on
-        the ladder that scans it innermost; then from the fastest, larger blocks
-        of its ladder until one is `WALK_SLOWER` than the best, then smaller ones
-        alike, until `due`. In lockstep, all on the same elements (`spread`): the
-        elements' costs differ."""
-        ups: dict[str, list[PlanCandidate]] = {}  # by innermost dim, smallest first
-        for lad in ladders:
-            fit = [c for c in lad.steps if self.cautious(lad.steps, c) <= self.budget]
-            ups.setdefault(lad.steps[-1].scan[-1][0], fit[::-1])
+        """Time blocks from `start`, the model's choice (`None`: in lockstep, where
+        a block loops as long as its slowest element, from the smallest; all on the
+        same elements, `spread`, as their costs differ), then one of about its size
+        (in lockstep, of `WALK_FIRST` elements) along each dim, on the ladder
+        scanning it innermost; from the fastest, its ladder's larger blocks, then
+        smaller ones (not in lockstep), until one is `WALK_SLOWER` than the best, or
+        `due`."""
+        ups: dict[str, Steps] = {}  # by innermost dim, smallest first
+        for steps in ladders:
+            fit = [c for c in steps if self.cautious(steps, c) <= self.budget]
+            ups.setdefault(steps[-1].scan[-1][0], fit[::-1])
         every = [c for up in ups.values() for c in up]
         if not every and start is None:
             return
@@ -456,6 +422,6 @@ class Search:
                     if timer.due() or seconds(c) > WALK_SLOWER * seconds(best):
                         break
                     best = min(best, c, key=seconds)
-        for c in (c for lad in ladders for c in lad.steps):
-            if c.key not in timer.timed and c.key not in self.known:
-                self.notes[c.key] = "not timed: beyond the walk over blocks"
+        for k in self.considered:
+            if k not in timer.timed and k not in self.known:
+                self.notes[k] = "not timed: beyond the walk over blocks"
