@@ -16,11 +16,12 @@ from .._resolve import Call
 from .._timing import fmt_bytes, fmt_seconds
 from .cost import KEEP_WITHIN
 from .model import TimeModel
-from .plan import dims_of, Plan, PlanCandidate, ScanNest, ShardDim
+from .plan import Plan, PlanCandidate, ScanNest, ShardDim
 
 
 Sizes = dict[str, int]
 Names = tuple[str, ...]
+Candidates = tuple[PlanCandidate, ...]
 MemoryBudget = int | float | None
 """Bytes as an `int`, a fraction of device memory as a `float` in `(0, 1]`."""
 
@@ -221,45 +222,22 @@ class Request:
 
 
 def plan_for(
-    call: Call,
-    sizes: Sizes,
-    chosen: PlanCandidate,
-    candidates: tuple[PlanCandidate, ...],
-    **fields: Any,
+    call: Call, sizes: Sizes, chosen: PlanCandidate, cands: Candidates, **fields: Any
 ) -> Plan:
     """The `Plan` of `call` at its mapped `sizes` (as one device sees them)."""
-    return Plan(
-        fun_name=call.fun_name,
-        sizes=tuple({**call.sizes, **sizes}.items()),
-        dims=dims_of(chosen, sizes),
-        chosen=chosen,
-        candidates=candidates,
-        **fields,
-    )
+    every = tuple({**call.sizes, **sizes}.items())
+    return Plan(call.fun_name, sizes=every, chosen=chosen, candidates=cands, **fields)
 
 
 def auto_plan(
-    request: Request,
-    chosen: PlanCandidate,
-    candidates: tuple[PlanCandidate, ...],
-    **fields: Any,
+    request: Request, chosen: PlanCandidate, cands: Candidates, **fields: Any
 ) -> Plan:
     """The `Plan` of `plan="auto"`: planned now, or read from the disk cache."""
-    call = request.call
-    return plan_for(
-        call,
-        request.sizes,
-        chosen,
-        candidates,
-        auto=True,
-        budget_bytes=request.budget,
-        budget_source=request.source,
-        shard=request.shard,
-        backward=request.backward,
-        given=given_dims(call),
-        collective=collective_dims(call),
-        **fields,
-    )
+    r, call = request, request.call
+    fields.update(auto=True, budget_bytes=r.budget, budget_source=r.source)
+    fields.update(shard=r.shard, backward=r.backward, given=given_dims(call))
+    fields.update(collective=collective_dims(call))
+    return plan_for(call, r.sizes, chosen, cands, **fields)
 
 
 def summary(
