@@ -3,6 +3,7 @@ of one call (`ladder`s of scanned prefixes, in a few `dim_orders`); what one pla
 for (`Request`) and the `Plan` made for it; and why: its summary, a reason per
 candidate, and the error when none fits."""
 
+import contextlib
 import dataclasses
 import itertools as it
 import math
@@ -32,56 +33,43 @@ DEFAULT_BUDGET_FRACTION = 0.5
 def check_budget(plan: Any, memory_budget: Any) -> None:
     """Check `memory_budget=` at decoration time: it needs `plan=`, and bytes or a
     fraction."""
-    given = f"`filter_multi_vmap(..., memory_budget={memory_budget!r})`"
+    b = memory_budget
     if plan is None:
         raise SpecError(
-            f"{given} is only used by the planner: pass `plan='auto'` too, or drop "
-            "`memory_budget`."
+            f"`filter_multi_vmap(..., memory_budget={b!r})` is only used by the "
+            "planner: pass `plan='auto'` too, or drop `memory_budget`."
         )
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+    is_bytes = isinstance(b, int) and not isinstance(b, bool) and b >= 1
+    if not (is_bytes or isinstance(b, float) and 0.0 < b <= 1.0):
         raise SpecError(
-            "`filter_multi_vmap(..., memory_budget=...)` must be an `int` (bytes) or "
-            "a `float` in (0, 1] (a fraction of device memory), but got "
-            f"{memory_budget!r} of type `{type(memory_budget).__name__}`."
-        )
-    if isinstance(memory_budget, int) and memory_budget < 1:
-        raise SpecError(f"{given}: a budget in bytes must be a positive `int`.")
-    if isinstance(memory_budget, float) and not 0.0 < memory_budget <= 1.0:
-        raise SpecError(
-            f"{given}: a `float` budget is a fraction of device memory and must be in "
-            "(0, 1]; give bytes as an `int`, e.g. `memory_budget=2**30`."
+            "`filter_multi_vmap(..., memory_budget=...)` must be a positive `int` "
+            "(bytes) or a `float` in (0, 1] (a fraction of device memory), but got "
+            f"{b!r} of type `{type(b).__name__}`; e.g. `memory_budget=2**30` is 1 GiB."
         )
 
 
-def _device_memory() -> tuple[int, str]:
-    device = jax.local_devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # some backends do not implement it
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"memory of {device}"
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 0
-    if ram <= 0:
+def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
+    """The budget in bytes, and where it came from: as given, or a fraction of the
+    first device's memory (of physical RAM where the device reports none)."""
+    if isinstance(memory_budget, int):
+        return memory_budget, f"memory_budget={memory_budget}"
+    fraction = DEFAULT_BUDGET_FRACTION if memory_budget is None else memory_budget
+    device, total = jax.local_devices()[0], 0
+    with contextlib.suppress(Exception):  # some backends do not implement it
+        total = int((device.memory_stats() or {}).get("bytes_limit") or 0)
+    where = f"memory of {device}"
+    if not total:
+        where = (
+            f"physical RAM (os.sysconf), as {device.platform} reports no device memory"
+        )
+        with contextlib.suppress(ValueError, OSError, AttributeError):  # Windows
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total <= 0:
         raise SpecError(
             f"`filter_multi_vmap(..., plan='auto')`: a fractional `memory_budget` "
             f"needs the memory size of {device}, which is unavailable, and so is the "
             "size of physical RAM; give the budget in bytes as an `int`."
         )
-    return int(ram), (
-        f"physical RAM (os.sysconf), as {device.platform} reports no device memory"
-    )
-
-
-def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
-    """The budget in bytes, and a description of where it came from."""
-    if isinstance(memory_budget, int):
-        return memory_budget, f"memory_budget={memory_budget}"
-    fraction = DEFAULT_BUDGET_FRACTION if memory_budget is None else memory_budget
-    total, where = _device_memory()
     given = "default " if memory_budget is None else ""
     return int(total * fraction), (
         f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
