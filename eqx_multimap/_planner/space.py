@@ -85,30 +85,22 @@ def chunk_options(n: int) -> list[int | None]:
     divisors = {
         x for d in range(1, math.isqrt(n) + 1) if n % d == 0 for x in (d, n // d)
     }
-    out: list[int | None] = []
+    out: list[int] = []
     m = 2
     while n // m >= 2:
         ideal = n / m
         near = [d for d in divisors if ideal / 2**0.5 <= d <= ideal * 2**0.5]
         near = [d for d in near if 2 <= d <= n // 2]
         c = min(near, key=lambda d: abs(math.log(d / ideal))) if near else n // m
-        if c not in out:
-            out.append(c)
+        out.append(c)
         m *= 2
-    out.append(None)
-    return out
+    return [*dict.fromkeys(out), None]
 
 
 def block_and_trips(scan: ScanNest, vmap: Names, sizes: Sizes) -> tuple[int, int]:
     """The elements of one loop iteration, and the number of iterations."""
-    block = math.prod(sizes[n] for n in vmap)
-    trips = 1
-    for name, chunk in scan:
-        if chunk is None:
-            trips *= sizes[name]
-        else:
-            block *= chunk
-            trips *= max(1, sizes[name] // chunk)
+    block = math.prod(sizes[n] for n in vmap) * math.prod(k or 1 for _, k in scan)
+    trips = math.prod(max(1, sizes[n] // k) if k else sizes[n] for n, k in scan)
     return block, trips
 
 
@@ -127,14 +119,12 @@ def ladder(
     `fixed` scans, a prefix of `order` (`frozen` dims and dims of size 1 skipped)
     scanned, its last dim in chunks; the other dims vmapped in `layout`'s order."""
     scannable = [n for n in order if sizes[n] > 1 and n not in frozen]
-    fixed_names = {n for n, _ in fixed}
     out = []
-    for k in range(1, len(scannable) + 1):
-        outer, inner = scannable[: k - 1], scannable[k - 1]
-        scanned = fixed_names.union(scannable[:k])
+    for k, inner in enumerate(scannable):
+        scanned = {n for n, _ in fixed}.union(scannable[: k + 1])
         vmap = tuple(n for n in layout if n not in scanned)
         for chunk in chunk_options(sizes[inner]):
-            scan = fixed + tuple((n, None) for n in outer) + ((inner, chunk),)
+            scan = fixed + tuple((n, None) for n in scannable[:k]) + ((inner, chunk),)
             out.append(candidate(scan, vmap, sizes, "ladder"))
     out.sort(key=lambda c: -c.block)  # stable: fewer scanned dims first on ties
     return out
@@ -180,8 +170,7 @@ def localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
 
 def given_dims(call: Call) -> Names:
     """The mapped dims whose strategy the user gave, in nest order."""
-    named = set(call.options.scan_names) | set(call.options.vmap)
-    named |= set(call.options.shard_names)
+    named = {*call.options.scan_names, *call.options.vmap, *call.options.shard_names}
     return tuple(n for n in call.given_nest().dims if n in named)
 
 
