@@ -1097,8 +1097,8 @@ def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
     else:
         assert plan.chosen.measured == fastest
     if plan.chosen.measured == fastest:
-        assert plan.chosen.reason.startswith("chosen: fastest measured")
-        assert "were timed, this one was the fastest (measured " in plan.summary
+        assert plan.chosen.reason.startswith("chosen: the fastest of the ")
+        assert f"; the fastest of the {len(timed)} timed (measured " in plan.summary
     else:
         assert plan.chosen.reason.startswith("chosen: the time model's choice")
         assert f"within {keep}x of the fastest" in plan.summary

@@ -266,7 +266,7 @@ def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
         temp = smallest.temp_bytes
         _check(temp is not None and temp > budget, "an inconsistent no-fit result")
         n = int(nf["n"])
-        return no_fit_message(call, budget, smallest, n, sizes, request.backward)
+        return no_fit_message(request, smallest, n)
     p = stored["plan"]
     candidates = tuple(_cand_from_json(d, call, sizes) for d in p["candidates"])
     index = p["chosen"]

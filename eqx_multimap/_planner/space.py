@@ -217,6 +217,26 @@ def auto_plan(
     return plan_for(call, r.sizes, chosen, cands, **fields)
 
 
+def _why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
+    """Why `c` was chosen: it measured fastest of those `timed` (or is the model's
+    choice, within `KEEP_WITHIN`), or is est. fastest of the `n` that fit."""
+    t, best = timed.get(c.key), min(timed.values(), default=0.0)
+    if t is not None and t > best:
+        return (
+            f"the time model's choice, measured {fmt_seconds(t)}, within "
+            f"{KEEP_WITHIN}x of the fastest ({fmt_seconds(best)}): kept"
+        )
+    if t is not None:
+        rest = sorted(v for k, v in timed.items() if k != c.key)
+        nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
+        return f"the fastest of the {len(timed)} timed (measured {fmt_seconds(t)}{nxt})"
+    if c.temp_bytes is None:
+        return "nothing to compile"
+    if n <= 1:
+        return "the only candidate that fits and was costed"
+    return f"the fastest by the time model of the {n} that fit"
+
+
 def summary(
     chosen: PlanCandidate,
     full: PlanCandidate,
@@ -224,56 +244,35 @@ def summary(
     timed: dict[tuple, float],
     searched: bool,
     free: bool,
-    budget: int,
-    model: TimeModel,
-    sizes: Sizes,
+    request: Request,
     measure_note: str,
 ) -> str:
     """One sentence: what was chosen, and why."""
-    head = f"Chose {chosen.nest(sizes)}: "
-    temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(budget)
+    head = f"Chose {chosen.nest(request.sizes)}: "
+    temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(request.budget)
+    whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
+    last = request.model.levels[-1][0] if request.model.levels else math.inf
     if not free:
         return head + (
             "every mapped dim has a strategy given, so there was nothing to plan; it "
             f"needs {temp} of the {b} budget."
         )
-    whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
-    why = f"{whole} fits ({temp} <= {b})"
     if not searched:
         return (
-            f"{head}{why} and its working set is within the last level of cache; "
-            "nothing else was compiled."
+            f"{head}{whole} fits ({temp} <= {b}) and its working set is within the "
+            "last level of cache; nothing else was compiled."
         )
+    why = f"{whole} fits ({temp} <= {b})"
     if not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
-    elif not timed and model.levels and (full.working_set or 0) > model.levels[-1][0]:
-        ws, last = fmt_bytes(full.working_set or 0), fmt_bytes(model.levels[-1][0])
-        why += f" but its working set ({ws}) is past the last level of cache ({last})"
-    n = len(compared)
-    if timed:
-        mine, best = timed[chosen.key], min(timed.values())
-        how = f"of the {n} candidates that fit and were timed, this one "
-        if mine > best:
-            how += (
-                f"(the time model's choice) measured {fmt_seconds(mine)}, within "
-                f"{KEEP_WITHIN}x of the fastest ({fmt_seconds(best)}): kept"
-            )
-        else:
-            rest = sorted(t for k, t in timed.items() if k != chosen.key)
-            nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
-            how += f"was the fastest (measured {fmt_seconds(mine)}{nxt})"
-    elif n == 1 and chosen.predicted:
-        how = (
-            "the largest block predicted far within its limits (larger ones are est. "
-            "at most 5% faster: not worth a compile)"
-        )
-    elif n == 1:
-        how = "the largest block that fits, the only one costed (smaller loop more)"
-    else:
-        how = f"the fastest by the time model of the {n} candidates that fit"
-    if measure_note and not timed:
-        how += f" ({measure_note})"
-    return f"{head}{why}; {how}."
+    elif not timed and (full.working_set or 0) > last:
+        ws, top = fmt_bytes(full.working_set or 0), fmt_bytes(last)
+        why += f" but its working set ({ws}) is past the last level of cache ({top})"
+    how = _why_chosen(chosen, timed, len(compared))
+    if chosen.predicted:
+        how += ", its temporaries predicted far within the budget"
+    note = f" ({measure_note})" if measure_note else ""  # could not measure
+    return f"{head}{why}; {how}{note}."
 
 
 def with_reason(
@@ -281,27 +280,13 @@ def with_reason(
     chosen: PlanCandidate,
     note: str | None,
     timed: dict[tuple, float],
-    measure: bool,
     budget: int,
     compared: list[PlanCandidate],
 ) -> PlanCandidate:
     """`c` with the reason it was, or was not, chosen (and its measured time)."""
-    t = timed.get(c.key)
+    t, mine = timed.get(c.key), timed.get(chosen.key)
     if c.key == chosen.key:
-        if t is not None and t > min(timed.values()):
-            best = fmt_seconds(min(timed.values()))
-            why = (
-                f"chosen: the time model's choice, measured within {KEEP_WITHIN}x of "
-                f"the fastest ({fmt_seconds(t)} vs {best})"
-            )
-        elif t is not None:
-            why = f"chosen: fastest measured ({fmt_seconds(t)})"
-        elif c.temp_bytes is None:
-            why = "chosen: nothing to compile"
-        elif len(compared) <= 1:
-            why = "chosen: the only candidate that fits and was costed"
-        else:
-            why = "chosen: fastest by the estimate"
+        why = "chosen: " + _why_chosen(c, timed, len(compared))
         if c.predicted:
             far = note or "far within the budget"
             why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
@@ -312,15 +297,14 @@ def with_reason(
         if a == b:  # in bytes when the two would print alike
             a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
         why = f"over budget: {a} > {b}"
-    elif t is not None and chosen.key in timed:
-        vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(timed[chosen.key])}"
-        why = f"slower: {vs}"
-        if t < timed[chosen.key]:
-            why = f"faster, {vs}, but within {KEEP_WITHIN}x: the model's pick was kept"
+    elif t is not None and mine is not None:
+        vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
+        kept = f"but within {KEEP_WITHIN}x: the time model's choice was kept"
+        why = f"slower: {vs}" if t >= mine else f"faster, {vs}, {kept}"
     elif c.seconds is not None and chosen.seconds is not None:
         est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
         why = f"slower ({est})"
-        if measure and timed:
+        if timed:  # measured mode
             why = f"not timed: {est}, beyond the walk over blocks"
     else:
         why = note or "fits, not costed: smaller than the largest block that fits"
@@ -336,23 +320,16 @@ class NoFit(Exception):
         self.smallest, self.n = smallest, n
 
 
-def no_fit_message(
-    call: Call,
-    budget: int,
-    smallest: PlanCandidate,
-    n: int,
-    sizes: Sizes,
-    backward: bool,
-) -> str:
+def no_fit_message(request: Request, smallest: PlanCandidate, n: int) -> str:
     """The `SpecError` message when no candidate fits the budget."""
-    what = "the derivative (reverse mode) of " if backward else ""
+    call, sizes = request.call, request.sizes
+    under = " under differentiation" if request.backward else ""
     hint = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
-    given = hint if given_dims(call) else ""
     return (
         f"`{call.fun_name}` with `plan='auto'`: no nest fits "
-        f"`memory_budget={call.options.plan.memory_budget!r}` ({fmt_bytes(budget)} "
-        f"of temporary memory){' under differentiation' if backward else ''}. The "
-        f"smallest of the {n} compiled candidates needs "
-        f"{fmt_bytes(smallest.temp_bytes or 0)} for {what}{smallest.nest(sizes)}. "
-        f"Raise `memory_budget`, or map fewer dims{given}."
+        f"`memory_budget={call.options.plan.memory_budget!r}` "
+        f"({fmt_bytes(request.budget)} of temporary memory){under}. The smallest of "
+        f"the {n} compiled candidates needs {fmt_bytes(smallest.temp_bytes or 0)} "
+        f"for {smallest.nest(sizes)}. Raise `memory_budget`, or map fewer dims"
+        f"{hint if given_dims(call) else ''}."
     )
