@@ -384,10 +384,6 @@ def test_explain_table(getkey):
         text
     )
     assert f"nest: {plan.chosen.nest(dict(plan.sizes))}" in lines
-    for d in plan.dims:
-        chunk = "-" if d.strategy == "vmap" else str(d.chunk or 1)
-        row = [d.name, str(d.size), d.strategy, chunk, str(d.order)]
-        assert any(line.split() == row for line in lines), row
     n_compiled = sum(
         c.temp_bytes is not None and not c.predicted for c in plan.candidates
     )
@@ -541,35 +537,35 @@ def test_default_budget_is_a_fraction_of_ram(getkey):
     [
         (
             dict(plan="auto", memory_budget=0),
-            [r"memory_budget=0\)`:\s+a budget in bytes must be a positive `int`"],
+            [
+                r"`filter_multi_vmap\(..., memory_budget=...\)` must be a positive "
+                r"`int`\s+\(bytes\)\s+or\s+a\s+`float`\s+in\s+\(0,\s+1\]",
+                r"but\s+got\s+0\s+of\s+type\s+`int`",
+            ],
         ),
         (
             dict(plan="auto", memory_budget=-1024),
-            [r"memory_budget=-1024\)`", "must be a positive `int`"],
+            ["must be a positive `int`", r"but\s+got\s+-1024\s+of\s+type\s+`int`"],
         ),
         (
             dict(plan="auto", memory_budget=1.5),
             [
-                r"memory_budget=1.5\)`:\s+a `float` budget is a fraction of device "
-                r"memory and must be in \(0, 1\]",
-                r"e.g. `memory_budget=2\*\*30`",
+                r"a\s+`float`\s+in\s+\(0,\s+1\]\s+\(a\s+fraction\s+of\s+device",
+                r"but\s+got\s+1.5\s+of\s+type\s+`float`",
+                r"e.g.\s+`memory_budget=2\*\*30`\s+is\s+1\s+GiB",
             ],
         ),
         (
             dict(plan="auto", memory_budget=0.0),
-            [r"memory_budget=0.0\)`", r"must be in \(0, 1\]"],
+            [r"in\s+\(0,\s+1\]", r"but\s+got\s+0.0\s+of\s+type\s+`float`"],
         ),
         (
             dict(plan="auto", memory_budget=float("nan")),
-            [r"memory_budget=nan\)`", r"must be in \(0, 1\]"],
+            [r"in\s+\(0,\s+1\]", r"but\s+got\s+nan\s+of\s+type\s+`float`"],
         ),
         (
             dict(plan="auto", memory_budget=True),
-            [
-                r"`filter_multi_vmap\(..., memory_budget=...\)` must be an `int` "
-                r"\(bytes\) or a\s+`float` in \(0, 1\]",
-                "but got True of type `bool`",
-            ],
+            ["must be a positive `int`", r"but\s+got\s+True\s+of\s+type\s+`bool`"],
         ),
         (
             dict(memory_budget=2**20),
@@ -1101,8 +1097,8 @@ def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
     else:
         assert plan.chosen.measured == fastest
     if plan.chosen.measured == fastest:
-        assert plan.chosen.reason.startswith("chosen: fastest measured")
-        assert "were timed, this one was the fastest (measured " in plan.summary
+        assert plan.chosen.reason.startswith("chosen: the fastest of the ")
+        assert f"; the fastest of the {len(timed)} timed (measured " in plan.summary
     else:
         assert plan.chosen.reason.startswith("chosen: the time model's choice")
         assert f"within {keep}x of the fastest" in plan.summary

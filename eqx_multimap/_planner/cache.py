@@ -245,8 +245,7 @@ def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
         nf = stored["no_fit"]
         smallest = _cand_from_json(nf["smallest"], call, sizes)
         _check((smallest.temp_bytes or 0) > budget, "an inconsistent no-fit result")
-        n, backward = int(nf["n"]), request.backward
-        return no_fit_message(call, budget, smallest, n, sizes, backward)
+        return no_fit_message(request, smallest, int(nf["n"]))
     p = stored["plan"]
     candidates = tuple(_cand_from_json(d, call, sizes) for d in p["candidates"])
     _check(type(p["chosen"]) is int, "bad chosen index")

@@ -107,7 +107,6 @@ class Plan:
     fun_name: str
     auto: bool
     sizes: tuple[tuple[str, int], ...]
-    dims: tuple[PlanDim, ...]
     chosen: PlanCandidate
     candidates: tuple[PlanCandidate, ...]
     budget_bytes: int | None
@@ -142,25 +141,22 @@ class Plan:
         return self.chosen.vmap
 
     @property
+    def dims(self) -> tuple[PlanDim, ...]:
+        """A `PlanDim` per mapped dim, outermost first."""
+        c, sizes = self.chosen, dict(self.sizes)
+        nest = [(n, "scan", k) for n, k in c.scan] + [(n, "vmap", None) for n in c.vmap]
+        return tuple(PlanDim(n, sizes[n], s, k, i) for i, (n, s, k) in enumerate(nest))
+
+    @property
     def n_candidates(self) -> int:
         return len(self.candidates)
-
-    def __str__(self) -> str:
-        return self.describe()
 
     def describe(self, full: bool = False, gradient: bool | None = None) -> str:
         """The plan as text, each line at most 100 columns: the summary, the nest,
         and the compiled runners-up (at most five) with their reasons. `full=True`
-        adds the mapped dims, every candidate and the time model. `gradient`: show
-        `plan.gradient` in full (`None`: when its nest differs, or with `full`)."""
-        lines = self._head()
-        if full:  # a row per mapped dim (the sharded ones are in the nest's line)
-            rows = [("dim", "size", "strategy", "chunk", "order")]
-            for d in self.dims:
-                chunk = "-" if d.strategy == "vmap" else str(d.chunk or 1)
-                rows.append((d.name, str(d.size), d.strategy, chunk, str(d.order)))
-            lines += ["", *_columns(rows)]
-        lines += ["", self.table(all=full)]
+        adds every candidate and the time model. `gradient`: show `plan.gradient`
+        in full (`None`: when its nest differs, or with `full`)."""
+        lines = [*self._head(), "", self.table(all=full)]
         if self.backward and self.checkpoint:
             lines.append(
                 "scan bodies checkpointed: the backward pass recomputes each block"
@@ -169,38 +165,31 @@ class Plan:
             model = self.time_model.describe().splitlines()
             lines += ["", *(_prose(ln) if len(ln) > WIDTH else ln for ln in model)]
         g = self.gradient
-        if g is None:
-            return "\n".join(lines)
         if isinstance(g, str):
             lines += ["", _prose(g)]  # the error differentiating would raise
-        elif gradient or (gradient is None and (g.spec != self.spec or full)):
+        elif g and (gradient or gradient is None and (g.spec != self.spec or full)):
             lines += ["", g.describe(full)]
-        else:
+        elif g:
             ckpt = ", its scan bodies checkpointed" if g.checkpoint else ""
             same = f"under differentiation: the same nest{ckpt} "
             lines.append(_prose(same + "(`plan.describe(gradient=True)` shows it)"))
         return "\n".join(lines)
 
+    __str__ = describe
+
     def _head(self) -> list[str]:
-        head = "fixed nest"
-        if self.auto:
-            head = "plan='auto'" + (", measured" if self.measured else "")
-        if self.backward:
-            head += ", under differentiation (reverse mode)"
-        lines = [f"{self.fun_name}: {head}"]
-        if self.summary:
-            lines.append(_prose(self.summary))
+        auto = "plan='auto'" + (", measured" if self.measured else "")
+        back = ", under differentiation (reverse mode)" if self.backward else ""
+        head = f"{self.fun_name}: {auto if self.auto else 'fixed nest'}{back}"
+        lines = [head, _prose(self.summary)]
         if self.budget_bytes is not None:
             what = "of the derivative" if self.backward else "of temporary memory"
             budget = f"{fmt_bytes(self.budget_bytes)} {what} ({self.budget_source})"
             lines.append(_prose(f"memory budget: {budget}"))
         nest = self.chosen.nest(dict(self.sizes))
         if self.shard:
-            parts = "; ".join(
-                describe_split(d.name, d.size, d.mesh_axes, d.shards, d.local_size)
-                for d in self.shard
-            )
-            nest = f"shard_map({parts}) -> {nest}"
+            split = (describe_split(*dataclasses.astuple(d)) for d in self.shard)
+            nest = f"shard_map({'; '.join(split)}) -> {nest}"
             lines.append("sharded: sizes, candidates and the budget are per device")
         lines.append(wrap_nest(f"nest: {nest}", WIDTH))
         if self.auto and self.given:
@@ -219,19 +208,26 @@ class Plan:
     def table(self, all: bool = False) -> str:
         """The candidates, each with its numbers and its reason: the chosen one and
         the best five others compiled (those that fit, fastest first), or `all`."""
-        compiled = [
-            c for c in self.candidates if c.temp_bytes is not None and not c.predicted
-        ]
-        timed = sum(c.measured is not None for c in self.candidates)
-        n_timed = f", {timed} measured" if self.measured else ""
+
+        def rank(c: PlanCandidate) -> tuple:
+            time = c.seconds if c.measured is None else c.measured
+            fast = c.fits is not False and time is not None
+            return (0, time) if fast else (1, c.temp_bytes or 0)
+
+        cands = self.candidates
+        compiled = [c for c in cands if c.temp_bytes is not None and not c.predicted]
+        others = [c for c in cands if c.temp_bytes is not None and c != self.chosen]
+        best = sorted(others, key=rank)[:RUNNERS_UP]
+        shown = list(cands) if all else [self.chosen, *best]
+        n_timed = sum(c.measured is not None for c in cands)
+        timed = f", {n_timed} measured" if self.measured else ""
         lines = [
-            f"candidates: {self.n_candidates} considered, {len(compiled)} compiled"
-            f"{n_timed} ({plural(self.n_compiled, 'compile')}, {self.seconds:.2f} s)",
+            f"candidates: {len(cands)} considered, {len(compiled)} compiled{timed} "
+            f"({plural(self.n_compiled, 'compile')}, {self.seconds:.2f} s)",
             *_prose(_LEGEND, "  ").splitlines(),
+            *self._rows(shown),
         ]
-        shown = list(self.candidates) if all else self._runners_up()
-        lines.extend(self._rows(shown))
-        rest = [c for c in self.candidates if c not in shown]
+        rest = [c for c in cands if c not in shown]
         if rest:
             n = sum(c in compiled for c in rest)
             lines.append(
@@ -240,20 +236,8 @@ class Plan:
             )
         return "\n".join(lines)
 
-    def _runners_up(self, n: int = RUNNERS_UP) -> list[PlanCandidate]:
-        def rank(c: PlanCandidate) -> tuple:
-            time = c.seconds if c.measured is None else c.measured
-            if c.fits is not False and time is not None:
-                return (0, time)
-            return (1, c.temp_bytes or 0)
-
-        compiled = [c for c in self.candidates if c.temp_bytes is not None]
-        others = [c for c in compiled if c != self.chosen]
-        return [self.chosen, *sorted(others, key=rank)[:n]]
-
     def _rows(self, cands: list[PlanCandidate]) -> list[str]:
         """A row of numbers per candidate, its nest last and its reason under it."""
-        sizes = dict(self.sizes)
         head = ("", "temp", "flops", "bytes", "work set", "est.")
         head += ("measured",) if self.measured else ()
         rows = [head + ("fits",)]
@@ -269,22 +253,17 @@ class Plan:
             if self.measured:
                 row += (_text(c.measured, fmt_seconds),)
             rows.append(row + ("-" if c.fits is None else "yes" if c.fits else "no",))
-        numbers = _columns(rows, rstrip=False)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        numbers = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         out = [numbers[0] + "  nest"]
         for c, line in zip(cands, numbers[1:]):
-            nest = c.nest(sizes)
+            nest = c.nest(dict(self.sizes))
             if len(line) + 2 + len(nest.split(" -> ")[0]) > WIDTH:
                 out.append(line.rstrip())  # the nest goes under the numbers
                 line = "     "
             out += wrap_nest(f"{line}  {nest}", WIDTH, "      ").splitlines()
             out += _prose(c.reason, "      ").splitlines()
         return out
-
-
-def _columns(rows: list[tuple[str, ...]], rstrip: bool = True) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return [line.rstrip() for line in lines] if rstrip else lines
 
 
 def _text(x: Any, fmt: Callable[[Any], str]) -> str:
@@ -296,12 +275,3 @@ def _prose(text: str, indent: str = "") -> str:
     return textwrap.TextWrapper(
         PROSE, indent, indent, break_long_words=False, break_on_hyphens=False
     ).fill(text)
-
-
-def dims_of(cand: PlanCandidate, sizes: dict[str, int]) -> tuple[PlanDim, ...]:
-    nest = [(name, "scan", chunk) for name, chunk in cand.scan]
-    nest += [(name, "vmap", None) for name in cand.vmap]
-    return tuple(
-        PlanDim(name, sizes[name], strategy, chunk, order)
-        for order, (name, strategy, chunk) in enumerate(nest)
-    )

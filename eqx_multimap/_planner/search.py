@@ -260,7 +260,7 @@ class Search:
         candidates = tuple(
             with_reason(
                 self.known.get(k, c), chosen, self.notes.get(k), timed,
-                self.measure, self.budget, compared,
+                self.budget, compared,
             )  # fmt: skip
             for k, c in self.considered.items()
         )
@@ -308,8 +308,8 @@ class Search:
                 choice = self.measured(ladders, chosen) or choice
         chosen, compared, timed, note = choice
         text = summary(
-            chosen, self.known[full.key], compared, timed, go, free, self.budget,
-            self.model, self.sizes, note,
+            chosen, self.known[full.key], compared, timed, go, free,
+            self.request, note,
         )  # fmt: skip
         return chosen, compared, timed, text
 
@@ -329,10 +329,7 @@ class Search:
             if not fitting:
                 tried = list(self.known.values())
                 smallest = min(tried, key=lambda c: c.temp_bytes or 0)
-                message = no_fit_message(
-                    self.call, self.budget, smallest, len(tried), self.sizes,
-                    self.compiler.backward,
-                )  # fmt: skip
+                message = no_fit_message(self.request, smallest, len(tried))
                 raise NoFit(message, smallest, len(tried))
             c = min(fitting, key=rank)
             if not c.predicted or (c.temp_bytes or 0) <= self.budget * SAFE_FRACTION:

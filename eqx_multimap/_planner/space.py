@@ -3,6 +3,7 @@ of one call (`ladder`s of scanned prefixes, in a few `dim_orders`); what one pla
 for (`Request`) and the `Plan` made for it; and why: its summary, a reason per
 candidate, and the error when none fits."""
 
+import contextlib
 import dataclasses
 import itertools as it
 import math
@@ -16,11 +17,12 @@ from .._resolve import Call
 from .._timing import fmt_bytes, fmt_seconds
 from .cost import KEEP_WITHIN
 from .model import TimeModel
-from .plan import dims_of, Plan, PlanCandidate, ScanNest, ShardDim
+from .plan import Plan, PlanCandidate, ScanNest, ShardDim
 
 
 Sizes = dict[str, int]
 Names = tuple[str, ...]
+Candidates = tuple[PlanCandidate, ...]
 MemoryBudget = int | float | None
 """Bytes as an `int`, a fraction of device memory as a `float` in `(0, 1]`."""
 
@@ -31,56 +33,43 @@ DEFAULT_BUDGET_FRACTION = 0.5
 def check_budget(plan: Any, memory_budget: Any) -> None:
     """Check `memory_budget=` at decoration time: it needs `plan=`, and bytes or a
     fraction."""
-    given = f"`filter_multi_vmap(..., memory_budget={memory_budget!r})`"
+    b = memory_budget
     if plan is None:
         raise SpecError(
-            f"{given} is only used by the planner: pass `plan='auto'` too, or drop "
-            "`memory_budget`."
+            f"`filter_multi_vmap(..., memory_budget={b!r})` is only used by the "
+            "planner: pass `plan='auto'` too, or drop `memory_budget`."
         )
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+    is_bytes = isinstance(b, int) and not isinstance(b, bool) and b >= 1
+    if not (is_bytes or isinstance(b, float) and 0.0 < b <= 1.0):
         raise SpecError(
-            "`filter_multi_vmap(..., memory_budget=...)` must be an `int` (bytes) or "
-            "a `float` in (0, 1] (a fraction of device memory), but got "
-            f"{memory_budget!r} of type `{type(memory_budget).__name__}`."
-        )
-    if isinstance(memory_budget, int) and memory_budget < 1:
-        raise SpecError(f"{given}: a budget in bytes must be a positive `int`.")
-    if isinstance(memory_budget, float) and not 0.0 < memory_budget <= 1.0:
-        raise SpecError(
-            f"{given}: a `float` budget is a fraction of device memory and must be in "
-            "(0, 1]; give bytes as an `int`, e.g. `memory_budget=2**30`."
+            "`filter_multi_vmap(..., memory_budget=...)` must be a positive `int` "
+            "(bytes) or a `float` in (0, 1] (a fraction of device memory), but got "
+            f"{b!r} of type `{type(b).__name__}`; e.g. `memory_budget=2**30` is 1 GiB."
         )
 
 
-def _device_memory() -> tuple[int, str]:
-    device = jax.local_devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # some backends do not implement it
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"memory of {device}"
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 0
-    if ram <= 0:
+def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
+    """The budget in bytes, and where it came from: as given, or a fraction of the
+    first device's memory (of physical RAM where the device reports none)."""
+    if isinstance(memory_budget, int):
+        return memory_budget, f"memory_budget={memory_budget}"
+    fraction = DEFAULT_BUDGET_FRACTION if memory_budget is None else memory_budget
+    device, total = jax.local_devices()[0], 0
+    with contextlib.suppress(Exception):  # some backends do not implement it
+        total = int((device.memory_stats() or {}).get("bytes_limit") or 0)
+    where = f"memory of {device}"
+    if not total:
+        where = (
+            f"physical RAM (os.sysconf), as {device.platform} reports no device memory"
+        )
+        with contextlib.suppress(ValueError, OSError, AttributeError):  # Windows
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total <= 0:
         raise SpecError(
             f"`filter_multi_vmap(..., plan='auto')`: a fractional `memory_budget` "
             f"needs the memory size of {device}, which is unavailable, and so is the "
             "size of physical RAM; give the budget in bytes as an `int`."
         )
-    return int(ram), (
-        f"physical RAM (os.sysconf), as {device.platform} reports no device memory"
-    )
-
-
-def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
-    """The budget in bytes, and a description of where it came from."""
-    if isinstance(memory_budget, int):
-        return memory_budget, f"memory_budget={memory_budget}"
-    fraction = DEFAULT_BUDGET_FRACTION if memory_budget is None else memory_budget
-    total, where = _device_memory()
     given = "default " if memory_budget is None else ""
     return int(total * fraction), (
         f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
@@ -96,30 +85,22 @@ def chunk_options(n: int) -> list[int | None]:
     divisors = {
         x for d in range(1, math.isqrt(n) + 1) if n % d == 0 for x in (d, n // d)
     }
-    out: list[int | None] = []
+    out: list[int] = []
     m = 2
     while n // m >= 2:
         ideal = n / m
         near = [d for d in divisors if ideal / 2**0.5 <= d <= ideal * 2**0.5]
         near = [d for d in near if 2 <= d <= n // 2]
         c = min(near, key=lambda d: abs(math.log(d / ideal))) if near else n // m
-        if c not in out:
-            out.append(c)
+        out.append(c)
         m *= 2
-    out.append(None)
-    return out
+    return [*dict.fromkeys(out), None]
 
 
 def block_and_trips(scan: ScanNest, vmap: Names, sizes: Sizes) -> tuple[int, int]:
     """The elements of one loop iteration, and the number of iterations."""
-    block = math.prod(sizes[n] for n in vmap)
-    trips = 1
-    for name, chunk in scan:
-        if chunk is None:
-            trips *= sizes[name]
-        else:
-            block *= chunk
-            trips *= max(1, sizes[name] // chunk)
+    block = math.prod(sizes[n] for n in vmap) * math.prod(k or 1 for _, k in scan)
+    trips = math.prod(max(1, sizes[n] // k) if k else sizes[n] for n, k in scan)
     return block, trips
 
 
@@ -138,14 +119,12 @@ def ladder(
     `fixed` scans, a prefix of `order` (`frozen` dims and dims of size 1 skipped)
     scanned, its last dim in chunks; the other dims vmapped in `layout`'s order."""
     scannable = [n for n in order if sizes[n] > 1 and n not in frozen]
-    fixed_names = {n for n, _ in fixed}
     out = []
-    for k in range(1, len(scannable) + 1):
-        outer, inner = scannable[: k - 1], scannable[k - 1]
-        scanned = fixed_names.union(scannable[:k])
+    for k, inner in enumerate(scannable):
+        scanned = {n for n, _ in fixed}.union(scannable[: k + 1])
         vmap = tuple(n for n in layout if n not in scanned)
         for chunk in chunk_options(sizes[inner]):
-            scan = fixed + tuple((n, None) for n in outer) + ((inner, chunk),)
+            scan = fixed + tuple((n, None) for n in scannable[:k]) + ((inner, chunk),)
             out.append(candidate(scan, vmap, sizes, "ladder"))
     out.sort(key=lambda c: -c.block)  # stable: fewer scanned dims first on ties
     return out
@@ -191,8 +170,7 @@ def localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
 
 def given_dims(call: Call) -> Names:
     """The mapped dims whose strategy the user gave, in nest order."""
-    named = set(call.options.scan_names) | set(call.options.vmap)
-    named |= set(call.options.shard_names)
+    named = {*call.options.scan_names, *call.options.vmap, *call.options.shard_names}
     return tuple(n for n in call.given_nest().dims if n in named)
 
 
@@ -221,45 +199,42 @@ class Request:
 
 
 def plan_for(
-    call: Call,
-    sizes: Sizes,
-    chosen: PlanCandidate,
-    candidates: tuple[PlanCandidate, ...],
-    **fields: Any,
+    call: Call, sizes: Sizes, chosen: PlanCandidate, cands: Candidates, **fields: Any
 ) -> Plan:
     """The `Plan` of `call` at its mapped `sizes` (as one device sees them)."""
-    return Plan(
-        fun_name=call.fun_name,
-        sizes=tuple({**call.sizes, **sizes}.items()),
-        dims=dims_of(chosen, sizes),
-        chosen=chosen,
-        candidates=candidates,
-        **fields,
-    )
+    every = tuple({**call.sizes, **sizes}.items())
+    return Plan(call.fun_name, sizes=every, chosen=chosen, candidates=cands, **fields)
 
 
 def auto_plan(
-    request: Request,
-    chosen: PlanCandidate,
-    candidates: tuple[PlanCandidate, ...],
-    **fields: Any,
+    request: Request, chosen: PlanCandidate, cands: Candidates, **fields: Any
 ) -> Plan:
     """The `Plan` of `plan="auto"`: planned now, or read from the disk cache."""
-    call = request.call
-    return plan_for(
-        call,
-        request.sizes,
-        chosen,
-        candidates,
-        auto=True,
-        budget_bytes=request.budget,
-        budget_source=request.source,
-        shard=request.shard,
-        backward=request.backward,
-        given=given_dims(call),
-        collective=collective_dims(call),
-        **fields,
-    )
+    r, call = request, request.call
+    fields.update(auto=True, budget_bytes=r.budget, budget_source=r.source)
+    fields.update(shard=r.shard, backward=r.backward, given=given_dims(call))
+    fields.update(collective=collective_dims(call))
+    return plan_for(call, r.sizes, chosen, cands, **fields)
+
+
+def _why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
+    """Why `c` was chosen: it measured fastest of those `timed` (or is the model's
+    choice, within `KEEP_WITHIN`), or is est. fastest of the `n` that fit."""
+    t, best = timed.get(c.key), min(timed.values(), default=0.0)
+    if t is not None and t > best:
+        return (
+            f"the time model's choice, measured {fmt_seconds(t)}, within "
+            f"{KEEP_WITHIN}x of the fastest ({fmt_seconds(best)}): kept"
+        )
+    if t is not None:
+        rest = sorted(v for k, v in timed.items() if k != c.key)
+        nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
+        return f"the fastest of the {len(timed)} timed (measured {fmt_seconds(t)}{nxt})"
+    if c.temp_bytes is None:
+        return "nothing to compile"
+    if n <= 1:
+        return "the only candidate that fits and was costed"
+    return f"the fastest by the time model of the {n} that fit"
 
 
 def summary(
@@ -269,56 +244,35 @@ def summary(
     timed: dict[tuple, float],
     searched: bool,
     free: bool,
-    budget: int,
-    model: TimeModel,
-    sizes: Sizes,
+    request: Request,
     measure_note: str,
 ) -> str:
     """One sentence: what was chosen, and why."""
-    head = f"Chose {chosen.nest(sizes)}: "
-    temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(budget)
+    head = f"Chose {chosen.nest(request.sizes)}: "
+    temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(request.budget)
+    whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
+    last = request.model.levels[-1][0] if request.model.levels else math.inf
     if not free:
         return head + (
             "every mapped dim has a strategy given, so there was nothing to plan; it "
             f"needs {temp} of the {b} budget."
         )
-    whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
-    why = f"{whole} fits ({temp} <= {b})"
     if not searched:
         return (
-            f"{head}{why} and its working set is within the last level of cache; "
-            "nothing else was compiled."
+            f"{head}{whole} fits ({temp} <= {b}) and its working set is within the "
+            "last level of cache; nothing else was compiled."
         )
+    why = f"{whole} fits ({temp} <= {b})"
     if not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
-    elif not timed and model.levels and (full.working_set or 0) > model.levels[-1][0]:
-        ws, last = fmt_bytes(full.working_set or 0), fmt_bytes(model.levels[-1][0])
-        why += f" but its working set ({ws}) is past the last level of cache ({last})"
-    n = len(compared)
-    if timed:
-        mine, best = timed[chosen.key], min(timed.values())
-        how = f"of the {n} candidates that fit and were timed, this one "
-        if mine > best:
-            how += (
-                f"(the time model's choice) measured {fmt_seconds(mine)}, within "
-                f"{KEEP_WITHIN}x of the fastest ({fmt_seconds(best)}): kept"
-            )
-        else:
-            rest = sorted(t for k, t in timed.items() if k != chosen.key)
-            nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
-            how += f"was the fastest (measured {fmt_seconds(mine)}{nxt})"
-    elif n == 1 and chosen.predicted:
-        how = (
-            "the largest block predicted far within its limits (larger ones are est. "
-            "at most 5% faster: not worth a compile)"
-        )
-    elif n == 1:
-        how = "the largest block that fits, the only one costed (smaller loop more)"
-    else:
-        how = f"the fastest by the time model of the {n} candidates that fit"
-    if measure_note and not timed:
-        how += f" ({measure_note})"
-    return f"{head}{why}; {how}."
+    elif not timed and (full.working_set or 0) > last:
+        ws, top = fmt_bytes(full.working_set or 0), fmt_bytes(last)
+        why += f" but its working set ({ws}) is past the last level of cache ({top})"
+    how = _why_chosen(chosen, timed, len(compared))
+    if chosen.predicted:
+        how += ", its temporaries predicted far within the budget"
+    note = f" ({measure_note})" if measure_note else ""  # could not measure
+    return f"{head}{why}; {how}{note}."
 
 
 def with_reason(
@@ -326,27 +280,13 @@ def with_reason(
     chosen: PlanCandidate,
     note: str | None,
     timed: dict[tuple, float],
-    measure: bool,
     budget: int,
     compared: list[PlanCandidate],
 ) -> PlanCandidate:
     """`c` with the reason it was, or was not, chosen (and its measured time)."""
-    t = timed.get(c.key)
+    t, mine = timed.get(c.key), timed.get(chosen.key)
     if c.key == chosen.key:
-        if t is not None and t > min(timed.values()):
-            best = fmt_seconds(min(timed.values()))
-            why = (
-                f"chosen: the time model's choice, measured within {KEEP_WITHIN}x of "
-                f"the fastest ({fmt_seconds(t)} vs {best})"
-            )
-        elif t is not None:
-            why = f"chosen: fastest measured ({fmt_seconds(t)})"
-        elif c.temp_bytes is None:
-            why = "chosen: nothing to compile"
-        elif len(compared) <= 1:
-            why = "chosen: the only candidate that fits and was costed"
-        else:
-            why = "chosen: fastest by the estimate"
+        why = "chosen: " + _why_chosen(c, timed, len(compared))
         if c.predicted:
             far = note or "far within the budget"
             why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
@@ -357,15 +297,14 @@ def with_reason(
         if a == b:  # in bytes when the two would print alike
             a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
         why = f"over budget: {a} > {b}"
-    elif t is not None and chosen.key in timed:
-        vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(timed[chosen.key])}"
-        why = f"slower: {vs}"
-        if t < timed[chosen.key]:
-            why = f"faster, {vs}, but within {KEEP_WITHIN}x: the model's pick was kept"
+    elif t is not None and mine is not None:
+        vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
+        kept = f"but within {KEEP_WITHIN}x: the time model's choice was kept"
+        why = f"slower: {vs}" if t >= mine else f"faster, {vs}, {kept}"
     elif c.seconds is not None and chosen.seconds is not None:
         est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
         why = f"slower ({est})"
-        if measure and timed:
+        if timed:  # measured mode
             why = f"not timed: {est}, beyond the walk over blocks"
     else:
         why = note or "fits, not costed: smaller than the largest block that fits"
@@ -381,23 +320,16 @@ class NoFit(Exception):
         self.smallest, self.n = smallest, n
 
 
-def no_fit_message(
-    call: Call,
-    budget: int,
-    smallest: PlanCandidate,
-    n: int,
-    sizes: Sizes,
-    backward: bool,
-) -> str:
+def no_fit_message(request: Request, smallest: PlanCandidate, n: int) -> str:
     """The `SpecError` message when no candidate fits the budget."""
-    what = "the derivative (reverse mode) of " if backward else ""
+    call, sizes = request.call, request.sizes
+    under = " under differentiation" if request.backward else ""
     hint = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
-    given = hint if given_dims(call) else ""
     return (
         f"`{call.fun_name}` with `plan='auto'`: no nest fits "
-        f"`memory_budget={call.options.plan.memory_budget!r}` ({fmt_bytes(budget)} "
-        f"of temporary memory){' under differentiation' if backward else ''}. The "
-        f"smallest of the {n} compiled candidates needs "
-        f"{fmt_bytes(smallest.temp_bytes or 0)} for {what}{smallest.nest(sizes)}. "
-        f"Raise `memory_budget`, or map fewer dims{given}."
+        f"`memory_budget={call.options.plan.memory_budget!r}` "
+        f"({fmt_bytes(request.budget)} of temporary memory){under}. The smallest of "
+        f"the {n} compiled candidates needs {fmt_bytes(smallest.temp_bytes or 0)} "
+        f"for {smallest.nest(sizes)}. Raise `memory_budget`, or map fewer dims"
+        f"{hint if given_dims(call) else ''}."
     )
