@@ -8,7 +8,7 @@ import dataclasses
 import math
 import time
 
-from .._timing import fmt_bytes, fmt_seconds
+from .._timing import fmt_bytes
 from .cost import (
     Compiler,
     KEEP_WITHIN,
@@ -368,12 +368,6 @@ class Search:
         if chosen is None:
             return None
         self.costed(chosen)
-        t = timed[chosen.key]
-        for k in (k for k in timed if k not in self.known):
-            vs = f"measured {fmt_seconds(timed[k])} vs {fmt_seconds(t)}"
-            kept = f"faster, {vs}, but within {KEEP_WITHIN}x: the model's pick was kept"
-            why = kept if timed[k] < t else f"slower: {vs}"
-            self.notes[k] = f"{why}; its memory not compiled"
         compared = [self.known.get(k, self.considered[k]) for k in timed]
         return self.known[chosen.key], compared, timed, ""
 

@@ -290,6 +290,11 @@ def with_reason(
         if c.predicted:
             far = note or "far within the budget"
             why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
+    elif t is not None and mine is not None and c.fits is not False:
+        vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
+        kept = f"but within {KEEP_WITHIN}x: the time model's choice was kept"
+        why = f"slower: {vs}" if t >= mine else f"faster, {vs}, {kept}"
+        why += "; its memory not compiled" * (c.temp_bytes is None)
     elif c.temp_bytes is None:
         why = note or "not compiled"
     elif not c.fits:
@@ -297,10 +302,6 @@ def with_reason(
         if a == b:  # in bytes when the two would print alike
             a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
         why = f"over budget: {a} > {b}"
-    elif t is not None and mine is not None:
-        vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
-        kept = f"but within {KEEP_WITHIN}x: the time model's choice was kept"
-        why = f"slower: {vs}" if t >= mine else f"faster, {vs}, {kept}"
     elif c.seconds is not None and chosen.seconds is not None:
         est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
         why = f"slower ({est})"
