@@ -151,7 +151,7 @@ def fingerprint(call: Call) -> str:
 
 
 def calibration_key() -> dict[str, Any]:
-    return {"machine": machine(), "versions": versions(), "calibration": 2}
+    return {"machine": machine(), "versions": versions(), "calibration": 3}
 
 
 def versions() -> dict[str, str]:

@@ -7,7 +7,7 @@ import functools as ft
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -19,7 +19,7 @@ from .._nest import Build, build_levels, loop_body_inputs, run
 from .._progress_bar import tqdm_installed
 from .._resolve import Call
 from .._timing import time_interleaved
-from .model import best_of, concrete_inputs, TimeModel
+from .model import best_of, concrete_inputs, PARALLEL_BYTES, TimeModel
 from .plan import PlanCandidate, ScanNest
 
 
@@ -50,6 +50,14 @@ class Reference:
     sizes: dict[str, int]
     inputs: tuple[Leaf, ...]
     outputs: tuple[Leaf, ...]
+    ops: tuple[int, ...] = ()  # the bytes each op of full vmap reads
+
+    def io(self) -> int:
+        """The bytes of every input and output, each read or written once."""
+        return sum(x.nbytes for x in self.inputs + self.outputs)
+
+    def serial(self, c: PlanCandidate) -> float:
+        return serial(self.ops, c.block / max(self.full.block, 1))
 
     def _bytes(self, scan: ScanNest, x: Leaf) -> float:
         """The bytes of a leaf that one iteration of `scan` covers."""
@@ -399,6 +407,7 @@ class Compiler:
         """What the search predicts every candidate from: full vmap (`full`, its
         memory compiled), its costs, and the leaves."""
         assert full.temp_bytes is not None
+        ops = tuple(op_bytes(self.jaxpr))  # of full vmap's program, compiled last
         compiled = self.programs[full.spec]
         if full.scan and self.backward:  # the forward nest: its loop bodies are added
             what = f"compiling the forward nest of {full.nest(self.sizes)}"
@@ -412,18 +421,26 @@ class Compiler:
             outputs.append(leaf(s, {name: a for a, name in enumerate(mapped)}))
         return Reference(
             full, full.temp_bytes, flops, trans, nbytes, self.sizes, inputs,
-            tuple(outputs),
+            tuple(outputs), ops,
         )  # fmt: skip
 
     def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
         """`cand` with its costs predicted from `ref`, and its estimated time."""
-        return self._with_costs(cand, *ref.costs(cand), ref.working_set(cand))
+        costs, ws = ref.costs(cand), ref.working_set(cand)
+        return self._with_costs(cand, *costs, ws, ref.serial(cand), ref.io())
 
     def _with_costs(
-        self, cand: PlanCandidate, flops: float, trans: float, nbytes: float, ws: int
+        self,
+        cand: PlanCandidate,
+        flops: float,
+        trans: float,
+        nbytes: float,
+        ws: int,
+        serial: float = 0.0,
+        io: int = 0,
     ) -> PlanCandidate:
         trips = cand.trips if cand.scan else 0
-        seconds = self.model.seconds(flops, trans, nbytes, trips, ws)
+        seconds = self.model.seconds(flops, trans, nbytes, trips, ws, serial, io)
         return dataclasses.replace(
             cand, flops=flops, transcendentals=trans, bytes_accessed=nbytes,
             working_set=ws, seconds=seconds,
@@ -438,8 +455,10 @@ class Compiler:
         if fits is False:
             return cand
         assert not self.backward
-        costs = self.corrected_cost(self.programs[cand.spec], cand)
-        return self._with_costs(cand, *costs)
+        compiled = self.programs[cand.spec]
+        io = sum(leaf(s, {}).nbytes for s in [*self.specs, *compiled.out_info])
+        one = serial(op_bytes(self.jaxpr), 1.0)
+        return self._with_costs(cand, *self.corrected_cost(compiled, cand), one, io)
 
     def corrected_cost(
         self, compiled: Any, cand: PlanCandidate
@@ -462,6 +481,43 @@ class Compiler:
             total = [t + n * b for t, b in zip(total, xla_costs(body))]
             ws = max(ws, _footprint(body))
         return total[0], total[1], total[2], ws if looping else _footprint(compiled)
+
+
+# Ops that move data, which XLA fuses into the ops that compute.
+_MOVES = frozenset(
+    "slice squeeze reshape broadcast_in_dim expand_dims transpose dynamic_slice "
+    "dynamic_update_slice gather concatenate copy copy_p convert_element_type iota "
+    "select_n pad rev".split()
+)
+
+
+def serial(ops: Sequence[int], scale: float) -> float:
+    """The share of the bytes the `ops` read (scaled by `scale`) read by ops too
+    small for XLA to split over threads (`PARALLEL_BYTES`)."""
+    small = sum(n for n in ops if n * scale < PARALLEL_BYTES)
+    return small / max(sum(ops), 1)
+
+
+def op_bytes(jaxpr: Any) -> list[int]:
+    """The bytes each op of `jaxpr` reads (the ops of its sub-jaxprs, not the calls
+    of them); none if it cannot be read, or if it runs a while loop in lockstep:
+    the waste of a larger block, which the model cannot see, outweighs its threads."""
+    try:
+        return [] if lockstep(jaxpr) else list(_op_bytes(jaxpr))
+    except Exception:  # an unfamiliar jaxpr: no op is taken to be small
+        return []
+
+
+def _op_bytes(jaxpr: Any) -> Iterator[int]:
+    for eqn in jaxpr.eqns:
+        subs = _sub_jaxprs(eqn)
+        for sub in subs:
+            yield from _op_bytes(sub)
+        if not subs and eqn.primitive.name not in _MOVES:
+            avals = [v.aval for v in eqn.invars]
+            n = sum(a.size * a.dtype.itemsize for a in avals if hasattr(a, "size"))
+            if n:
+                yield int(n)
 
 
 def lockstep(jaxpr: Any) -> bool:

@@ -21,6 +21,9 @@ import numpy as np
 from .._timing import compiled as compile_program, fmt_bytes
 
 
+# XLA:CPU splits an op over its threads only if it reads about this many bytes:
+# a dot from 128 KiB, a fusion from 64-256 KiB, not at 64 KiB (`docs/design.md`).
+PARALLEL_BYTES = 96 * 2**10
 DEFAULT_SOURCE = "default constants, set by hand for one 2-core x86-64"
 SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache"
 # The data caches (L1d, L2, L3) of the CPU the defaults were set on, and the
@@ -48,6 +51,8 @@ class TimeModel:
         bandwidth in bytes per second, for data that fits the level.
     - `bandwidth`: bytes per second past the last level (main memory, HBM).
     - `loop_overhead`: seconds per loop trip.
+    - `cores`: the threads XLA spreads an op over, if the op reads at least
+        `PARALLEL_BYTES`; a smaller op runs on one.
     - `calibration`: how the constants were measured, or `None` for defaults.
     """
 
@@ -58,6 +63,7 @@ class TimeModel:
     )
     bandwidth: float = DEFAULT_MEMORY
     loop_overhead: float = 1e-6
+    cores: int = 1
     calibration: str | None = None
 
     @classmethod
@@ -67,7 +73,7 @@ class TimeModel:
         if backend == "cpu":
             sizes = cache_levels()
             rates = DEFAULT_BANDWIDTHS + DEFAULT_BANDWIDTHS[-1:] * len(sizes)
-            return cls(levels=tuple(zip(sizes, rates)))
+            return cls(levels=tuple(zip(sizes, rates)), cores=_cores())
         return cls(levels=DEVICE_LEVELS, bandwidth=DEVICE_MEMORY, loop_overhead=1e-5)
 
     @property
@@ -75,20 +81,35 @@ class TimeModel:
         return self.calibration is not None
 
     def seconds(
-        self, flops: float, trans: float, nbytes: float, trips: int, working_set: int
+        self,
+        flops: float,
+        trans: float,
+        nbytes: float,
+        trips: int,
+        working_set: int,
+        serial: float = 0.0,
+        io: int = 0,
     ) -> float:
-        """Estimated run time: compute, plus the bytes moved at the bandwidth of the
-        smallest level that holds one loop iteration's `working_set`, plus loop
-        overhead.
+        """Estimated run time: compute, plus the bytes moved, plus loop overhead. The
+        `io` bytes (inputs and outputs, read or written once) move at the bandwidth
+        of the smallest level that holds them all, the others at that of the
+        smallest level that holds one loop iteration's `working_set`; the `serial`
+        share of compute and bytes, in ops too small to split, on one of `cores`.
 
         It only ranks candidates that fit the budget, which do the same flops. Compute
         and traffic are added, not overlapped as in a roofline: on CPU a
         compute-heavy body still slows down when its working set leaves the caches
         (`docs/design.md`)."""
-        fits = (rate for size, rate in self.levels if working_set <= size)
-        memory = nbytes / next(fits, self.bandwidth)
+        io = min(io, int(nbytes))  # inputs and outputs: from where they all fit
+        memory = io / self.rate(io) + (nbytes - io) / self.rate(working_set)
         compute = flops / self.flops + trans / self.transcendentals
-        return compute + memory + trips * self.loop_overhead
+        one_core = 1 + (self.cores - 1) * serial
+        return (compute + memory) * one_core + trips * self.loop_overhead
+
+    def rate(self, nbytes: int) -> float:
+        """The bandwidth of the smallest level that holds `nbytes`."""
+        fits = (rate for size, rate in self.levels if nbytes <= size)
+        return next(fits, self.bandwidth)
 
     def describe(self) -> str:
         levels = ", ".join(f"{r:.2g} within {fmt_bytes(s)}" for s, r in self.levels)
@@ -96,10 +117,12 @@ class TimeModel:
         where = where or f"not calibrated: {DEFAULT_SOURCE}"
         return (
             f"est. time = flops / {self.flops:.2g} + transcendentals / "
-            f"{self.transcendentals:.2g} + bytes accessed / bandwidth + loop trips x "
-            f"{self.loop_overhead:.2g} s; bandwidth: that of the smallest level "
-            f"holding one iteration's working set ({levels}; else "
-            f"{self.bandwidth:.2g}). Constants {where}."
+            f"{self.transcendentals:.2g} + bytes accessed / bandwidth, times up to "
+            f"{self.cores} for ops under {fmt_bytes(PARALLEL_BYTES)} (one core), + "
+            f"loop trips x {self.loop_overhead:.2g} s; bandwidth: that of the smallest "
+            "level holding the inputs and outputs, for theirs; for the rest, holding "
+            f"one iteration's working set ({levels}; else {self.bandwidth:.2g}). "
+            f"Constants {where}."
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -116,16 +139,23 @@ class TimeModel:
             isinstance(x, list) and len(x) == 2 and type(x[0]) is int for x in levels
         ):
             raise ValueError(f"bad levels {levels!r}")
-        numbers = [(f.name, data[f.name]) for f in fields if f.type is float]
+        numbers = [(f.name, data[f.name]) for f in fields if f.type in (float, int)]
         for name, x in numbers + [("levels", x) for level in levels for x in level]:
             if type(x) not in (int, float) or not 0 < x < math.inf:
                 raise ValueError(f"`{name}` must be positive and finite, got {x!r}")
         if not isinstance(data["calibration"], (str, type(None))):
             raise ValueError("bad time model description")
+        if type(data["cores"]) is not int:
+            raise ValueError(f"`cores` must be an `int`, got {data['cores']!r}")
         return cls(**{**data, "levels": tuple(map(tuple, levels))})
 
 
 # --- The machine
+
+
+def _cores() -> int:
+    """The cores this process may run on: XLA:CPU's threads."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
 
 
 def cache_levels(root: str = SYSFS_CACHES) -> tuple[int, ...]:
