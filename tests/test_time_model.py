@@ -68,6 +68,24 @@ def test_seconds_is_monotone_in_the_working_set():
     )
 
 
+def test_small_ops_run_on_one_core_and_inputs_stream_from_their_level():
+    model = TimeModel(cores=4)
+    work = model.seconds(1e9, 0.0, 1e9, 0, 1)
+    # The share of work in ops too small to split runs on one of the four cores.
+    assert model.seconds(1e9, 0.0, 1e9, 0, 1, serial=1.0) == pytest.approx(4 * work)
+    assert model.seconds(1e9, 0.0, 1e9, 0, 1, serial=0.5) == pytest.approx(
+        2.5 * work
+    )
+    assert TimeModel().seconds(1e9, 0.0, 1e9, 0, 1, serial=1.0) == work  # one core
+    # Inputs and outputs move at the bandwidth of the level that holds them all,
+    # the rest at that of the level holding the working set.
+    (l1, r1), (_, r2) = model.levels[:2]
+    io = l1 + 1  # past the first level
+    got = model.seconds(0.0, 0.0, 3.0 * io, 0, 1, io=io)
+    assert got == pytest.approx(io / r2 + 2 * io / r1)
+    assert model.seconds(0.0, 0.0, 1.0 * io, 0, 1, io=10 * io) == pytest.approx(io / r2)
+
+
 def test_time_model_json_round_trip():
     model = TimeModel.for_backend("cpu")
     stored = json.loads(json.dumps(model.to_json()))
@@ -75,6 +93,9 @@ def test_time_model_json_round_trip():
     for bad in ([[1024]], [[-1, 1e9]], [[1.5, 1e9]], "L2"):
         with pytest.raises(ValueError):
             TimeModel.from_json({**stored, "levels": bad})
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="cores"):
+            TimeModel.from_json({**stored, "cores": bad})
 
 
 def test_calibration_takes_the_best_of_repeated_runs():
@@ -263,6 +284,47 @@ def test_lockstep_is_found_in_the_vmapped_program():
 
     assert lockstep(vmapped(unvmapped))
     assert not lockstep(jax.make_jaxpr(unvmapped)(x[0]).jaxpr)
+
+
+def _mlp(w, h):
+    for layer in w:  # w: (4, K, K) per element
+        h = jnp.tanh(layer @ h)
+    return h
+
+
+def test_op_bytes_are_the_bytes_each_op_reads():
+    from eqx_multimap._planner.cost import op_bytes, serial
+
+    w, h = jnp.ones((8, 4, 64, 64)), jnp.ones((8, 64))
+    ops = op_bytes(jax.make_jaxpr(jax.vmap(_mlp))(w, h).jaxpr)
+    # A dot per layer reads its weights and `h`; `tanh` reads the product. The
+    # slices of `w` move data, fused into the dots: not ops of their own.
+    dot, tanh = 8 * (64 * 64 + 64) * 4, 8 * 64 * 4
+    assert sorted(ops) == sorted([dot, tanh] * 4)
+    share = 4 * tanh / (4 * dot + 4 * tanh)
+    assert serial(ops, 1.0) == pytest.approx(share)  # 131 KiB dots: split
+    assert serial(ops, 0.5) == 1.0  # at 4 elements every op is under 96 KiB
+    x = jnp.ones((4, 8))
+    assert op_bytes(jax.make_jaxpr(jax.vmap(_halve_until_small))(x).jaxpr) == []
+    assert op_bytes(None) == []  # a jaxpr it cannot read: none taken to be small
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_a_block_whose_ops_split_over_cores_wins(getkey, cores):
+    # Each element has its own 64x64 weights: a block of 4 fits L2, but its dots
+    # (66 KiB) are too small to split over threads; from 8 elements (132 KiB) they
+    # split. On one core the block inside L2 wins; on two, a block of 8 or more.
+    w = jax.random.normal(getkey(), (256, 4, 64, 64)) / 8
+    h = jax.random.normal(getkey(), (256, 64))
+    levels = ((2**20, 2.1e11), (32 * 2**20, 8e10))
+    model = TimeModel(levels=levels, bandwidth=1.3e10, cores=cores)
+    kw = dict(in_dims=("B L K J", "B J"), out_dims="B K", core="K")
+    planner = Planner(cache_dir=False, time_model=model)
+    f = filter_multi_vmap(_mlp, plan=planner, memory_budget=2**30, **kw)
+    plan = explain(f, w, h)
+    assert set(plan.scan) == {"B"}
+    assert plan.chosen.block == 4 if cores == 1 else plan.chosen.block >= 8
+    np.testing.assert_allclose(f(w, h), jax.vmap(_mlp)(w, h), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("body", [_halve_until_small, _halve_ten_times])
