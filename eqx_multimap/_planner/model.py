@@ -188,7 +188,7 @@ def machine() -> dict[str, Any]:
             info = pathlib.Path("/proc/cpuinfo").read_text()
         name = re.search(r"^model name[^:]*:(.*)$", info, re.MULTILINE)
         cpu = name and name[1].strip() or platform.processor() or platform.machine()
-        out.update(cpu=cpu or "?", cores=os.cpu_count(), arch=platform.machine())
+        out.update(cpu=cpu or "?", cores=_cores(), arch=platform.machine())
         out["caches"] = list(cache_levels())
     return out
 
