@@ -436,8 +436,8 @@ class Compiler:
         trans: float,
         nbytes: float,
         ws: int,
-        serial: float = 0.0,
-        io: int = 0,
+        serial: float,
+        io: int,
     ) -> PlanCandidate:
         trips = cand.trips if cand.scan else 0
         seconds = self.model.seconds(flops, trans, nbytes, trips, ws, serial, io)
