@@ -20,10 +20,11 @@ For each, under a memory budget (a fraction of full vmap's forward temporaries):
   bandwidth, the last cache level's, whatever the working set).
 
 Every fitting nest and each pick are timed round-robin
-(`eqx_multimap.timing.time_interleaved`), medians; then the auto program against the
-best fitting nest and against its twin (the same HLO: the noise floor) in a longer
-second pass, the median of per-round ratios: `auto / best` (goal: at most 1.10).
-The other ratios are from the first pass. Options: `--help`.
+(`eqx_multimap.timing.time_interleaved`, dropping the rounds in which another job
+held a core), medians; then the auto program against the best fitting nest and its
+twin (the same HLO: the noise floor) in a longer second pass, the median of per-round
+ratios: `auto / best` (goal: at most 1.10). The other ratios are from the first
+pass. Options: `--help`.
 """
 
 import argparse
@@ -49,6 +50,7 @@ from eqx_multimap.timing import (
     fmt_bytes as _fmt_bytes,
     normalised_hlo,
     paired_ratios,
+    Probe,
     temp_bytes,
     time_interleaved,
 )
@@ -252,12 +254,7 @@ def _vjp(args: tuple) -> tuple[Callable, tuple]:
 
 def _cpu(thunk: Callable) -> tuple[Any, float]:
     start = time.process_time()
-    out = thunk()
-    return out, time.process_time() - start
-
-
-def _nest_of(plan: Any) -> tuple[tuple, tuple]:
-    return tuple(plan.chosen.scan), tuple(plan.chosen.vmap)
+    return thunk(), time.process_time() - start
 
 
 def _key(nest: tuple, checkpoint: bool = False) -> tuple:
@@ -295,17 +292,14 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         )
         plan = explain(mapped, *w.args)
         plans[name] = plan if mode == "forward" else plan.gradient
-        picks[name] = _nest_of(plans[name])
+        picks[name] = tuple(plans[name].chosen.scan), tuple(plans[name].chosen.vmap)
     plan = plans["auto"]
     sizes = {n: s for n, s in plan.sizes if n in {*plan.scan, *plan.vmap}}
     # Under `grad`, each scanning nest with and without `jax.checkpoint` (with
     # `--quick`, with only, as the planner's).
     ckpt = {"forward": (False,), "grad": (True,) if opts.quick else (False, True)}
-    nests = {
-        _key(n, c): n
-        for n in sweep(sizes, 4 if opts.quick else 2)
-        for c in ckpt[mode]
-    }
+    swept = sweep(sizes, 4 if opts.quick else 2)
+    nests = {_key(n, c): n for n in swept for c in ckpt[mode]}
     nests.update({_key(n, plans[p].checkpoint): n for p, n in picks.items()})
     fixed, temps, compile_s = {}, {}, {}
     for key, (scan, vmap) in nests.items():
@@ -334,9 +328,8 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     # The picks as their fixed nests (the auto program's twin: the same HLO).
     thunks = [lambda c=fixed[k]: c(*args) for k in timed]
     thunks.append(lambda: programs["auto"](*args))
-    times = time_interleaved(
-        thunks, 0.0, opts.repeats, opts.repeats, 2e-3, opts.settle, drop_above=3.0
-    )
+    r, settle = opts.repeats, opts.settle
+    times = time_interleaved(thunks, 0.0, r, r, 2e-3, settle, 3.0, probe=opts.probe)
     med = [statistics.median(t) for t in times]
     by_key = dict(zip(timed, med))
     by_plan = {n: by_key[_key(p, plans[n].checkpoint)] for n, p in picks.items()}
@@ -345,7 +338,7 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     pair = time_interleaved(
         [lambda: programs["auto"](*args), lambda: fixed[best](*args),
          lambda: fixed[auto_key](*args)],
-        opts.seconds, opts.confirm, 4 * opts.confirm, 0.02,
+        opts.seconds, opts.confirm, 4 * opts.confirm, 0.02, probe=opts.probe,
     )  # fmt: skip
     same_hlo = normalised_hlo(programs["auto"]) == normalised_hlo(fixed[auto_key])
     nest = lambda k: _describe(k, sizes)  # noqa: E731
@@ -451,6 +444,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     model = Planner(cache_dir=False).time_model  # calibrated once, not counted
+    opts.probe = Probe()  # finds the rounds in which another job held a core
     print(model.describe(), flush=True)
     chosen = [] if opts.real else workloads(opts.quick)
     chosen += real_workloads(opts.quick) if opts.real or opts.all else []
@@ -475,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
             )
     print()
     print(table(rows))
+    bad, n = sum(opts.probe.disturbed()), len(opts.probe.times)
+    print(f"Rounds dropped, another job holding a core (`Probe`): {bad} of {n}")
     print(f"\nTotal: {time.perf_counter() - start:.0f} s")
 
 

@@ -6,7 +6,10 @@ the other: [`time_interleaved`][] runs them round by round, the order rotating, 
 their comparison is a *paired* ratio, the median of the per-round ratios
 ([`paired_ratios`][]). Two separately compiled copies of one program (*twins*, see
 [`fresh`][] and [`same_hlo`][]) timed in the same rounds give the noise floor: how far
-apart two identical programs land.
+apart two identical programs land. On a machine shared with other jobs, a core may
+also be taken for seconds at a time, which slows the programs whose ops XLA spreads
+over threads and not the others: a [`Probe`][] timed before each round finds those
+rounds, and they are dropped.
 """
 
 import contextlib
@@ -51,6 +54,42 @@ def fresh(fn: Callable) -> Callable:
     return fresh_fn
 
 
+DISTURBED = 1.4
+"""A round is disturbed if its probe took more than this many times the probe's best."""
+
+
+class Probe:
+    """A program whose op XLA spreads over its threads (an elementwise loop over 1 MiB,
+    under a millisecond), timed before each round of [`time_interleaved`][]. A
+    round in which it ran more than `DISTURBED` times its best is *disturbed*:
+    another job held a core. One probe may serve several calls: its best is over all
+    its `times`.
+
+    **Arguments:**
+
+    - `run`: the thunk to time instead (tests).
+    """
+
+    def __init__(self, run: Callable[[], Any] | None = None):
+        if run is None:
+            x = jax.numpy.ones(2**18, jax.numpy.float32)
+            loop = lambda y: jax.lax.fori_loop(0, 30, lambda i, y: y * 0.999 + 1, y)
+            program = compiled(loop, x)
+            run = lambda: program(x)  # noqa: E731
+        self.run, self.times = run, []
+
+    def time(self, clock: Clock = time.perf_counter) -> None:
+        jax.block_until_ready(self.run())  # settles
+        t0 = clock()
+        jax.block_until_ready(self.run())
+        self.times.append(clock() - t0)
+
+    def disturbed(self, start: int = 0) -> list[bool]:
+        """Whether each round from `start` on was disturbed."""
+        best = min(self.times, default=0.0)
+        return [t > DISTURBED * best for t in self.times[start:]]
+
+
 def time_interleaved(
     fns: Sequence[Callable[[], Any]],
     seconds: float,
@@ -61,6 +100,7 @@ def time_interleaved(
     drop_above: float | None = None,
     on_round: Callable[[int, int], None] | None = None,
     clock: Clock = time.perf_counter,
+    probe: Probe | None = None,
 ) -> list[list[float]]:
     """Time thunks side by side; the seconds per call of every round, per thunk.
 
@@ -81,13 +121,15 @@ def time_interleaved(
         or `None` to time every thunk in every round.
     - `on_round`: called with the round and the number of rounds before each round.
     - `clock`: the clock, in seconds.
+    - `probe`: a [`Probe`][] timed before each round; the rounds it finds disturbed
+        are dropped from the result, unless every round was.
 
     **Returns:**
 
-    Per thunk, the seconds per call of each round it ran in. One untimed call of
-    each (which also warms up) sets the calls per sample and the number of rounds;
-    round `r` runs the thunks starting from the `r`-th, so that machine noise hits
-    them all alike.
+    Per thunk, the seconds per call of each round it ran in (and kept). One untimed
+    call of each (which also warms up) sets the calls per sample and the number of
+    rounds; round `r` runs the thunks starting from the `r`-th, so that machine noise
+    hits them all alike.
     """
     firsts = []
     for fn in fns:
@@ -102,6 +144,8 @@ def time_interleaved(
     for r in range(rounds):
         if on_round is not None:
             on_round(r, rounds)
+        if probe is not None:
+            probe.time(clock)
         if drop_above is not None and r >= 2:
             best = min(min(times[i]) for i in active)
             active = [i for i in active if min(times[i]) <= drop_above * best]
@@ -114,6 +158,8 @@ def time_interleaved(
             for _ in range(number):
                 jax.block_until_ready(fns[i]())
             times[i].append((clock() - t0) / number)
+    if probe is not None and not all(bad := probe.disturbed(len(probe.times) - rounds)):
+        times = [[t for t, b in zip(ts, bad) if not b] or ts for ts in times]
     return times
 
 

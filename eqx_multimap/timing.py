@@ -5,7 +5,8 @@ scripts in `benchmarks/` use it. Programs are timed round by round, the order
 rotating (`time_interleaved`); two of them are compared by their *paired* ratio,
 the median of the per-round ratios (`paired_ratios`); and a second, separately
 compiled copy of a program (`fresh`, checked with `same_hlo`) timed in the same
-rounds gives the noise floor.
+rounds gives the noise floor. A `Probe` timed before each round drops the rounds in
+which another job held a core.
 """
 
 from ._timing import (
@@ -18,6 +19,7 @@ from ._timing import (
     fresh as fresh,
     normalised_hlo as normalised_hlo,
     paired_ratios as paired_ratios,
+    Probe as Probe,
     quartiles as quartiles,
     same_hlo as same_hlo,
     temp_bytes as temp_bytes,

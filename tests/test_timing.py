@@ -82,6 +82,45 @@ def test_drop_above_stops_timing_slow_thunks_after_two_rounds():
     assert on == [(0, 2), (1, 2)]
 
 
+def test_a_probe_drops_the_rounds_another_job_disturbed():
+    clock = FakeClock()
+    # The probe runs twice per round (settled, timed). It is slow (a core taken) in
+    # the second and fourth rounds, and the programs 3x slower then.
+    slow = iter([1, 1, 2, 2, 1, 1, 2, 2, 1, 1] + [2] * 6)
+    taken = False
+
+    def probe_run():
+        nonlocal taken
+        taken = next(slow) > 1
+        clock.now += 2e-3 if taken else 1e-3
+
+    def program():
+        clock.now += 3e-2 if taken else 1e-2
+
+    probe = timing.Probe(probe_run)
+    times = timing.time_interleaved(
+        [program] * 2, 0.0, min_rounds=5, max_rounds=5, settle=0, clock=clock,
+        probe=probe,
+    )  # fmt: skip
+    assert probe.disturbed() == [False, True, False, True, False]
+    assert times == [[pytest.approx(1e-2)] * 3] * 2
+    # A later call, every round disturbed by the probe's best so far: all kept.
+    times = timing.time_interleaved(
+        [program], 0.0, min_rounds=3, max_rounds=3, settle=0, clock=clock,
+        probe=probe,
+    )  # fmt: skip
+    assert probe.disturbed(5) == [True] * 3
+    assert times == [[pytest.approx(3e-2)] * 3]
+
+
+def test_the_probe_runs_a_threaded_program():
+    probe = timing.Probe()
+    for _ in range(3):
+        probe.time()
+    assert len(probe.times) == 3 and min(probe.times) > 0
+    assert probe.disturbed(3) == []
+
+
 def test_compile_seconds_builds_fresh_programs_in_rotating_turns():
     clock = FakeClock()
     made = []
