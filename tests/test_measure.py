@@ -168,6 +168,38 @@ def test_the_cap_times_fewer_candidates(monkeypatch):
     assert counts[1e-6] == 3 < counts[1e6]
 
 
+def test_a_candidate_timed_while_a_core_was_taken_is_timed_again(monkeypatch):
+    # Another job held a core while the second candidate ran: it is timed again,
+    # side by side with the fastest, however slow it seemed.
+    class Disturbed(cost.Probe):
+        def __init__(self):
+            super().__init__(run=lambda: None)
+
+        def time(self, clock=None):
+            self.times.append(3.0 if len(self.times) == 1 else 1.0)
+
+    confirmed, timers = [], []
+    interleaved, confirm = cost.time_interleaved, cost.Timer.confirm
+
+    def spy(fns, *args, **kwargs):
+        confirmed.append((list(fns), kwargs["probe"]))
+        return interleaved(fns, *args, **kwargs)
+
+    def keep(self):
+        timers.append(self)
+        return confirm(self)
+
+    monkeypatch.setattr(cost, "Probe", Disturbed)
+    monkeypatch.setattr(cost, "time_interleaved", spy)
+    monkeypatch.setattr(cost.Timer, "confirm", keep)
+    tune(_wrapper(Planner(cache_dir=False)), *_args())
+    (timer,) = timers
+    ((fns, probe),) = confirmed
+    late = next(k for k, i in timer.probed.items() if i == 1)
+    assert probe is timer.probe and probe.disturbed()[:3] == [False, True, False]
+    assert timer.runs[late][0] in fns and len(timer.timed) >= 3
+
+
 def test_the_walk_times_every_block_on_the_same_elements(monkeypatch):
     # The elements' loop counts differ along F, so a block is only comparable with
     # another on the same elements: every program the walk runs sees the same

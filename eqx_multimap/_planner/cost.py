@@ -18,7 +18,7 @@ from .._body import _sub_jaxprs, struct
 from .._nest import Build, build_levels, loop_body_inputs, run
 from .._progress_bar import tqdm_installed
 from .._resolve import Call
-from .._timing import time_interleaved
+from .._timing import Probe, time_interleaved
 from .model import best_of, concrete_inputs, PARALLEL_BYTES, TimeModel
 from .plan import PlanCandidate, ScanNest
 
@@ -225,7 +225,8 @@ class Timer:
     (a long run: once), less the cost of a call, which a whole call pays once,
     scaled to the whole call. `due` once timing has taken `CAP` times the first
     compile (with `grow`, the longest: a walk starts from the smallest block, often
-    the quickest to compile), less the 40% that `confirm` takes."""
+    the quickest to compile), less the 40% that `confirm` takes. A `Probe` timed
+    before each candidate finds those timed while another job held a core."""
 
     def __init__(self, parent: "Compiler", call: Call, values: bool, grow: bool):
         self.parent, self.call, self.values, self.grow = parent, call, values, grow
@@ -235,6 +236,8 @@ class Timer:
         self.runs: dict[tuple, tuple[Callable, float]] = {}  # by key: thunk, scale
         self.timed: dict[tuple, float] = {}
         self.slices: dict[tuple, dict[str, int]] = {}
+        self.probe: Probe | None = None  # timed before each candidate
+        self.probed: dict[tuple, int] = {}  # by key: the probe's time before it
 
     def left(self, share: float = 1.0) -> float:
         """Seconds left of `share` of the cap (`inf` before the first compile)."""
@@ -271,6 +274,9 @@ class Timer:
             args = _sliced(self.call, index, sub)
         args = jax.block_until_ready(args)
         thunk = lambda: program(args)  # noqa: E731
+        self.probe = self.probe or Probe()
+        self.probe.time()
+        self.probed[c.key] = len(self.probe.times) - 1
         if not self.runs:  # a program that does nothing: the cost of a call
             noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
             self.once = best_of(lambda: noop(args), RUNS)
@@ -291,15 +297,21 @@ class Timer:
         return max(seconds - self.once, 0.0) * scale + self.once
 
     def confirm(self) -> dict[tuple, float]:
-        """Time the candidates within `KEEP_WITHIN` of the fastest side by side,
-        for what is left of the time (two rounds at least); the best of each (the
-        least disturbed). The times, by key."""
+        """Time side by side the candidates within `KEEP_WITHIN` of the fastest,
+        and those timed while another job held a core (`Probe`), for what is left
+        of the time (two rounds at least, the disturbed ones dropped); the best of
+        each. The times, by key."""
         best = min(self.timed.values())
-        close = [k for k, t in self.timed.items() if t <= KEEP_WITHIN * best]
+        late = self.probe.disturbed() if self.probe else []
+        close = [
+            k for k, t in self.timed.items()
+            if t <= KEEP_WITHIN * best or late[self.probed[k]]
+        ]  # fmt: skip
         what = f"timing {len(close)} candidates"
         times = time_interleaved(
             [self.runs[k][0] for k in close], max(self.left(), 0.0), min_rounds=2,
             on_round=lambda r, n: self.parent.report(f"{what}, round {r}"),
+            probe=self.probe,
         ) if len(close) > 1 else []  # fmt: skip
         for k, ts in zip(close, times):
             self.timed[k] = min(self.timed[k], self._whole(min(ts), self.runs[k][1]))
@@ -536,7 +548,8 @@ def lockstep(jaxpr: Any) -> bool:
 
 def _unvmapped(jaxpr: Any) -> bool:
     return any(
-        eqn.primitive.name in ("unvmap_any", "unvmap_all") and eqn.invars[0].aval.shape
+        eqn.primitive.name in ("unvmap_any", "unvmap_all")
+        and eqn.invars[0].aval.shape
         or any(_unvmapped(j) for j in _sub_jaxprs(eqn))
         for eqn in jaxpr.eqns
     )
