@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import traceback_util
 
 
@@ -54,13 +55,13 @@ def fresh(fn: Callable) -> Callable:
     return fresh_fn
 
 
-DISTURBED = 1.4
+DISTURBED = 1.5
 """A round is disturbed if its probe took more than this many times the probe's best."""
 
 
 class Probe:
     """A program whose op XLA spreads over its threads (an elementwise loop over 1 MiB,
-    under a millisecond), timed before each round of [`time_interleaved`][]. A
+    about a millisecond), timed before each round of [`time_interleaved`][]. A
     round in which it ran more than `DISTURBED` times its best is *disturbed*:
     another job held a core. One probe may serve several calls: its best is over all
     its `times`.
@@ -72,8 +73,8 @@ class Probe:
 
     def __init__(self, run: Callable[[], Any] | None = None):
         if run is None:
-            x = jax.numpy.ones(2**18, jax.numpy.float32)
-            loop = lambda y: jax.lax.fori_loop(0, 30, lambda i, y: y * 0.999 + 1, y)
+            x = np.ones(2**18, np.float32)  # not traced: planning runs in a trace
+            loop = lambda y: jax.lax.fori_loop(0, 99, lambda i, y: y * 0.999 + 1, y)
             program = compiled(loop, x)
             run = lambda: program(x)  # noqa: E731
         self.run, self.times = run, []

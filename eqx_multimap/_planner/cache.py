@@ -151,7 +151,7 @@ def fingerprint(call: Call) -> str:
 
 
 def calibration_key() -> dict[str, Any]:
-    return {"machine": machine(), "versions": versions(), "calibration": 3}
+    return {"machine": machine(), "versions": versions(), "calibration": 4}
 
 
 def versions() -> dict[str, str]:

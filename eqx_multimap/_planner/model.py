@@ -24,6 +24,7 @@ from .._timing import compiled as compile_program, fmt_bytes
 # XLA:CPU splits an op over its threads only if it reads about this many bytes:
 # a dot from 128 KiB, a fusion from 64-256 KiB, not at 64 KiB (`docs/design.md`).
 PARALLEL_BYTES = 96 * 2**10
+SLICE = 64 * 2**10  # an op too small to split: how one core's bandwidth is measured
 DEFAULT_SOURCE = "default constants, set by hand for one 2-core x86-64"
 SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache"
 # The data caches (L1d, L2, L3) of the CPU the defaults were set on, and the
@@ -105,6 +106,13 @@ class TimeModel:
         compute = flops / self.flops + trans / self.transcendentals
         one_core = 1 + (self.cores - 1) * serial
         return (compute + memory) * one_core + trips * self.loop_overhead
+
+    @property
+    def fastest(self) -> int:
+        """The bytes that the levels of the highest bandwidth hold: a block whose
+        working set fits them gains nothing from being smaller."""
+        top = max((rate for _, rate in self.levels), default=0.0)
+        return max((size for size, rate in self.levels if rate >= top), default=0)
 
     def rate(self, nbytes: int) -> float:
         """The bandwidth of the smallest level that holds `nbytes`."""
@@ -239,14 +247,26 @@ def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | No
     return amount / seconds if amount > 0 and seconds > 0 else None
 
 
-def stream_bandwidth(nbytes: int, repeats: int = 7) -> float | None:
+def stream_bandwidth(
+    nbytes: int, repeats: int = 7, one_core: bool = False
+) -> float | None:
     """Bytes per second read and written by `y = a * y + b` over `nbytes`, in a
-    loop so that the data stays in the level it fits."""
+    loop so that the data stays in the level it fits; with `one_core`, a slice of
+    at most `SLICE` bytes at a time, an op too small for XLA to split."""
     n = max(nbytes // 4, 256)
-    reps = max(2, 2**28 // (4 * n))
-    loop = lambda x: jax.lax.fori_loop(0, reps, lambda i, y: y * 0.999 + 1.0, x)
+    k = min(n, SLICE // 4) if one_core else n  # elements per op
+    n, reps = n // k * k, max(2, 2**28 // (4 * k))
+
+    def step(i: Any, y: Any) -> Any:
+        if k == n:
+            return y * 0.999 + 1.0
+        at = (i % (n // k)) * k
+        part = jax.lax.dynamic_slice(y, (at,), (k,))
+        return jax.lax.dynamic_update_slice(y, part * 0.999 + 1.0, (at,))
+
+    loop = lambda x: jax.lax.fori_loop(0, reps, step, x)
     per_second = _timed(loop, [jax.ShapeDtypeStruct((n,), jnp.float32)], repeats)
-    return 8 * n * reps * per_second if per_second else None
+    return 8 * k * reps * per_second if per_second else None
 
 
 def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
@@ -270,15 +290,21 @@ def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
 def calibrate(repeats: int = 7) -> TimeModel:
     """Measure the time model's constants on the default backend's first device: a
     matmul, an `exp`, a streaming kernel inside each level of the memory hierarchy
-    and past the last, and a scan of small steps. A constant that cannot be
-    measured keeps its default."""
+    (a core's own levels on one core) and past the last, and a scan of small steps.
+    A constant that cannot be measured keeps its default."""
     start = time.perf_counter()
     default = TimeModel.for_backend(jax.default_backend())
     matmul = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
     vector = [jax.ShapeDtypeStruct((2**20,), jnp.float32)]
     exp = lambda x: jnp.sum(jnp.exp(x))
     sizes = [size for size, _ in default.levels]
-    rates = [stream_bandwidth(size // 2, repeats) for size in sizes]
+    # A core's own caches (all but the last level): one core's bandwidth, in ops
+    # too small to split, times the cores (an op split over all of them pays for
+    # waking its threads, which hides the level's speed); the last level and
+    # memory, which the cores share: ops split over all of them.
+    one_core = [stream_bandwidth(s // 2, repeats, True) for s in sizes[:-1]]
+    rates = [r and r * default.cores for r in one_core]
+    rates += [stream_bandwidth(s // 2, repeats) for s in sizes[-1:]]
     memory = stream_bandwidth(min(4 * max(sizes, default=2**24), 2**28), repeats)
     # A smaller level is never slower than a larger one: noise is.
     floor, levels = memory or default.bandwidth, []

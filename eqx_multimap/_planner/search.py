@@ -44,7 +44,7 @@ SAFE_FRACTION = 1 / 8
 # A compile (another ladder, a larger block) is worth an estimate this much faster:
 # smaller differences are within the time model's error.
 MATERIAL = 1.05
-SEARCH_VERSION = 10  # bumped when the search chooses otherwise: older plans unused
+SEARCH_VERSION = 11  # bumped when the search chooses otherwise: older plans unused
 
 Steps = list[PlanCandidate]  # a ladder: largest block first
 Choice = tuple[PlanCandidate, Steps, dict[tuple, float], str]
@@ -281,23 +281,27 @@ class Search:
         self.ref = self.compiler.reference(self.known[full.key])
         f = self.costed(full)
         # Full vmap is kept, unsearched, if it fits, its working set is within the
-        # last cache level, nothing runs in lockstep and the planner does not measure.
-        last = max((size for size, _ in self.model.levels), default=0)
+        # fastest levels of memory, nothing runs in lockstep and the planner does
+        # not measure.
+        fast = self.model.fastest
         go = bool(ladders) and (
-            not f.fits or (f.working_set or 0) > last or self.measure or self.lockstep
+            not f.fits or (f.working_set or 0) > fast or self.measure or self.lockstep
         )
         # A body whose while loop runs in lockstep is measured by `walk`, which
         # needs no search by the model.
         walk = go and self.measure and self.lockstep
         walked = self.measured(ladders, None) if walk else None
         for i, steps in enumerate(ladders if go and walked is None else []):
-            why = self.skipped(steps) if i > 0 else None  # the first: always searched
+            # The first ladder is searched unless full vmap fits and no block of it
+            # is est. faster (by the figures predicted from full vmap's).
+            why = self.skipped(steps) if i > 0 or f.fits else None
             if why is None:
                 self.search(steps, f)
             for c in steps if why else []:
                 self.note(c, why)
-        ws, cache = fmt_bytes(f.working_set or 0), fmt_bytes(last)
-        kept = f"full vmap fits, and its working set ({ws}) is within {cache} of cache"
+        ws, cache = fmt_bytes(f.working_set or 0), fmt_bytes(fast)
+        kept = f"full vmap fits, and its working set ({ws}) is within the fastest "
+        kept += f"{cache} of memory"
         for c in self.considered.values() if not go else ():
             self.note(c, f"not compiled: {kept}: nothing else needed")
         choice = walked

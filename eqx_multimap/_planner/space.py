@@ -251,7 +251,7 @@ def summary(
     head = f"Chose {chosen.nest(request.sizes)}: "
     temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(request.budget)
     whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
-    last = request.model.levels[-1][0] if request.model.levels else math.inf
+    fast = request.model.fastest if request.model.levels else math.inf
     if not free:
         return head + (
             "every mapped dim has a strategy given, so there was nothing to plan; it "
@@ -260,14 +260,14 @@ def summary(
     if not searched:
         return (
             f"{head}{whole} fits ({temp} <= {b}) and its working set is within the "
-            "last level of cache; nothing else was compiled."
+            "fastest levels of memory; nothing else was compiled."
         )
     why = f"{whole} fits ({temp} <= {b})"
     if not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
-    elif not timed and (full.working_set or 0) > last:
-        ws, top = fmt_bytes(full.working_set or 0), fmt_bytes(last)
-        why += f" but its working set ({ws}) is past the last level of cache ({top})"
+    elif not timed and (full.working_set or 0) > fast:
+        ws, top = fmt_bytes(full.working_set or 0), fmt_bytes(fast)
+        why += f" but its working set ({ws}) is past the fastest {top} of memory"
     how = _why_chosen(chosen, timed, len(compared))
     if chosen.predicted:
         how += ", its temporaries predicted far within the budget"
