@@ -260,7 +260,10 @@ def test_auto_matches_reference(getkey, workload, budget_kind):
     assert plan.chosen.fits
     print(full_temp, plan)
     if budget_kind == "generous" or full_temp == 0:
-        assert plan.scan == {}
+        # Full vmap, unless a block is est. faster (its working set in a faster
+        # level of memory).
+        (whole,) = [c for c in plan.candidates if c.source == "full vmap"]
+        assert plan.scan == {} or plan.chosen.seconds < whole.seconds
     else:
         assert plan.scan and plan.chosen.temp_bytes <= budget
     out = f(*args, **kwargs)

@@ -118,22 +118,41 @@ def test_calibration_takes_the_best_of_repeated_runs():
 
 def test_calibrated_levels_are_the_machines(monkeypatch):
     # The calibration measures one bandwidth per level, each inside it, and one
-    # past the last; each is the best of the repeats.
-    sizes = []
+    # past the last; a core's own levels (all but the last) on one core, times the
+    # cores; each is the best of the repeats.
+    calls = []
 
-    def stream(nbytes, repeats):
-        sizes.append((nbytes, repeats))
-        return 1e11 / len(sizes)
+    def stream(nbytes, repeats, one_core=False):
+        calls.append((nbytes, repeats, one_core))
+        return 1e11 / len(calls)
 
     monkeypatch.setattr(_model, "stream_bandwidth", stream)
     model = _model.calibrate(repeats=2)
-    levels = [s for s, _ in TimeModel.for_backend("cpu").levels]
+    default = TimeModel.for_backend("cpu")
+    levels = [s for s, _ in default.levels]
     assert [s for s, _ in model.levels] == levels
-    assert [n for n, _ in sizes[:-1]] == [s // 2 for s in levels]
-    assert sizes[-1][0] > levels[-1] and all(r == 2 for _, r in sizes)
+    assert [n for n, _, _ in calls[:-1]] == [s // 2 for s in levels]
+    assert [one for _, _, one in calls] == [True] * (len(levels) - 1) + [False] * 2
+    assert calls[-1][0] > levels[-1] and all(r == 2 for _, r, _ in calls)
+    assert model.levels[0][1] == 1e11 * default.cores
     rates = [r for _, r in model.levels] + [model.bandwidth]
     assert rates == sorted(rates, reverse=True)
     assert model.calibrated and "caches" in (model.calibration or "")
+
+
+def test_one_core_bandwidth_streams_slices_in_place():
+    # On one core: slices of `SLICE` bytes, each read and written once per pass.
+    whole = _model.stream_bandwidth(2**20, 2)
+    one = _model.stream_bandwidth(2**20, 2, one_core=True)
+    assert whole and one and 1e8 < one < 1e13 and 1e8 < whole < 1e13
+
+
+def test_fastest_levels():
+    flat = TimeModel(levels=((2**10, 5.0), (2**20, 5.0)), bandwidth=1.0)
+    steep = TimeModel(levels=((2**10, 5.0), (2**20, 4.0)), bandwidth=1.0)
+    assert (flat.fastest, steep.fastest, TimeModel(levels=()).fastest) == (
+        2**20, 2**10, 0,
+    )  # fmt: skip
 
 
 def test_accelerator_profile():
@@ -188,10 +207,20 @@ def _ws(plan, c):
 SMALL = 64 * KiB
 
 
-def test_full_vmap_within_the_last_level_is_kept(getkey):
+def test_full_vmap_within_the_fastest_levels_is_kept(getkey):
     plan = _plan(TimeModel(levels=((2**30, 1e11),)), getkey)
     assert plan.scan == {} and plan.n_compiled == 1
-    assert "within 1.0 GiB of cache" in " ".join(plan.table(all=True).split())
+    table = " ".join(plan.table(all=True).split())
+    assert "within the fastest 1.0 GiB of memory" in table
+
+
+def test_full_vmap_is_kept_if_no_block_is_est_materially_faster(getkey):
+    # Full vmap is past the fastest level, but the next is only 1% slower: no block
+    # inside the fastest is est. 5% faster, so nothing else is compiled.
+    model = TimeModel(levels=((SMALL, 1e11), (2**30, 0.99e11)))
+    plan = _plan(model, getkey)
+    assert plan.scan == {} and plan.n_compiled == 1
+    assert "est. 5% faster" in " ".join(plan.table(all=True).split())
 
 
 def test_a_block_inside_a_level_is_compiled_and_chosen(getkey):

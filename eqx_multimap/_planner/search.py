@@ -293,8 +293,10 @@ class Search:
         walked = self.measured(ladders, None) if walk else None
         for i, steps in enumerate(ladders if go and walked is None else []):
             # The first ladder is searched unless full vmap fits and no block of it
-            # is est. faster (by the figures predicted from full vmap's).
-            why = self.skipped(steps) if i > 0 or f.fits else None
+            # is est. faster (by the figures predicted from full vmap's); in
+            # lockstep, always: the estimate cannot see a larger block's waste.
+            first = i == 0 and (self.lockstep or not f.fits)
+            why = None if first else self.skipped(steps)
             if why is None:
                 self.search(steps, f)
             for c in steps if why else []:
