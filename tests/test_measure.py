@@ -200,6 +200,30 @@ def test_a_candidate_timed_while_a_core_was_taken_is_timed_again(monkeypatch):
     assert timer.runs[late][0] in fns and len(timer.timed) >= 3
 
 
+def test_a_quick_call_is_timed_whole(monkeypatch):
+    # No while loop: the blocks are timed on the whole call when it is est. quick,
+    # else each on a slice of a few of its blocks.
+    from eqx_multimap._planner import search
+
+    def body(x):
+        return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
+
+    x = jax.random.normal(jax.random.key(0), (256, 8, 16))
+    seen = _first_arguments_run(monkeypatch, lambda a: a.shape[:2])
+    for below, what in ((1e9, "each on the whole call"), (0.0, "each on a slice")):
+        monkeypatch.setattr(search, "WHOLE_BELOW", below)
+        seen.clear()
+        f = filter_multi_vmap(
+            body, in_dims="T B K", out_dims="T B", plan=Planner(cache_dir=False)
+        )
+        plan = tune(f, x)
+        assert what in plan.summary and plan.chosen.measured is not None
+        assert seen and (below == 0 or all(s == (256, 8) for s in seen))
+        np.testing.assert_allclose(
+            f(x), jax.vmap(jax.vmap(body))(x), rtol=1e-5, atol=1e-5
+        )
+
+
 def test_the_walk_times_every_block_on_the_same_elements(monkeypatch):
     # The elements' loop counts differ along F, so a block is only comparable with
     # another on the same elements: every program the walk runs sees the same

@@ -175,6 +175,9 @@ WALK_FIRST = 8
 WALK_SLOWER = 1.10
 WALK_RUNS = 4
 RUNS = 3  # a candidate's time: the best of this many runs, unless slow
+# A call est. quicker than this is timed whole: on a sub-slice, a few blocks' time
+# scaled up can be 2x off.
+WHOLE_BELOW = 0.05  # seconds
 
 
 Index = dict[str, np.ndarray]  # the elements of some dims
@@ -221,15 +224,19 @@ def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
 
 class Timer:
     """Times candidates on sub-slices (`sub_slice`; `slices`: their sizes) of the
-    call's values (with `values`; else of made-up arrays): the best of `RUNS` runs
+    call's values (with `values`; else of made-up arrays), or, with `whole`, on the
+    whole call: the best of `RUNS` runs
     (a long run: once), less the cost of a call, which a whole call pays once,
     scaled to the whole call. `due` once timing has taken `CAP` times the first
     compile (with `grow`, the longest: a walk starts from the smallest block, often
     the quickest to compile), less the 40% that `confirm` takes. A `Probe` timed
     before each candidate finds those timed while another job held a core."""
 
-    def __init__(self, parent: "Compiler", call: Call, values: bool, grow: bool):
+    def __init__(
+        self, parent: "Compiler", call: Call, values: bool, grow: bool, whole: bool
+    ):
         self.parent, self.call, self.values, self.grow = parent, call, values, grow
+        self.whole = whole
         self.once = 0.0  # the cost of a call
         self.start: float | None = None  # of the first compile
         self.longest = 0.0  # the compile the cap counts from
@@ -254,7 +261,8 @@ class Timer:
         if c.key in self.timed:
             return self.timed[c.key]
         sizes = self.parent.sizes
-        index = sub_slice(c, sizes) if index is None else index
+        if index is None:
+            index = {} if self.whole else sub_slice(c, sizes)
         sub = {**sizes, **{n: len(x) for n, x in index.items()}}
         scan = tuple((n, k if k is None else min(k, sub[n])) for n, k in c.scan)
         compiler = Compiler(self.call, sub, self.parent.model, self.parent.backward)

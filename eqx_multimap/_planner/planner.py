@@ -27,7 +27,7 @@ from .cache import (
     plan_json,
     plan_key,
 )
-from .cost import CAP, Compiler, Progress
+from .cost import CAP, Compiler, Progress, WHOLE_BELOW
 from .model import calibrate, TimeModel
 from .plan import Plan
 from .search import Search
@@ -362,7 +362,9 @@ def _measured(plan: Plan, slices: dict, values: bool, walked: bool) -> str:
         return ""
     what = "the call's arguments" if values else "made-up inputs of its shapes"
     how = "each on a slice of its scanned dims holding a few of its blocks"
-    if walked:
+    if not any(slices.values()):
+        how = f"each on the whole call (est. under {WHOLE_BELOW * 1e3:g} ms)"
+    elif walked:
         how = "blocks walked up from the smallest (a while loop in lockstep), all on "
         how += "one slice"
     sub, sizes = slices.get(plan.chosen.key, {}), dict(plan.sizes)

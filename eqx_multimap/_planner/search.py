@@ -19,6 +19,7 @@ from .cost import (
     Timer,
     WALK_FIRST,
     WALK_SLOWER,
+    WHOLE_BELOW,
 )
 from .plan import Plan, PlanCandidate
 from .space import (
@@ -352,7 +353,11 @@ class Search:
         The fastest (its memory compiled; the model's choice if within
         `KEEP_WITHIN` of it), those timed, their times, and a note if timing was
         impossible; `None` if nothing timed fits, or timing failed in lockstep."""
-        timer = Timer(self.compiler, self.call, self.request.values, not model_choice)
+        full = next(iter(self.considered.values()))
+        whole = model_choice is not None and self.seconds_at(full) < WHOLE_BELOW
+        timer = Timer(
+            self.compiler, self.call, self.request.values, not model_choice, whole
+        )
         try:
             self.walk(ladders, timer, model_choice)
             if not timer.timed:
