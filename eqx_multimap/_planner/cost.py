@@ -225,12 +225,12 @@ def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
 class Timer:
     """Times candidates on sub-slices (`sub_slice`; `slices`: their sizes) of the
     call's values (with `values`; else of made-up arrays), or, with `whole`, on the
-    whole call: the best of `RUNS` runs
-    (a long run: once), less the cost of a call, which a whole call pays once,
-    scaled to the whole call. `due` once timing has taken `CAP` times the first
-    compile (with `grow`, the longest: a walk starts from the smallest block, often
-    the quickest to compile), less the 40% that `confirm` takes. A `Probe` timed
-    before each candidate finds those timed while another job held a core."""
+    whole call: the best of `RUNS` runs (a long run: once), less the cost of a call,
+    which a whole call pays once, scaled to the whole call. `due` once timing has
+    taken `CAP` times the first compile (with `grow`, the longest: a walk starts
+    from the smallest block, often the quickest to compile), less the 40% that
+    `confirm` takes. A `Probe` timed before each candidate finds those timed while
+    another job held a core."""
 
     def __init__(
         self, parent: "Compiler", call: Call, values: bool, grow: bool, whole: bool
