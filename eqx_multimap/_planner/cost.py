@@ -373,6 +373,7 @@ class Compiler:
         self.n_compiled = 0
         self.jaxpr: Any = None  # of the program compiled last
         self.programs: dict[NestSpec, Any] = {}  # by nest: those `memory` compiled
+        self.jaxprs: dict[NestSpec, Any] = {}  # and their jaxprs
         # Differentiated, the outputs whose cotangents a loop iteration holds.
         self._outs: list[tuple[int, Any]] = []
 
@@ -420,14 +421,14 @@ class Compiler:
         """Compile the candidate's program; its temporary memory."""
         fn, specs = self._program(cand.spec)
         compiled = self.compile(fn, specs, f"compiling {cand.nest(self.sizes)}")
-        self.programs[cand.spec] = compiled
+        self.programs[cand.spec], self.jaxprs[cand.spec] = compiled, self.jaxpr
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def reference(self, full: PlanCandidate) -> Reference:
         """What the search predicts every candidate from: full vmap (`full`, its
         memory compiled), its costs, and the leaves."""
         assert full.temp_bytes is not None
-        ops = tuple(op_bytes(self.jaxpr))  # of full vmap's program, compiled last
+        ops = tuple(op_bytes(self.jaxprs[full.spec]))
         compiled = self.programs[full.spec]
         if full.scan and self.backward:  # the forward nest: its loop bodies are added
             what = f"compiling the forward nest of {full.nest(self.sizes)}"
@@ -477,7 +478,7 @@ class Compiler:
         assert not self.backward
         compiled = self.programs[cand.spec]
         io = sum(leaf(s, {}).nbytes for s in [*self.specs, *compiled.out_info])
-        one = serial(op_bytes(self.jaxpr), 1.0)
+        one = serial(op_bytes(self.jaxprs[cand.spec]), 1.0)
         return self._with_costs(cand, *self.corrected_cost(compiled, cand), one, io)
 
     def corrected_cost(

@@ -278,7 +278,7 @@ class Search:
         """Search the ladders: the chosen candidate, those compared, their measured
         times (measured mode), and the summary."""
         self.memory(full)
-        self.lockstep = lockstep(self.compiler.jaxpr)
+        self.lockstep = lockstep(self.compiler.jaxprs[full.spec])
         self.ref = self.compiler.reference(self.known[full.key])
         f = self.costed(full)
         # Full vmap is kept, unsearched, if it fits, its working set is within the
@@ -353,8 +353,8 @@ class Search:
         The fastest (its memory compiled; the model's choice if within
         `KEEP_WITHIN` of it), those timed, their times, and a note if timing was
         impossible; `None` if nothing timed fits, or timing failed in lockstep."""
-        full = next(iter(self.considered.values()))
-        whole = model_choice is not None and self.seconds_at(full) < WHOLE_BELOW
+        est = self.seconds_at(self.ref.full)
+        whole = model_choice is not None and est < WHOLE_BELOW
         timer = Timer(
             self.compiler, self.call, self.request.values, not model_choice, whole
         )
