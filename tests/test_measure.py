@@ -169,14 +169,15 @@ def test_the_cap_times_fewer_candidates(monkeypatch):
 
 
 def test_a_candidate_timed_while_a_core_was_taken_is_timed_again(monkeypatch):
-    # Another job held a core while the second candidate ran: it is timed again,
-    # side by side with the fastest, however slow it seemed.
+    # Another job held a core while every candidate but the first ran: each is
+    # timed again, side by side, however slow it seemed. (Marking one only, the
+    # test would depend on its time: alone the fastest, it has no one to race.)
     class Disturbed(cost.Probe):
         def __init__(self):
             super().__init__(run=lambda: None)
 
         def time(self, clock=None):
-            self.times.append(3.0 if len(self.times) == 1 else 1.0)
+            self.times.append(3.0 if self.times else 1.0)
 
     confirmed, timers = [], []
     interleaved, confirm = cost.time_interleaved, cost.Timer.confirm
@@ -190,14 +191,16 @@ def test_a_candidate_timed_while_a_core_was_taken_is_timed_again(monkeypatch):
         return confirm(self)
 
     monkeypatch.setattr(cost, "Probe", Disturbed)
+    monkeypatch.setattr(cost, "KEEP_WITHIN", 1.0)  # none re-timed for being close
     monkeypatch.setattr(cost, "time_interleaved", spy)
     monkeypatch.setattr(cost.Timer, "confirm", keep)
     tune(_wrapper(Planner(cache_dir=False)), *_args())
     (timer,) = timers
     ((fns, probe),) = confirmed
-    late = next(k for k, i in timer.probed.items() if i == 1)
-    assert probe is timer.probe and probe.disturbed()[:3] == [False, True, False]
-    assert timer.runs[late][0] in fns and len(timer.timed) >= 3
+    late = [k for k, i in timer.probed.items() if i >= 1]
+    assert probe is timer.probe and probe.disturbed()[:3] == [False, True, True]
+    assert len(timer.timed) >= 3 and len(late) == len(timer.timed) - 1
+    assert all(timer.runs[k][0] in fns for k in late)
 
 
 def test_a_quick_call_is_timed_whole(monkeypatch):
