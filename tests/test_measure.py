@@ -222,8 +222,11 @@ def test_a_quick_call_is_timed_whole(monkeypatch):
         plan = tune(f, x)
         assert what in plan.summary and plan.chosen.measured is not None
         assert seen and (below == 0 or all(s == (256, 8) for s in seen))
+        # Each element sums 256 float32 products of size ~1 in an order the nest
+        # picks (XLA fuses the block's matmul differently), so the absolute
+        # error is a few 1e-5 where the sum nearly cancels.
         np.testing.assert_allclose(
-            f(x), jax.vmap(jax.vmap(body))(x), rtol=1e-5, atol=1e-5
+            f(x), jax.vmap(jax.vmap(body))(x), rtol=1e-5, atol=1e-4
         )
 
 
