@@ -125,9 +125,8 @@ logger = logging.getLogger("eqx_multimap")
 
 
 class Progress:
-    """Reports a planning run that has taken `after` seconds: each step is logged at
-    INFO level on the `"eqx_multimap"` logger and, with `verbose`, shown on a `tqdm`
-    progress bar (if installed; it is optional: the `bench` extra installs it)."""
+    """Reports a planning run once it has taken `after` seconds: each step logged at
+    INFO level on the `"eqx_multimap"` logger and, with `verbose`, on a `tqdm` bar."""
 
     def __init__(self, what: str, verbose: bool, after: float = 1.0):
         self.what, self.verbose, self.after = what, verbose, after
@@ -158,23 +157,22 @@ class Progress:
             logger.info("%s: planned in %.1f s (%d steps)", self.what, seconds, self.n)
 
 
-# Measured mode times candidates (`Search.walk`), each on a sub-slice of the
-# mapped dims holding `BLOCKS` of its loop trips (and at least `MIN_SLICE` of the
-# elements), and compiles no more once planning has taken `CAP` times a compile. It
-# keeps the model's choice unless another measured faster by more than
-# `KEEP_WITHIN`.
+# Measured mode (`Search.walk`) times each candidate on a sub-slice holding `BLOCKS`
+# of its loop trips (at least `MIN_SLICE` of the elements), and compiles no more
+# once planning has taken `CAP` times a compile. It keeps the model's choice unless
+# another measured faster by more than `KEEP_WITHIN`.
 BLOCKS = 4
 MIN_SLICE = 1 / 8
 CAP = 6.0
 KEEP_WITHIN = 1.10
-SLOW_RUN = 0.25  # seconds
+RUNS = 3  # a candidate's time: the best of this many runs,
+SLOW_RUN = 0.25  # seconds; of one if it takes longer
 # The walk stops at a block `WALK_SLOWER` than the best. In lockstep it starts from
 # about `WALK_FIRST` elements along each dim, every block timed on the same
 # elements: `WALK_RUNS` runs along each dim (`spread`).
 WALK_FIRST = 8
 WALK_SLOWER = 1.10
 WALK_RUNS = 4
-RUNS = 3  # a candidate's time: the best of this many runs, unless slow
 # A call est. quicker than this is timed whole: on a sub-slice, a few blocks' time
 # scaled up can be 2x off.
 WHOLE_BELOW = 0.05  # seconds
@@ -223,14 +221,10 @@ def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
 
 
 class Timer:
-    """Times candidates on sub-slices (`sub_slice`; `slices`: their sizes) of the
-    call's values (with `values`; else of made-up arrays), or, with `whole`, on the
-    whole call: the best of `RUNS` runs (a long run: once), less the cost of a call,
-    which a whole call pays once, scaled to the whole call. `due` once timing has
-    taken `CAP` times the first compile (with `grow`, the longest: a walk starts
-    from the smallest block, often the quickest to compile), less the 40% that
-    `confirm` takes. A `Probe` timed before each candidate finds those timed while
-    another job held a core."""
+    """Times candidates on sub-slices (`sub_slice`) of the call's values (with
+    `values`; else of made-up arrays), or with `whole` on the whole call: less the
+    cost of a call, which a whole call pays once, scaled to the whole call. A `Probe`
+    timed before each candidate finds those timed while another job held a core."""
 
     def __init__(
         self, parent: "Compiler", call: Call, values: bool, grow: bool, whole: bool
@@ -242,7 +236,7 @@ class Timer:
         self.longest = 0.0  # the compile the cap counts from
         self.runs: dict[tuple, tuple[Callable, float]] = {}  # by key: thunk, scale
         self.timed: dict[tuple, float] = {}
-        self.slices: dict[tuple, dict[str, int]] = {}
+        self.slices: dict[tuple, dict[str, int]] = {}  # by key: the sizes timed at
         self.probe: Probe | None = None  # timed before each candidate
         self.probed: dict[tuple, int] = {}  # by key: the probe's time before it
 
@@ -253,6 +247,9 @@ class Timer:
         return self.start + share * CAP * self.longest - time.perf_counter()
 
     def due(self) -> bool:
+        """Whether timing has taken `CAP` times the first compile (with `grow`, the
+        longest: a walk starts from the smallest block, often the quickest to
+        compile), less the 40% that `confirm` takes."""
         return self.left(0.6) < 0
 
     def time(self, c: PlanCandidate, index: Index | None = None) -> float:
@@ -447,19 +444,14 @@ class Compiler:
 
     def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
         """`cand` with its costs predicted from `ref`, and its estimated time."""
-        costs, ws = ref.costs(cand), ref.working_set(cand)
-        return self._with_costs(cand, *costs, ws, ref.serial(cand), ref.io())
+        costs = (*ref.costs(cand), ref.working_set(cand))
+        return self._with_costs(cand, costs, ref.serial(cand), ref.io())
 
     def _with_costs(
-        self,
-        cand: PlanCandidate,
-        flops: float,
-        trans: float,
-        nbytes: float,
-        ws: int,
-        serial: float,
-        io: int,
+        self, cand: PlanCandidate, costs: tuple, serial: float, io: int
     ) -> PlanCandidate:
+        """`cand` with its `costs` (as `corrected_cost`'s) and its estimated time."""
+        flops, trans, nbytes, ws = costs
         trips = cand.trips if cand.scan else 0
         seconds = self.model.seconds(flops, trans, nbytes, trips, ws, serial, io)
         return dataclasses.replace(
@@ -479,7 +471,7 @@ class Compiler:
         compiled = self.programs[cand.spec]
         io = sum(leaf(s, {}).nbytes for s in [*self.specs, *compiled.out_info])
         one = serial(op_bytes(self.jaxprs[cand.spec]), 1.0)
-        return self._with_costs(cand, *self.corrected_cost(compiled, cand), one, io)
+        return self._with_costs(cand, self.corrected_cost(compiled, cand), one, io)
 
     def corrected_cost(
         self, compiled: Any, cand: PlanCandidate
@@ -524,44 +516,43 @@ def op_bytes(jaxpr: Any) -> list[int]:
     of them); none if it cannot be read, or if it runs a while loop in lockstep:
     the waste of a larger block, which the model cannot see, outweighs its threads."""
     try:
-        return [] if lockstep(jaxpr) else list(_op_bytes(jaxpr))
+        if lockstep(jaxpr):
+            return []
+        ops = (e for e in _eqns(jaxpr) if e.primitive.name not in _MOVES)
+        reads = [_reads(e) for e in ops if not _sub_jaxprs(e)]
+        return [n for n in reads if n]
     except Exception:  # an unfamiliar jaxpr: no op is taken to be small
         return []
 
 
-def _op_bytes(jaxpr: Any) -> Iterator[int]:
-    for eqn in jaxpr.eqns:
-        subs = _sub_jaxprs(eqn)
-        for sub in subs:
-            yield from _op_bytes(sub)
-        if not subs and eqn.primitive.name not in _MOVES:
-            avals = [v.aval for v in eqn.invars]
-            n = sum(a.size * a.dtype.itemsize for a in avals if hasattr(a, "size"))
-            if n:
-                yield int(n)
+def _reads(eqn: Any) -> int:
+    avals = [v.aval for v in eqn.invars]
+    return int(sum(a.size * a.dtype.itemsize for a in avals if hasattr(a, "size")))
 
 
 def lockstep(jaxpr: Any) -> bool:
     """Whether a vmapped program runs a while loop in lockstep: its predicate is
     batched (as is, or reduced by equinox's `unvmap_any`), so each block loops as
     long as its slowest element."""
-    for eqn in jaxpr.eqns:
+    for eqn in _eqns(jaxpr):
         if eqn.primitive.name == "while":
             cond = eqn.params["cond_jaxpr"].jaxpr
-            if cond.outvars[0].aval.shape or _unvmapped(cond):
+            if cond.outvars[0].aval.shape or any(map(_unvmapped, _eqns(cond))):
                 return True
-        if any(lockstep(j) for j in _sub_jaxprs(eqn)):
-            return True
     return False
 
 
-def _unvmapped(jaxpr: Any) -> bool:
-    return any(
-        eqn.primitive.name in ("unvmap_any", "unvmap_all")
-        and eqn.invars[0].aval.shape
-        or any(_unvmapped(j) for j in _sub_jaxprs(eqn))
-        for eqn in jaxpr.eqns
-    )
+def _unvmapped(eqn: Any) -> bool:
+    unvmap = eqn.primitive.name in ("unvmap_any", "unvmap_all")
+    return unvmap and bool(eqn.invars[0].aval.shape)
+
+
+def _eqns(jaxpr: Any) -> Iterator[Any]:
+    """The equations of `jaxpr` and, after each, those of its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _sub_jaxprs(eqn):
+            yield from _eqns(sub)
 
 
 def _inexact(s: Any) -> bool:

@@ -158,9 +158,6 @@ class TimeModel:
         return cls(**{**data, "levels": tuple(map(tuple, levels))})
 
 
-# --- The machine
-
-
 def _cores() -> int:
     """The cores this process may run on: XLA:CPU's threads."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
@@ -213,28 +210,23 @@ def concrete_inputs(specs: Any) -> Any:
             data = np.zeros(tuple(s.shape) + tuple(impl.key_shape), np.uint32)
             return jax.random.wrap_key_data(data, impl=impl.name)
         if jnp.issubdtype(dtype, jnp.complexfloating):
-            x = rng.random(s.shape) + 1j * rng.random(s.shape)
-            return jax.device_put(np.asarray(2 * x - (1 + 1j)).astype(dtype))
-        if jnp.issubdtype(dtype, jnp.floating):
+            x = 2 * (rng.random(s.shape) + 1j * rng.random(s.shape)) - (1 + 1j)
+        elif jnp.issubdtype(dtype, jnp.floating):
             x = rng.random(s.shape, dtype=np.float32) * 2 - 1
-            return jax.device_put(np.asarray(x).astype(dtype))
-        return jax.device_put(np.zeros(s.shape, dtype))
+        else:
+            x = np.zeros(s.shape, dtype)
+        return jax.device_put(np.asarray(x).astype(dtype))
 
     with jax.ensure_compile_time_eval():
         return jax.tree.map(make, specs)
 
 
-# --- Calibration: each constant the best of repeated runs, as `timeit` advises, so
-# that another job's noise on the machine does not move it.
-
-
 def best_of(fn: Callable[[], Any], repeats: int, timer: Callable = time.perf_counter):
-    """The quickest of `repeats` timed calls of `fn`, after one untimed call."""
-    jax.block_until_ready(fn())
-    times = timeit.repeat(
-        lambda: jax.block_until_ready(fn()), timer=timer, repeat=repeats, number=1
-    )
-    return min(times)
+    """The quickest of `repeats` timed calls of `fn`, after one untimed call: as
+    `timeit` advises, so that another job's noise on the machine does not move it."""
+    run = lambda: jax.block_until_ready(fn())  # noqa: E731
+    run()
+    return min(timeit.repeat(run, timer=timer, repeat=repeats, number=1))
 
 
 def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | None:
@@ -247,9 +239,7 @@ def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | No
     return amount / seconds if amount > 0 and seconds > 0 else None
 
 
-def stream_bandwidth(
-    nbytes: int, repeats: int = 7, one_core: bool = False
-) -> float | None:
+def stream_bandwidth(nbytes: int, repeats: int, one_core: bool = False) -> float | None:
     """Bytes per second read and written by `y = a * y + b` over `nbytes`, in a
     loop so that the data stays in the level it fits; with `one_core`, a slice of
     at most `SLICE` bytes at a time, an op too small for XLA to split."""
