@@ -50,7 +50,7 @@ class Reference:
     sizes: dict[str, int]
     inputs: tuple[Leaf, ...]
     outputs: tuple[Leaf, ...]
-    ops: tuple[int, ...] = ()  # the bytes each op of full vmap reads
+    ops: tuple[int, ...]  # the bytes each op of full vmap reads
 
     def io(self) -> int:
         """The bytes of every input and output, each read or written once."""
@@ -182,10 +182,9 @@ Index = dict[str, np.ndarray]  # the elements of some dims
 
 
 def sub_slice(c: PlanCandidate, sizes: dict[str, int]) -> Index:
-    """The elements of each dim `c` scans that it is timed on: whole chunks, spread
+    """The elements of each dim `c` scans that it is timed on: whole chunks spread
     evenly over the dim (a cost that depends on the data may vary along it),
-    `BLOCKS` loop trips or more (at least `MIN_SLICE` of the elements) in all,
-    shared out evenly between the dims."""
+    `BLOCKS` loop trips or more in all, shared out between the dims."""
     trips = max(BLOCKS, math.ceil(MIN_SLICE * math.prod(sizes.values()) / c.block))
     out = {}
     for i, (name, chunk) in enumerate(reversed(c.scan)):  # shared out, inner first
@@ -222,9 +221,10 @@ def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
 
 class Timer:
     """Times candidates on sub-slices (`sub_slice`) of the call's values (with
-    `values`; else of made-up arrays), or with `whole` on the whole call: less the
-    cost of a call, which a whole call pays once, scaled to the whole call. A `Probe`
-    timed before each candidate finds those timed while another job held a core."""
+    `values`; else of made-up arrays), or with `whole` on the whole call: the best
+    of `RUNS` runs, less the cost of a call (which a whole call pays once), scaled
+    to the whole call. A `Probe` timed before each candidate finds those timed while
+    another job held a core."""
 
     def __init__(
         self, parent: "Compiler", call: Call, values: bool, grow: bool, whole: bool
@@ -302,10 +302,9 @@ class Timer:
         return max(seconds - self.once, 0.0) * scale + self.once
 
     def confirm(self) -> dict[tuple, float]:
-        """Time side by side the candidates within `KEEP_WITHIN` of the fastest,
-        and those timed while another job held a core (`Probe`), for what is left
-        of the time (two rounds at least, the disturbed ones dropped); the best of
-        each. The times, by key."""
+        """The best times, by key, once the candidates within `KEEP_WITHIN` of the
+        fastest and those timed while another job held a core are timed side by side
+        for what is left of the time (two rounds at least, disturbed ones dropped)."""
         best = min(self.timed.values())
         late = self.probe.disturbed() if self.probe else []
         close = [
@@ -476,12 +475,11 @@ class Compiler:
     def corrected_cost(
         self, compiled: Any, cand: PlanCandidate
     ) -> tuple[float, float, float, int]:
-        """Flops, transcendentals, bytes and working set, loop bodies counted fully.
-
-        XLA's cost analysis counts a while loop's body once: each block's loop body
-        (the vmaps inside its scans) is compiled on its own and its cost added
-        `trips - 1` more times. The working set is the largest footprint of one
-        body, or of the whole candidate when nothing loops."""
+        """Flops, transcendentals, bytes and working set, loop bodies counted fully:
+        XLA counts a while loop's body once, so each block's loop body (the vmaps
+        inside its scans) is compiled on its own and its cost added `trips - 1` more
+        times. The working set: the largest footprint of one body, or of the whole
+        candidate when nothing loops."""
         total, ws = list(xla_costs(compiled)), 0
         what = f"costing the loop body of {cand.nest(self.sizes)}"
         looping = [b for b in blocks(cand.spec, self.problem.sizes) if b.trips > 1]

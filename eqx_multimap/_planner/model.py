@@ -230,8 +230,8 @@ def best_of(fn: Callable[[], Any], repeats: int, timer: Callable = time.perf_cou
 
 
 def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | None:
-    """The best seconds of `fn`'s compiled program, or with `key`, XLA's
-    `cost_analysis()[key]` over them."""
+    """Runs of `fn`'s compiled program per second (the best of `repeats`), or with
+    `key`, XLA's `cost_analysis()[key]` per second."""
     compiled = compile_program(fn, *specs)
     args = concrete_inputs(specs)
     seconds = best_of(lambda: compiled(*args), repeats)
@@ -269,9 +269,7 @@ def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
         y = jnp.sort(x) @ w
         return carry + jnp.max(y), jnp.exp(y) @ w
 
-    def steps(xs: Any) -> Any:
-        return jax.lax.scan(step, jnp.zeros((), xs.dtype), xs)[1]
-
+    steps = lambda xs: jax.lax.scan(step, jnp.zeros((), xs.dtype), xs)[1]
     spec = jax.ShapeDtypeStruct((trips, 16), jnp.float32)
     per_second = _timed(steps, [spec], repeats)
     return 1 / (per_second * trips) if per_second else None
@@ -288,10 +286,9 @@ def calibrate(repeats: int = 7) -> TimeModel:
     vector = [jax.ShapeDtypeStruct((2**20,), jnp.float32)]
     exp = lambda x: jnp.sum(jnp.exp(x))
     sizes = [size for size, _ in default.levels]
-    # A core's own caches (all but the last level): one core's bandwidth, in ops
-    # too small to split, times the cores (an op split over all of them pays for
-    # waking its threads, which hides the level's speed); the last level and
-    # memory, which the cores share: ops split over all of them.
+    # A core's own caches (all but the last level): one core's bandwidth times the
+    # cores (an op split over them pays for waking threads, which hides the level's
+    # speed); the last level and memory, which they share: ops split over them all.
     one_core = [stream_bandwidth(s // 2, repeats, True) for s in sizes[:-1]]
     rates = [r and r * default.cores for r in one_core]
     rates += [stream_bandwidth(s // 2, repeats) for s in sizes[-1:]]
