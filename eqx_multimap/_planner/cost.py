@@ -485,9 +485,8 @@ class Compiler:
         looping = [b for b in blocks(cand.spec, self.problem.sizes) if b.trips > 1]
         for block in looping:
             specs, axes = loop_body_inputs(self.specs, self.problem.leaf_axes, block)
-            body = self.compile(
-                build_levels(self.problem.body, block.vmaps, axes), specs, what
-            )
+            nest = build_levels(self.problem.body, block.vmaps, axes)
+            body = self.compile(nest, specs, what)
             n = block.trips - 1
             total = [t + n * b for t, b in zip(total, xla_costs(body))]
             ws = max(ws, _footprint(body))
