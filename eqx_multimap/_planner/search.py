@@ -36,9 +36,8 @@ from .space import (
 
 
 MAX_COMPILES = 12  # planning that has compiled this many searches no further ladder
-# A block predicted (uncorrected and corrected) within this fraction of the budget
-# is not compiled to check it: predictions are within 0.35-3x of XLA's figure on
-# the benchmarks' workloads.
+# A block predicted (uncorrected and corrected) within this fraction of the budget is
+# not compiled to check it: predictions are within 0.35-3x of XLA's on the benchmarks.
 SAFE_FRACTION = 1 / 8
 # A compile (another ladder, a larger block) is worth an estimate this much faster:
 # smaller differences are within the time model's error.
@@ -190,12 +189,10 @@ class Search:
         fastest = min((self.seconds_at(steps[i]) for i in larger), default=math.inf)
         if self.seconds_at(c) > MATERIAL * fastest:
             return None
+        why = f"not compiled: predicted to fit, est. at most {MATERIAL - 1:.0%} "
+        why += f"faster than {c.nest(self.sizes)}, which needs no compile"
         for i in larger:
-            self.note(
-                steps[i],
-                f"not compiled: predicted to fit, est. at most {MATERIAL - 1:.0%} "
-                f"faster than {c.nest(self.sizes)}, which needs no compile",
-            )
+            self.note(steps[i], why)
         self.taken(steps, c, "far within the budget")
         return s
 
@@ -219,8 +216,7 @@ class Search:
         )
 
     def run(self) -> Plan:
-        """Plan the call: the chosen nest, and every candidate with its reason.
-        Raises `NoFit` if no candidate fits the budget."""
+        """Plan the call; raises `NoFit` if no candidate fits the budget."""
         start = time.perf_counter()
         call, sizes = self.call, self.sizes
         fixed = call.options.scan  # the given scans, outermost, as given
@@ -297,10 +293,9 @@ class Search:
         return choice, summary(choice, self.known[full.key], go, free, self.request)
 
     def pick(self) -> Choice:
-        """The fastest by the estimate of those costed that fit (in lockstep, a block
-        of one element wins if est. at most `MATERIAL` slower: a larger block's waste
-        depends on the data), compiled first if only predicted to fit, and not within
-        `SAFE_FRACTION` of the budget."""
+        """The fastest costed that fits (in lockstep, a block of one element if est.
+        at most `MATERIAL` slower: a larger block's waste depends on the data), first
+        compiled if only predicted to fit, and not within `SAFE_FRACTION`."""
 
         def rank(c: PlanCandidate) -> float:
             lockstep = self.lockstep and c.block > 1
@@ -358,9 +353,9 @@ class Search:
     def walk(
         self, ladders: list[Steps], timer: Timer, start: PlanCandidate | None
     ) -> None:
-        """Time blocks from `start` (`None`: in lockstep, from the smallest, all on
-        the same `spread` elements), one of about its size along each dim, then the
-        fastest's ladder up and down until `WALK_SLOWER` or `due` (`docs/design.md`)."""
+        """Time `start`, then a block of about its size along each dim, then the
+        fastest's ladder up (and down, unless `start` is `None`: in lockstep, from the
+        smallest, each on the same `spread` elements) until `WALK_SLOWER` or `due`."""
         ups: dict[str, Steps] = {}  # by innermost dim, smallest first
         for steps in ladders:
             fit = [c for c in steps if self.cautious(steps, c) <= self.budget]

@@ -132,10 +132,9 @@ MAX_ORDERS = 24
 def dim_orders(
     call: Call, sizes: Sizes, names: Names | None = None, every: bool = False
 ) -> list[Names]:
-    """Orders in which to scan the mapped dims (or `names` of them), the first the
-    layout: the first output's order (its stacking needs no transpose); the inputs'
-    order (scanning an input's leading axis needs no copy); largest first (the
-    fewest scans for a block); with `every`, every other, up to `MAX_ORDERS`."""
+    """Orders to scan the mapped dims (or `names`) in: the first output's (the
+    layout: stacking needs no transpose), the inputs' (slicing a leading axis needs no
+    copy), largest first (fewest scans); with `every`, all others, to `MAX_ORDERS`."""
     mapped = call.mapped if names is None else names
     names_out = call.out.dims[0].names if call.out.dims else ()
     first = [n for n in names_out if n in mapped]
@@ -176,10 +175,9 @@ def collective_dims(call: Call) -> Names:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What one plan is for: `localize`'s sizes and sharded dims, the budget and
-    where it came from, and how it is planned (`model_key`: the time model as the
-    disk cache's keys hold it, `None` for its constants; `values`: measured mode
-    times on the call's own values)."""
+    """What one plan is for: `localize`'s sizes and shards, the budget and its source,
+    and how it is planned (`model_key`: the time model in the disk cache's keys,
+    `None` for its constants; `values`: measured mode times the call's own)."""
 
     call: Call
     sizes: Sizes
