@@ -272,8 +272,8 @@ class Search:
         walk = go and self.measure and self.lockstep
         walked = self.measured(ladders, None) if walk else None
         for i, steps in enumerate(ladders if go and walked is None else []):
-            # The first ladder is searched unless `skipped`; in lockstep, always:
-            # the estimate cannot see a larger block's waste.
+            # The first ladder is searched if full vmap does not fit, and in lockstep
+            # (the estimate cannot see a larger block's waste); others unless skipped.
             first = i == 0 and (self.lockstep or not f.fits)
             why = None if first else self.skipped(steps)
             if why is None:
@@ -304,10 +304,9 @@ class Search:
         while True:
             fitting = [c for c in self.known.values() if c.fits and c.seconds]
             if not fitting:
-                tried = list(self.known.values())
-                smallest = min(tried, key=lambda c: c.temp_bytes or 0)
-                message = no_fit_message(self.request, smallest, len(tried))
-                raise NoFit(message, smallest, len(tried))
+                smallest = min(self.known.values(), key=lambda c: c.temp_bytes or 0)
+                n = len(self.known)
+                raise NoFit(no_fit_message(self.request, smallest, n), smallest, n)
             c = min(fitting, key=rank)
             if not c.predicted or (c.temp_bytes or 0) <= self.budget * SAFE_FRACTION:
                 return Choice(c, fitting, {})

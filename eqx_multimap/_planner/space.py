@@ -77,15 +77,13 @@ def chunk_options(n: int) -> list[int | None]:
     """Chunk sizes for a dim of size `n`, largest first (`None`: one at a time):
     `n / m` for `m = 2, 4, 8, ...`, moved to a divisor within `sqrt(2)` if any (no
     remainder block)."""
-    divisors = {
-        x for d in range(1, math.isqrt(n) + 1) if n % d == 0 for x in (d, n // d)
-    }
+    pairs = [(d, n // d) for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divisors = {x for pair in pairs for x in pair if 2 <= x <= n // 2}
     out: list[int] = []
     m = 2
     while n // m >= 2:
         ideal = n / m
         near = [d for d in divisors if ideal / 2**0.5 <= d <= ideal * 2**0.5]
-        near = [d for d in near if 2 <= d <= n // 2]
         c = min(near, key=lambda d: abs(math.log(d / ideal))) if near else n // m
         out.append(c)
         m *= 2
