@@ -260,9 +260,8 @@ class Search:
         self, full: PlanCandidate, ladders: list[Steps], free: bool
     ) -> tuple[Choice, str]:
         """Search the ladders: the choice, and its summary."""
-        self.memory(full)
+        self.ref = self.compiler.reference(self.memory(full))
         self.lockstep = lockstep(self.compiler.jaxprs[full.spec])
-        self.ref = self.compiler.reference(self.known[full.key])
         f = self.costed(full)
         fast = self.model.fastest
         go = bool(ladders) and (  # else full vmap is kept, unsearched
