@@ -351,9 +351,9 @@ class Search:
     def walk(
         self, ladders: list[Steps], timer: Timer, start: PlanCandidate | None
     ) -> None:
-        """Time `start`, then a block of about its size along each dim, then the
-        fastest's ladder up (and down, unless `start` is `None`: in lockstep, from the
-        smallest, each on the same `spread` elements) until `WALK_SLOWER` or `due`."""
+        """Time `start` (`None`: in lockstep, the smallest, all on the same `spread`
+        elements), a block of about its size along each dim (in lockstep, `WALK_FIRST`),
+        then the fastest's ladder up, and down unless in lockstep, to `WALK_SLOWER`."""
         ups: dict[str, Steps] = {}  # by innermost dim, smallest first
         for steps in ladders:
             fit = [c for c in steps if self.cautious(steps, c) <= self.budget]
