@@ -1,8 +1,5 @@
-"""The planner behind `plan="auto"`. Each module imports only those before it:
-`model` (the time model), `plan` (a plan and its text), `cost` (a candidate's memory
-and costs, compiled, predicted or timed), `space` (the candidates, the budget, the
-reasons), `search` (which to compile, which to choose), `cache` (plans on disk) and
-`planner` (`Planner`, which owns the caches and the time model)."""
+"""The planner behind `plan="auto"`: its modules, each importing only those before
+it, are listed in `docs/design.md`."""
 
 from .model import TimeModel as TimeModel
 from .plan import Plan as Plan

@@ -3,8 +3,7 @@
 An entry is `<cache dir>/v<FORMAT_VERSION>/<kind>/<hash of its key>.json`, holding
 its whole key and value. It is used only if its key, format and version match and
 the planner accepts its value; any other file gives a warning and is planned (and
-written) again. Writes replace the file atomically: the last writer wins, whole.
-"""
+written) again. Writes replace the file atomically: the last writer wins, whole."""
 
 import contextlib
 import dataclasses

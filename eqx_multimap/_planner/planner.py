@@ -49,14 +49,11 @@ logger = logging.getLogger("eqx_multimap")
 PlanMode = Literal["auto"]
 """The planners `filter_multi_vmap(..., plan=...)` accepts by name."""
 
-MAX_CACHE = 256  # the most plans a `Planner` keeps in memory, by default
-
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
-    """A wrapper's planning options (values only, never plans; not a pytree):
-    `given`, its own `Planner` or `None` for `plan="auto"` (the default planner of
-    the process that runs the call); `memory_budget` and `verbose` as given."""
+    """A wrapper's planning options (values, never plans; not a pytree): `given`, its
+    own `Planner`, or `None` for the default planner of the process running the call."""
 
     given: "Planner | None"
     memory_budget: MemoryBudget
@@ -122,7 +119,7 @@ class Planner:
         measure: bool = False,
         cache_dir: Any = None,  # a path, `False` or `None`; checked below
         time_model: TimeModel | None = None,
-        max_cache: int = MAX_CACHE,
+        max_cache: int = 256,
     ):
         what = "`eqx_multimap.Planner("
         if not isinstance(measure, bool):
@@ -215,10 +212,9 @@ class Planner:
                 model = calibrate()
             except Exception as e:  # a backend that cannot run the micro-benchmark
                 logger.warning(
-                    "eqx_multimap: could not calibrate the planner's time model (%s: "
-                    "%s); using the default constants",
-                    type(e).__name__,
-                    e,
+                    "eqx_multimap: could not calibrate the planner's time model (%s); "
+                    "using the default constants",
+                    f"{type(e).__name__}: {e}",
                 )
                 return TimeModel.for_backend(jax.default_backend())
             with self._lock:
@@ -299,9 +295,8 @@ class Planner:
     def _plan_now(
         self, request: Request, key: Any, disk_key: Any, note: str, data: Any
     ) -> Plan:
-        """Search for the plan (its summary opening with `note`), and keep it (or the
-        no-fit error) in the caches; `data`: why the body's cost depends on its
-        data, if it does."""
+        """Search for the plan (its summary opening with `note`; `data`: why the body's
+        cost depends on its data, if it does) and cache it, or the no-fit error."""
         call, disk = request.call, self._disk
         what = f"{call.fun_name}: planning" + " (backward)" * request.backward
         progress = Progress(what, call.options.plan.verbose)
@@ -381,10 +376,9 @@ SYMBOLIC_STAND_IN = 2  # the size a symbolic dim is planned at (scanned: any wil
 def for_every_size(
     call: Call, sizes: dict[str, Any]
 ) -> tuple[Call, dict[str, int], str]:
-    """A call whose mapped dims have symbolic sizes (`jax.export`), as planned: a
-    plan must hold for every size, so each such dim is scanned, outermost (one at a
-    time, unless `scan=` gives its chunks), planned at a stand-in size; where the
-    nest cannot do so, a `SpecError` names the dim. Also a note for the summary."""
+    """A call with symbolic sizes (`jax.export`) as planned, and a note for the
+    summary: a plan must hold for every size, so each such dim is scanned outermost,
+    at a stand-in size; where the nest cannot do so, a `SpecError` names the dim."""
     symbolic = [n for n, s in call.sizes.items() if not known(s)]
     if not symbolic:
         return call, sizes, ""

@@ -1,8 +1,5 @@
-"""The planner's search: which candidate nests it compiles, and which it chooses.
-Full vmap is compiled first and the others predicted from it; on each ladder, the
-blocks at the edge of the budget and of each cache level are costed, and the
-cheapest by the time model wins (in measured mode, the fastest timed). See
-`docs/design.md`."""
+"""The planner's search: which candidate nests it compiles, and which it chooses
+(`docs/design.md`)."""
 
 import dataclasses
 import math
@@ -25,6 +22,7 @@ from .plan import Plan, PlanCandidate
 from .space import (
     auto_plan,
     candidate,
+    Choice,
     collective_dims,
     dim_orders,
     given_dims,
@@ -38,9 +36,8 @@ from .space import (
 
 
 MAX_COMPILES = 12  # planning that has compiled this many searches no further ladder
-# A block predicted (uncorrected and corrected) within this fraction of the budget
-# is not compiled to check it: predictions are within 0.35-3x of XLA's figure on
-# the benchmarks' workloads.
+# A block predicted (uncorrected and corrected) within this fraction of the budget is
+# not compiled to check it: predictions are within 0.35-3x of XLA's on the benchmarks.
 SAFE_FRACTION = 1 / 8
 # A compile (another ladder, a larger block) is worth an estimate this much faster:
 # smaller differences are within the time model's error.
@@ -48,7 +45,6 @@ MATERIAL = 1.05
 SEARCH_VERSION = 11  # bumped when the search chooses otherwise: older plans unused
 
 Steps = list[PlanCandidate]  # a ladder: largest block first
-Choice = tuple[PlanCandidate, Steps, dict[tuple, float], str]
 
 
 class Search:
@@ -79,15 +75,14 @@ class Search:
         return self.known[c.key]
 
     def costed(self, c: PlanCandidate) -> PlanCandidate:
-        c = self.known.get(c.key) or self.memory(c)
+        c = self.memory(c)
         if c.fits and c.seconds is None:
             self.known[c.key] = self.compiler.predicted_costs(c, self.ref)
         return self.known[c.key]
 
     def prediction(self, steps: Steps, c: PlanCandidate) -> float:
-        """The temporaries of `c`, a step of `steps`, predicted, and scaled by how
-        XLA's figure for the step compiled nearest `c` (by block; those that scan the
-        same dims first) compared with its prediction."""
+        """`c`'s temporaries predicted, scaled as XLA's figure for the step compiled
+        nearest it (by block; those scanning the same dims first) was to its own."""
         known = (self.known.get(s.key) for s in steps)
         compiled = [k for k in known if k and not k.predicted]
         if not compiled:
@@ -102,9 +97,8 @@ class Search:
         return self.ref.temp_bytes(c) * ratio
 
     def cautious(self, steps: Steps, c: PlanCandidate) -> int | float:
-        """The larger of `prediction` and the uncorrected one: a correction scales by
-        a neighbour's ratio, which a fusion XLA makes at one block and not at the
-        next breaks."""
+        """The larger of `prediction` and the uncorrected one: a fusion XLA makes at
+        one block and not at the next breaks a neighbour's ratio."""
         return max(self.prediction(steps, c), self.ref.temp_bytes(c))
 
     def seconds_at(self, c: PlanCandidate) -> float:
@@ -128,8 +122,7 @@ class Search:
 
     def search(self, steps: Steps, full: PlanCandidate) -> None:
         """Cost the ladder's largest block that fits the budget (`j`), its largest
-        whose predicted working set fits each level of the memory hierarchy, their
-        ties (the same block) and, in lockstep, its smallest."""
+        inside each cache level, their ties and, in lockstep, its smallest."""
         j = 0 if full.fits else self.first_within(steps)
         if j is None:
             for c in steps:
@@ -163,12 +156,9 @@ class Search:
             self.note(c, f"not compiled: {why}")
 
     def first_within(self, steps: Steps) -> int | None:
-        """The first step (the largest block) whose temporaries fit the budget.
-
-        The largest step predicted to fit is compiled, correcting the prediction,
-        until a step fits and the next larger one is known not to, or predicted not
-        to when it scans the same dims (temporaries affine in the chunk); unless one
-        far within the budget is taken as predicted (`take_predicted`)."""
+        """The first step (largest block) that fits: the largest predicted to is
+        compiled until one fits and the next larger does not (or, scanning the same
+        dims, is predicted not to), unless one is `take_predicted`."""
         lo, hi = 0, len(steps)  # the answer is in steps[lo:hi], or None
         while lo < hi:
             guesses = [self.prediction(steps, steps[i]) for i in range(lo, hi)]
@@ -188,10 +178,9 @@ class Search:
         return hi if hi < len(steps) else None
 
     def take_predicted(self, steps: Steps, within: list[int]) -> int | None:
-        """The largest step of `within` (those predicted to fit, largest first)
-        `cautious`ly predicted within `SAFE_FRACTION` of the budget, taken uncompiled
-        if est. at most `MATERIAL` slower than every larger one; `None` if none, or
-        if the planner measures (it runs what it compiles)."""
+        """The largest step of `within` `cautious`ly predicted within `SAFE_FRACTION`
+        of the budget, taken uncompiled if est. at most `MATERIAL` slower than every
+        larger one; `None` if none, or if the planner measures (it runs them)."""
         safe = self.budget * SAFE_FRACTION
         s = next((i for i in within if self.cautious(steps, steps[i]) <= safe), None)
         if s is None or self.measure:
@@ -200,19 +189,16 @@ class Search:
         fastest = min((self.seconds_at(steps[i]) for i in larger), default=math.inf)
         if self.seconds_at(c) > MATERIAL * fastest:
             return None
+        why = f"not compiled: predicted to fit, est. at most {MATERIAL - 1:.0%} "
+        why += f"faster than {c.nest(self.sizes)}, which needs no compile"
         for i in larger:
-            self.note(
-                steps[i],
-                f"not compiled: predicted to fit, est. at most {MATERIAL - 1:.0%} "
-                f"faster than {c.nest(self.sizes)}, which needs no compile",
-            )
+            self.note(steps[i], why)
         self.taken(steps, c, "far within the budget")
         return s
 
     def skipped(self, steps: Steps) -> str | None:
-        """Why a ladder is not searched (`None` if it is): past `MAX_COMPILES`, or no
-        block of it can be est. `MATERIAL`ly faster than the best costed (unless the
-        planner measures: it may find what the model does not see)."""
+        """Why a ladder is not searched (`None` if it is): past `MAX_COMPILES`, or
+        no block is est. `MATERIAL`ly faster than the best (unless measuring)."""
         if self.compiler.n_compiled >= MAX_COMPILES:
             return f"not compiled: beyond the compile cap ({MAX_COMPILES} compiles)"
         costed = [c for c in self.known.values() if c.fits and c.seconds]
@@ -230,8 +216,7 @@ class Search:
         )
 
     def run(self) -> Plan:
-        """Plan the call: the chosen nest, and every candidate with its reason.
-        Raises `NoFit` if no candidate fits the budget."""
+        """Plan the call; raises `NoFit` if no candidate fits the budget."""
         start = time.perf_counter()
         call, sizes = self.call, self.sizes
         fixed = call.options.scan  # the given scans, outermost, as given
@@ -249,7 +234,7 @@ class Search:
         for c in sorted((c for s in ladders for c in s), key=lambda c: -c.block):
             self.considered.setdefault(c.key, c)
         if any(sizes[n] == 0 for n in call.mapped):  # nothing runs: nothing compiled
-            chosen, compared, timed = full, [], {}
+            choice = Choice(full, [], {})
             for c in self.considered.values():
                 self.note(c, "not compiled: a mapped dim has size 0")
             text = (
@@ -257,15 +242,12 @@ class Search:
                 "runs and nothing was compiled."
             )
         else:
-            chosen, compared, timed, text = self._choose(full, ladders, bool(free))
+            choice, text = self._choose(full, ladders, bool(free))
         candidates = tuple(
-            with_reason(
-                self.known.get(k, c), chosen, self.notes.get(k), timed,
-                self.budget, compared,
-            )  # fmt: skip
+            with_reason(self.known.get(k, c), choice, self.notes.get(k), self.budget)
             for k, c in self.considered.items()
         )
-        chosen = next(c for c in candidates if c.key == chosen.key)
+        chosen = next(c for c in candidates if c.key == choice.chosen.key)
         return auto_plan(
             self.request, chosen, candidates,
             n_compiled=self.compiler.n_compiled,
@@ -274,28 +256,23 @@ class Search:
             time_model=self.model, summary=text, measured=self.measure,
         )  # fmt: skip
 
-    def _choose(self, full: PlanCandidate, ladders: list[Steps], free: bool) -> Choice:
-        """Search the ladders: the chosen candidate, those compared, their measured
-        times (measured mode), and the summary."""
-        self.memory(full)
+    def _choose(
+        self, full: PlanCandidate, ladders: list[Steps], free: bool
+    ) -> tuple[Choice, str]:
+        """Search the ladders: the choice, and its summary."""
+        self.ref = self.compiler.reference(self.memory(full))
         self.lockstep = lockstep(self.compiler.jaxprs[full.spec])
-        self.ref = self.compiler.reference(self.known[full.key])
         f = self.costed(full)
-        # Full vmap is kept, unsearched, if it fits, its working set is within the
-        # fastest levels of memory, nothing runs in lockstep and the planner does
-        # not measure.
         fast = self.model.fastest
-        go = bool(ladders) and (
+        go = bool(ladders) and (  # else full vmap is kept, unsearched
             not f.fits or (f.working_set or 0) > fast or self.measure or self.lockstep
         )
-        # A body whose while loop runs in lockstep is measured by `walk`, which
-        # needs no search by the model.
+        # In lockstep, measured mode's `walk` needs no search by the model.
         walk = go and self.measure and self.lockstep
         walked = self.measured(ladders, None) if walk else None
         for i, steps in enumerate(ladders if go and walked is None else []):
-            # The first ladder is searched unless full vmap fits and no block of it
-            # is est. faster (by the figures predicted from full vmap's); in
-            # lockstep, always: the estimate cannot see a larger block's waste.
+            # The first ladder is searched if full vmap does not fit, and in lockstep
+            # (the estimate cannot see a larger block's waste); others unless skipped.
             first = i == 0 and (self.lockstep or not f.fits)
             why = None if first else self.skipped(steps)
             if why is None:
@@ -309,23 +286,15 @@ class Search:
             self.note(c, f"not compiled: {kept}: nothing else needed")
         choice = walked
         if choice is None:
-            fitting, chosen = self.pick()
-            choice = chosen, fitting, {}, ""
-            if self.measure and (go or len(fitting) > 1):
-                choice = self.measured(ladders, chosen) or choice
-        chosen, compared, timed, note = choice
-        text = summary(
-            chosen, self.known[full.key], compared, timed, go, free,
-            self.request, note,
-        )  # fmt: skip
-        return chosen, compared, timed, text
+            choice = self.pick()
+            if self.measure and (go or len(choice.compared) > 1):
+                choice = self.measured(ladders, choice.chosen) or choice
+        return choice, summary(choice, self.known[full.key], go, free, self.request)
 
-    def pick(self) -> tuple[Steps, PlanCandidate]:
-        """The candidates costed that fit, and the fastest by the estimate (in
-        lockstep, a block of one element wins if est. at most `MATERIAL` slower: the
-        waste of a larger block depends on the data, which the model cannot see).
-        One whose temporaries were only predicted, and not within `SAFE_FRACTION` of
-        the budget, is compiled first to check that it fits."""
+    def pick(self) -> Choice:
+        """The fastest costed that fits (in lockstep, a block of one element if est.
+        at most `MATERIAL` slower: a larger block's waste depends on the data), first
+        compiled if only predicted to fit, and not within `SAFE_FRACTION`."""
 
         def rank(c: PlanCandidate) -> float:
             lockstep = self.lockstep and c.block > 1
@@ -334,13 +303,12 @@ class Search:
         while True:
             fitting = [c for c in self.known.values() if c.fits and c.seconds]
             if not fitting:
-                tried = list(self.known.values())
-                smallest = min(tried, key=lambda c: c.temp_bytes or 0)
-                message = no_fit_message(self.request, smallest, len(tried))
-                raise NoFit(message, smallest, len(tried))
+                smallest = min(self.known.values(), key=lambda c: c.temp_bytes or 0)
+                n = len(self.known)
+                raise NoFit(no_fit_message(self.request, smallest, n), smallest, n)
             c = min(fitting, key=rank)
             if not c.predicted or (c.temp_bytes or 0) <= self.budget * SAFE_FRACTION:
-                return fitting, c
+                return Choice(c, fitting, {})
             del self.known[c.key]  # compiled now, and costed again if it fits
             self.notes.pop(c.key, None)
             self.costed(dataclasses.replace(c, predicted=False, seconds=None))
@@ -348,11 +316,9 @@ class Search:
     def measured(
         self, ladders: list[Steps], model_choice: PlanCandidate | None
     ) -> Choice | None:
-        """Time candidates on sub-slices (`cost.Timer`), walking the ladders from
-        the model's choice (`None`: a body in lockstep, from the smallest block).
-        The fastest (its memory compiled; the model's choice if within
-        `KEEP_WITHIN` of it), those timed, their times, and a note if timing was
-        impossible; `None` if nothing timed fits, or timing failed in lockstep."""
+        """Time candidates (`cost.Timer`), walking the ladders from the model's choice
+        (`None`: in lockstep): the fastest that fits (the model's choice if within
+        `KEEP_WITHIN`); `None` if none does, or timing failed in lockstep."""
         est = self.seconds_at(self.ref.full)
         whole = model_choice is not None and est < WHOLE_BELOW
         timer = Timer(
@@ -367,7 +333,7 @@ class Search:
             if model_choice is None:
                 return None
             note = f"could not measure ({type(e).__name__}: {e}), so estimated"
-            return model_choice, [model_choice], {}, note
+            return Choice(model_choice, [model_choice], {}, note)
         self.slices = timer.slices
         first = model_choice.key if model_choice else None
         if first not in timed or timed[first] > KEEP_WITHIN * min(timed.values()):
@@ -380,18 +346,14 @@ class Search:
             return None
         self.costed(chosen)
         compared = [self.known.get(k, self.considered[k]) for k in timed]
-        return self.known[chosen.key], compared, timed, ""
+        return Choice(self.known[chosen.key], compared, timed)
 
     def walk(
         self, ladders: list[Steps], timer: Timer, start: PlanCandidate | None
     ) -> None:
-        """Time blocks from `start`, the model's choice (`None`: in lockstep, where
-        a block loops as long as its slowest element, from the smallest; all on the
-        same elements, `spread`, as their costs differ), then one of about its size
-        (in lockstep, of `WALK_FIRST` elements) along each dim, on the ladder
-        scanning it innermost; from the fastest, its ladder's larger blocks, then
-        smaller ones (not in lockstep), until one is `WALK_SLOWER` than the best, or
-        `due`."""
+        """Time `start` (`None`: in lockstep, the smallest, all on the same `spread`
+        elements), a block of about its size along each dim (in lockstep, `WALK_FIRST`),
+        then the fastest's ladder up, and down unless in lockstep, to `WALK_SLOWER`."""
         ups: dict[str, Steps] = {}  # by innermost dim, smallest first
         for steps in ladders:
             fit = [c for c in steps if self.cautious(steps, c) <= self.budget]

@@ -1,14 +1,12 @@
-"""The planner's search space and its words: the memory budget; the candidate nests
-of one call (`ladder`s of scanned prefixes, in a few `dim_orders`); what one plan is
-for (`Request`) and the `Plan` made for it; and why: its summary, a reason per
-candidate, and the error when none fits."""
+"""The planner's search space and its words: the budget, the candidate nests
+(`ladder`s, in a few `dim_orders`), a plan's `Request`, and the texts that say why."""
 
 import contextlib
 import dataclasses
 import itertools as it
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -31,8 +29,7 @@ DEFAULT_BUDGET_FRACTION = 0.5
 
 
 def check_budget(plan: Any, memory_budget: Any) -> None:
-    """Check `memory_budget=` at decoration time: it needs `plan=`, and bytes or a
-    fraction."""
+    """Check `memory_budget=` when decorating: it needs `plan=`; bytes or a fraction."""
     b = memory_budget
     if plan is None:
         raise SpecError(
@@ -77,20 +74,16 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
 
 
 def chunk_options(n: int) -> list[int | None]:
-    """Chunk sizes for a dim of size `n`, largest first; `None` is one at a time.
-
-    About `n / m` for `m = 2, 4, 8, ...` chunks, moved to a divisor of `n` within a
-    factor of `sqrt(2)` when there is one (so that no remainder block is needed).
-    """
-    divisors = {
-        x for d in range(1, math.isqrt(n) + 1) if n % d == 0 for x in (d, n // d)
-    }
+    """Chunk sizes for a dim of size `n`, largest first (`None`: one at a time):
+    `n / m` for `m = 2, 4, 8, ...`, moved to a divisor within `sqrt(2)` if any (no
+    remainder block)."""
+    pairs = [(d, n // d) for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divisors = {x for pair in pairs for x in pair if 2 <= x <= n // 2}
     out: list[int] = []
     m = 2
     while n // m >= 2:
         ideal = n / m
         near = [d for d in divisors if ideal / 2**0.5 <= d <= ideal * 2**0.5]
-        near = [d for d in near if 2 <= d <= n // 2]
         c = min(near, key=lambda d: abs(math.log(d / ideal))) if near else n // m
         out.append(c)
         m *= 2
@@ -137,10 +130,9 @@ MAX_ORDERS = 24
 def dim_orders(
     call: Call, sizes: Sizes, names: Names | None = None, every: bool = False
 ) -> list[Names]:
-    """Orders in which to scan the mapped dims (or `names` of them), the first the
-    layout: the first output's order (its stacking needs no transpose); the inputs'
-    order (scanning an input's leading axis needs no copy); largest first (the
-    fewest scans for a block); with `every`, every other, up to `MAX_ORDERS`."""
+    """Orders to scan the mapped dims (or `names`) in: the first output's (the
+    layout: stacking needs no transpose), the inputs' (slicing a leading axis needs no
+    copy), largest first (fewest scans); with `every`, all others, to `MAX_ORDERS`."""
     mapped = call.mapped if names is None else names
     names_out = call.out.dims[0].names if call.out.dims else ()
     first = [n for n in names_out if n in mapped]
@@ -181,10 +173,9 @@ def collective_dims(call: Call) -> Names:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What one plan is for: `localize`'s sizes and sharded dims, the budget and
-    where it came from, and how it is planned (`model_key`: the time model as the
-    disk cache's keys hold it, `None` for its constants; `values`: measured mode
-    times on the call's own values)."""
+    """What one plan is for: `localize`'s sizes and shards, the budget and its source,
+    and how it is planned (`model_key`: the time model in the disk cache's keys,
+    `None` for its constants; `values`: measured mode times the call's own)."""
 
     call: Call
     sizes: Sizes
@@ -217,6 +208,16 @@ def auto_plan(
     return plan_for(call, r.sizes, chosen, cands, **fields)
 
 
+class Choice(NamedTuple):
+    """What the search chose, those it compared, their measured times by key
+    (measured mode), and a note when timing was impossible."""
+
+    chosen: PlanCandidate
+    compared: list[PlanCandidate]
+    timed: dict[tuple, float]
+    note: str = ""
+
+
 def _why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
     """Why `c` was chosen: it measured fastest of those `timed` (or is the model's
     choice, within `KEEP_WITHIN`), or is est. fastest of the `n` that fit."""
@@ -238,16 +239,10 @@ def _why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
 
 
 def summary(
-    chosen: PlanCandidate,
-    full: PlanCandidate,
-    compared: list[PlanCandidate],
-    timed: dict[tuple, float],
-    searched: bool,
-    free: bool,
-    request: Request,
-    measure_note: str,
+    choice: Choice, full: PlanCandidate, searched: bool, free: bool, request: Request
 ) -> str:
     """One sentence: what was chosen, and why."""
+    chosen, compared, timed, measure_note = choice
     head = f"Chose {chosen.nest(request.sizes)}: "
     temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(request.budget)
     whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
@@ -276,14 +271,10 @@ def summary(
 
 
 def with_reason(
-    c: PlanCandidate,
-    chosen: PlanCandidate,
-    note: str | None,
-    timed: dict[tuple, float],
-    budget: int,
-    compared: list[PlanCandidate],
+    c: PlanCandidate, choice: Choice, note: str | None, budget: int
 ) -> PlanCandidate:
     """`c` with the reason it was, or was not, chosen (and its measured time)."""
+    chosen, compared, timed, _ = choice
     t, mine = timed.get(c.key), timed.get(chosen.key)
     if c.key == chosen.key:
         why = "chosen: " + _why_chosen(c, timed, len(compared))
