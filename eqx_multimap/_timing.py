@@ -72,12 +72,7 @@ class Probe:
     """
 
     def __init__(self, run: Callable[[], Any] | None = None):
-        if run is None:
-            x = np.ones(2**18, np.float32)  # not traced: planning runs in a trace
-            loop = lambda y: jax.lax.fori_loop(0, 99, lambda i, y: y * 0.999 + 1, y)
-            program = compiled(loop, x)
-            run = lambda: program(x)  # noqa: E731
-        self.run, self.times = run, []
+        self.run, self.times = run or _probe_loop(), []
 
     def time(self, clock: Clock = time.perf_counter) -> None:
         jax.block_until_ready(self.run())  # settles
@@ -89,6 +84,15 @@ class Probe:
         """Whether each round from `start` on was disturbed."""
         best = min(self.times, default=0.0)
         return [t > DISTURBED * best for t in self.times[start:]]
+
+
+@ft.cache
+def _probe_loop() -> Callable[[], Any]:
+    """`Probe`'s program, compiled once per process (a planning run makes a probe)."""
+    x = np.ones(2**18, np.float32)  # not traced: planning runs in a trace
+    loop = lambda y: jax.lax.fori_loop(0, 99, lambda i, y: y * 0.999 + 1, y)
+    program = compiled(loop, x)
+    return lambda: program(x)
 
 
 def time_interleaved(
