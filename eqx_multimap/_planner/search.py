@@ -42,7 +42,7 @@ SAFE_FRACTION = 1 / 8
 # A compile (another ladder, a larger block) is worth an estimate this much faster:
 # smaller differences are within the time model's error.
 MATERIAL = 1.05
-SEARCH_VERSION = 11  # bumped when the search chooses otherwise: older plans unused
+SEARCH_VERSION = 12  # bumped when the search chooses otherwise: older plans unused
 
 Steps = list[PlanCandidate]  # a ladder: largest block first
 
@@ -106,9 +106,9 @@ class Search:
         return self.compiler.predicted_costs(c, self.ref).seconds or 0.0
 
     def taken(self, steps: Steps, c: PlanCandidate, why: str) -> None:
-        """Cost `c`: if not compiled, its temporaries `cautious`ly predicted (`pick`
-        checks them if it wins), unless the planner measures (it runs it)."""
-        if self.measure or c.key in self.known:
+        """Cost `c`: if not compiled, its temporaries `cautious`ly predicted
+        (`checked` if it wins)."""
+        if c.key in self.known:
             self.costed(c)
         else:
             temp = int(self.cautious(steps, c))
@@ -180,10 +180,10 @@ class Search:
     def take_predicted(self, steps: Steps, within: list[int]) -> int | None:
         """The largest step of `within` `cautious`ly predicted within `SAFE_FRACTION`
         of the budget, taken uncompiled if est. at most `MATERIAL` slower than every
-        larger one; `None` if none, or if the planner measures (it runs them)."""
+        larger one; `None` if none."""
         safe = self.budget * SAFE_FRACTION
         s = next((i for i in within if self.cautious(steps, steps[i]) <= safe), None)
-        if s is None or self.measure:
+        if s is None:
             return None
         c, larger = steps[s], within[: within.index(s)]
         fastest = min((self.seconds_at(steps[i]) for i in larger), default=math.inf)
@@ -307,11 +307,18 @@ class Search:
                 n = len(self.known)
                 raise NoFit(no_fit_message(self.request, smallest, n), smallest, n)
             c = min(fitting, key=rank)
-            if not c.predicted or (c.temp_bytes or 0) <= self.budget * SAFE_FRACTION:
+            if self.checked(c) is c:
                 return Choice(c, fitting, {})
+
+    def checked(self, c: PlanCandidate) -> PlanCandidate:
+        """`c` costed, its temporaries compiled unless predicted within
+        `SAFE_FRACTION` of the budget."""
+        k = self.known.get(c.key)
+        if k and k.predicted and (k.temp_bytes or 0) > self.budget * SAFE_FRACTION:
             del self.known[c.key]  # compiled now, and costed again if it fits
             self.notes.pop(c.key, None)
-            self.costed(dataclasses.replace(c, predicted=False, seconds=None))
+            c = dataclasses.replace(c, predicted=False, seconds=None)
+        return self.costed(c)
 
     def measured(
         self, ladders: list[Steps], model_choice: PlanCandidate | None
@@ -339,12 +346,11 @@ class Search:
         if first not in timed or timed[first] > KEEP_WITHIN * min(timed.values()):
             first = None  # the model's choice is kept only within `KEEP_WITHIN`
         order = sorted(timed, key=lambda k: (k != first, timed[k]))
-        # The fastest whose memory, compiled, fits (the model's choice if kept).
-        fitting = (self.memory(self.considered[k]) for k in order)
+        # The fastest that fits, `checked` (the model's choice if kept).
+        fitting = (self.checked(self.considered[k]) for k in order)
         chosen = next((c for c in fitting if c.fits), None)
         if chosen is None:
             return None
-        self.costed(chosen)
         compared = [self.known.get(k, self.considered[k]) for k in timed]
         return Choice(self.known[chosen.key], compared, timed)
 
