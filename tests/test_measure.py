@@ -230,6 +230,34 @@ def test_a_quick_call_is_timed_whole(monkeypatch):
         )
 
 
+def test_measured_mode_compiles_the_memory_of_its_choice_only():
+    # Candidates are costed as `plan="auto"` costs them, their temporaries
+    # predicted; only the one chosen is compiled to check that it fits (unless
+    # predicted far within the budget). It fits, compiled as a fixed nest too.
+    from eqx_multimap._planner.search import SAFE_FRACTION
+
+    def body(x):
+        return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
+
+    x = jax.random.normal(jax.random.key(0), (64, 16, 32))
+    kw = dict(in_dims="T B K", out_dims="T B")
+    wide = filter_multi_vmap(body, **kw, plan=Planner(cache_dir=False))
+    budget = explain(wide, x).chosen.temp_bytes // 4  # full vmap's does not fit
+    f = filter_multi_vmap(
+        body, **kw, plan=Planner(cache_dir=False), memory_budget=budget
+    )
+    plan = tune(f, x)
+    assert sum(c.measured is not None for c in plan.candidates) >= 2
+    assert any(c.predicted for c in plan.candidates)
+    chosen = plan.chosen
+    assert not chosen.predicted or chosen.temp_bytes <= SAFE_FRACTION * budget
+    fixed = filter_multi_vmap(body, **kw, scan=plan.scan, vmap=plan.vmap)
+    assert explain(fixed, x).chosen.temp_bytes <= budget
+    np.testing.assert_allclose(
+        f(x), jax.vmap(jax.vmap(body))(x), rtol=1e-5, atol=1e-4
+    )
+
+
 def test_the_walk_times_every_block_on_the_same_elements(monkeypatch):
     # The elements' loop counts differ along F, so a block is only comparable with
     # another on the same elements: every program the walk runs sees the same
