@@ -7,11 +7,11 @@ Not to be confused with `_planner.cost`, which logs the planner's own progress.
 When `_nest.run` builds the nest of one call, its outermost scan gets a [`Report`][]
 and calls `jax.debug.callback` with the number of iterations done since its last
 report, every iteration or, past [`REPORTS`][] iterations, every
-`ceil(n / REPORTS)`-th and the last. It does so in its body, outside every vmap and outside `jax.checkpoint`
-(which would call it again in the backward pass). So a map reports one bar, never
-one per lane; under `jax.grad` only the forward pass reports, since the callback
-takes no tangent. Under `shard=`, only the device at index 0 on the mesh calls
-back.
+`ceil(n / REPORTS)`-th and the last. It does so in its body, outside every vmap and
+outside `jax.checkpoint` (which would call it again in the backward pass). So a map
+reports one bar, never one per lane; under `jax.grad` only the forward pass
+reports, since the callback takes no tangent. Under `shard=`, only the device at
+index 0 on the mesh calls back.
 
 The bar is host state of one traced call: it opens at the first report, counts the
 iterations of the outermost scan, and closes when the count reaches their total
@@ -77,7 +77,8 @@ def make_meter(call: Any) -> Meter | None:
 
 
 class _Bar:
-    """The host side of one traced call's bar: counts the reports of its outermost scan."""
+    """The host side of one traced call's bar: counts the reports of its outermost
+    scan."""
 
     def __init__(self, meter: Meter, total: int):
         self.meter = meter
