@@ -367,7 +367,6 @@ class Compiler:
                 shape[ax] = sizes[name]
             self.specs.append(struct(v, tuple(shape)))
         self.n_compiled = 0
-        self.jaxpr: Any = None  # of the program compiled last
         self.programs: dict[NestSpec, Any] = {}  # by nest: those `memory` compiled
         self.jaxprs: dict[NestSpec, Any] = {}  # and their jaxprs
         # Differentiated, the outputs whose cotangents a loop iteration holds.
@@ -378,10 +377,12 @@ class Compiler:
     ) -> Any:
         """Compile `fn` for `specs`; with `runs`, as a program to run, else for its
         memory and cost analyses only (`analysed`)."""
+        return self._compiled(jax.jit(fn).trace(specs), what, runs)
+
+    def _compiled(self, traced: Any, what: str, runs: bool = False) -> Any:
+        """A traced program compiled, as `compile` compiles it."""
         self.report(what)
         self.n_compiled += 1
-        traced = jax.jit(fn).trace(specs)
-        self.jaxpr = traced.jaxpr.jaxpr
         return traced.lower().compile() if runs else analysed(traced.lower())
 
     def build(self, spec: NestSpec) -> Build:
@@ -416,8 +417,9 @@ class Compiler:
     def memory(self, cand: PlanCandidate) -> int:
         """Compile the candidate's program; its temporary memory."""
         fn, specs = self._program(cand.spec)
-        compiled = self.compile(fn, specs, f"compiling {cand.nest(self.sizes)}")
-        self.programs[cand.spec], self.jaxprs[cand.spec] = compiled, self.jaxpr
+        traced = jax.jit(fn).trace(specs)
+        compiled = self._compiled(traced, f"compiling {cand.nest(self.sizes)}")
+        self.programs[cand.spec], self.jaxprs[cand.spec] = compiled, traced.jaxpr.jaxpr
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def reference(self, full: PlanCandidate) -> Reference:
