@@ -352,7 +352,7 @@ class Search:
         if chosen is None:
             return None
         compared = [self.known.get(k, self.considered[k]) for k in timed]
-        return Choice(self.known[chosen.key], compared, timed)
+        return Choice(chosen, compared, timed)
 
     def walk(
         self, ladders: list[Steps], timer: Timer, start: PlanCandidate | None
