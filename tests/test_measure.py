@@ -203,13 +203,15 @@ def test_a_candidate_timed_while_a_core_was_taken_is_timed_again(monkeypatch):
     assert all(timer.runs[k][0] in fns for k in late)
 
 
+def _outer_tanh(x):
+    """No while loop: its cost does not depend on its data."""
+    return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
+
+
 def test_a_quick_call_is_timed_whole(monkeypatch):
     # No while loop: the blocks are timed on the whole call when it is est. quick,
     # else each on a slice of a few of its blocks.
     from eqx_multimap._planner import search
-
-    def body(x):
-        return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
 
     x = jax.random.normal(jax.random.key(0), (256, 8, 16))
     seen = _first_arguments_run(monkeypatch, lambda a: a.shape[:2])
@@ -217,7 +219,7 @@ def test_a_quick_call_is_timed_whole(monkeypatch):
         monkeypatch.setattr(search, "WHOLE_BELOW", below)
         seen.clear()
         f = filter_multi_vmap(
-            body, in_dims="T B K", out_dims="T B", plan=Planner(cache_dir=False)
+            _outer_tanh, in_dims="T B K", out_dims="T B", plan=Planner(cache_dir=False)
         )
         plan = tune(f, x)
         assert what in plan.summary and plan.chosen.measured is not None
@@ -226,7 +228,7 @@ def test_a_quick_call_is_timed_whole(monkeypatch):
         # picks (XLA fuses the block's matmul differently), so the absolute
         # error is a few 1e-5 where the sum nearly cancels.
         np.testing.assert_allclose(
-            f(x), jax.vmap(jax.vmap(body))(x), rtol=1e-5, atol=1e-4
+            f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
         )
 
 
@@ -236,25 +238,22 @@ def test_measured_mode_compiles_the_memory_of_its_choice_only():
     # predicted far within the budget). It fits, compiled as a fixed nest too.
     from eqx_multimap._planner.search import SAFE_FRACTION
 
-    def body(x):
-        return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
-
     x = jax.random.normal(jax.random.key(0), (64, 16, 32))
     kw = dict(in_dims="T B K", out_dims="T B")
-    wide = filter_multi_vmap(body, **kw, plan=Planner(cache_dir=False))
+    wide = filter_multi_vmap(_outer_tanh, **kw, plan=Planner(cache_dir=False))
     budget = explain(wide, x).chosen.temp_bytes // 4  # full vmap's does not fit
     f = filter_multi_vmap(
-        body, **kw, plan=Planner(cache_dir=False), memory_budget=budget
+        _outer_tanh, **kw, plan=Planner(cache_dir=False), memory_budget=budget
     )
     plan = tune(f, x)
     assert sum(c.measured is not None for c in plan.candidates) >= 2
     assert any(c.predicted for c in plan.candidates)
     chosen = plan.chosen
     assert not chosen.predicted or chosen.temp_bytes <= SAFE_FRACTION * budget
-    fixed = filter_multi_vmap(body, **kw, scan=plan.scan, vmap=plan.vmap)
+    fixed = filter_multi_vmap(_outer_tanh, **kw, scan=plan.scan, vmap=plan.vmap)
     assert explain(fixed, x).chosen.temp_bytes <= budget
     np.testing.assert_allclose(
-        f(x), jax.vmap(jax.vmap(body))(x), rtol=1e-5, atol=1e-4
+        f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
     )
 
 
