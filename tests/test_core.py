@@ -337,6 +337,31 @@ def test_scanned_slices_isolated_where_it_pays():
     _assert_same(w(x), hand(x))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only workaround")
+@pytest.mark.parametrize(
+    "scan, isolated",
+    [
+        ({"T": None, "B": 5}, 1),  # one whole chunk: a loop of one trip, inlined
+        ({"T": None, "B": 4}, 1),  # one whole chunk and a remainder
+        ({"T": 2, "B": 4}, 1),
+        ({"T": None, "B": 2}, 2),  # two chunks (isolated there too), a remainder
+        ({"T": None, "B": None}, 1),  # B loops: its slices are the kernels' only
+    ],
+)
+def test_slices_isolated_where_the_kernels_read_them(scan, isolated):
+    # The kernels of a chunk that XLA inlines, or of a remainder, read the slices
+    # of the scan outside: those are isolated too (else, with B = 3 in chunks of 2,
+    # 4x slower on CPU).
+    x = _rand((4, 5, 8), seed=13)
+    heavy = lambda a: jnp.tanh(a[:, None] * a[None, :]) @ a
+    w = filter_multi_vmap(heavy, in_dims="T B K", out_dims="T B K", core="K", scan=scan)
+    assert _optimised_hlo(w, x).count("conditional(") == isolated
+    hand = lambda xs: lax.scan(lambda c, x: (c, jax.vmap(heavy)(x)), None, xs)[1]
+    _assert_same(w(x), hand(x), rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(jnp.sin(w(x))))(x)
+    _assert_same(grad, jax.grad(lambda x: jnp.sum(jnp.sin(hand(x))))(x), rtol=1e-4)
+
+
 def test_scan_is_outermost_in_declared_order():
     x = _rand((4, 3, 2), seed=11)
     w = filter_multi_vmap(
