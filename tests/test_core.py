@@ -236,12 +236,21 @@ def _mixing_body(*xs):
     return tuple(jnp.sin(x) + 0.5 * total for x in xs)
 
 
+def _flipping_body(*xs):
+    # Reads each input through two index maps: sliced apart from the kernels on CPU.
+    total = sum((jnp.sum(jnp.cos(x)) for x in xs), start=jnp.float32(0))
+    return tuple(jnp.sin(x * jnp.flip(x)) + 0.5 * total for x in xs)
+
+
+_BODIES = st.sampled_from([_mixing_body, _flipping_body])
+
+
 @pytest.mark.slow
 @settings(max_examples=40, deadline=None)
-@given(sig=signatures(), use_jit=st.booleans())
-def test_equivalence_random_signatures(sig, use_jit):
+@given(sig=signatures(), use_jit=st.booleans(), body=_BODIES)
+def test_equivalence_random_signatures(sig, use_jit, body):
     w = filter_multi_vmap(
-        _mixing_body,
+        body,
         in_dims=sig.in_dims,
         out_dims=sig.out_dims,
         core=sig.core,
@@ -249,16 +258,16 @@ def test_equivalence_random_signatures(sig, use_jit):
         vmap=sig.vmap,
     )
     out = jax.jit(w)(*sig.args) if use_jit else w(*sig.args)
-    ref = loop_reference(_mixing_body, sig.args, sig.in_dims, sig.mapped, sig.out_dims)
+    ref = loop_reference(body, sig.args, sig.in_dims, sig.mapped, sig.out_dims)
     _assert_same(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
 @settings(max_examples=10, deadline=None)
-@given(sig=signatures(), checkpoint=st.booleans())
-def test_grad_random_signatures(sig, checkpoint):
+@given(sig=signatures(), checkpoint=st.booleans(), body=_BODIES)
+def test_grad_random_signatures(sig, checkpoint, body):
     w = filter_multi_vmap(
-        _mixing_body,
+        body,
         in_dims=sig.in_dims,
         out_dims=sig.out_dims,
         core=sig.core,
@@ -268,9 +277,7 @@ def test_grad_random_signatures(sig, checkpoint):
     )
 
     def ref(*args):
-        return loop_reference(
-            _mixing_body, args, sig.in_dims, sig.mapped, sig.out_dims, xp=jnp
-        )
+        return loop_reference(body, args, sig.in_dims, sig.mapped, sig.out_dims, xp=jnp)
 
     def loss(fn):
         def _loss(*args):
