@@ -164,6 +164,22 @@ def split(dim: str, n: int, chunk: int) -> tuple[int, int]:
     return n_full, rest
 
 
+def runs_on_slice(later: tuple[tuple[str, int | None], ...], sizes: dict) -> bool:
+    """Whether the body runs on a scan's slice as it is, the scans `later` inside it
+    looping no more over it: each has one whole chunk or none (a loop of one trip,
+    which XLA inlines) until one leaves a remainder, cut from that slice. A symbolic
+    size (`jax.export`) may loop."""
+    for name, chunk in later:
+        if not known(sizes[name]):
+            return False
+        trips, rest = divmod(sizes[name], chunk or 1)
+        if rest:
+            return True
+        if trips > 1:
+            return False
+    return True
+
+
 def _parts(dim: str, n: int, chunk: int) -> list[Part]:
     n_full, rest = split(dim, n, chunk)
     parts = []

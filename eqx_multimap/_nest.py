@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax._src import traceback_util
 from jax.custom_derivatives import SymbolicZero
 
-from ._blocks import Block, chunk_key, known, Level, NestSpec, split
+from ._blocks import Block, chunk_key, known, Level, NestSpec, runs_on_slice, split
 from ._dims import axes_of, Dims, EllipsisDim, NamedDim
 from ._errors import SpecError
 from ._progress_bar import Meter, report_for, Report
@@ -77,7 +77,7 @@ class Build:
     """How to build a nest.
 
     - `isolate`: the input leaves (by index) that each scan whose slices the body's
-        kernels read (`_kernels_read`) slices apart from them on CPU (see
+        kernels read (`_blocks.runs_on_slice`) slices apart from them on CPU (see
         `isolate_slices`).
     - `checkpoint`: wrap each scan body in `jax.checkpoint`.
     - `progress`: `progress=`'s bar (`_progress_bar.Meter`), reported from the
@@ -107,22 +107,6 @@ def _isolated(xs: Leaves, index: Any, length: int) -> Leaves:
     # the conditional away, and it keeps the slices out of the body's kernels.
     zeros = lambda xs: [jnp.zeros_like(x) for x in xs]  # noqa: E731
     return lax.cond(index < length, lambda xs: list(xs), zeros, xs)
-
-
-def _kernels_read(later: Sequence[tuple[str, Any]], sizes: dict[str, Any]) -> bool:
-    """Whether the body's kernels read a scan's slices as they are, the scans
-    `later` inside it looping no more over them: each of those has one whole chunk
-    or none (a loop of one trip, which XLA inlines) until one has a remainder,
-    which is sliced from them. A symbolic size (`jax.export`) may loop."""
-    for name, chunk in later:
-        if not known(sizes[name]):
-            return False
-        trips, rest = divmod(sizes[name], chunk or 1)
-        if rest:
-            return True
-        if trips > 1:
-            return False
-    return True
 
 
 def isolate_slices(xs: Leaves, index: Any, length: int) -> Leaves:
@@ -446,7 +430,7 @@ class _Nest:
             inner_axes = [_rename(a, name, chunk_key(name)) for a in axes]
             inner_pending = pending + (Level(chunk_key(name), name, "vmap", k, False),)
         sliced = [i for i in mapped if i not in xs]
-        read = _kernels_read(self.spec.scan[j + 1 :], self.problem.sizes)
+        read = runs_on_slice(self.spec.scan[j + 1 :], self.problem.sizes)
         isolated = [i for i in mapped if read and i in build.isolate]
         inner = ft.partial(self.level, j + 1, axes=inner_axes, pending=inner_pending)
         body = jax.checkpoint(inner) if build.checkpoint else inner

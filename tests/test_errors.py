@@ -895,7 +895,8 @@ def test_misspelled_dim_in_in_dims_gets_a_note():
 
 def _note_count(error) -> int:
     notes = getattr(error, "__notes__", [])
-    return sum("raised this while tracing its body" in " ".join(n.split()) for n in notes)
+    said = "raised this while tracing its body"
+    return sum(said in " ".join(n.split()) for n in notes)
 
 
 @pytest.mark.parametrize(
