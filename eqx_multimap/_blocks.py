@@ -164,7 +164,9 @@ def split(dim: str, n: int, chunk: int) -> tuple[int, int]:
     return n_full, rest
 
 
-def runs_on_slice(later: tuple[tuple[str, int | None], ...], sizes: dict) -> bool:
+def runs_on_slice(
+    later: tuple[tuple[str, int | None], ...], sizes: dict[str, int]
+) -> bool:
     """Whether the body runs on a scan's slice as it is, the scans `later` inside it
     looping no more over it: each has one whole chunk or none (a loop of one trip,
     which XLA inlines) until one leaves a remainder, cut from that slice. A symbolic
