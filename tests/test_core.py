@@ -321,6 +321,16 @@ def _optimised_hlo(fn, *args) -> str:
     return timing.normalised_hlo(timing.compiled(fn, *args))
 
 
+def _heavy(a):
+    # Reads `a` through two index maps in one fusion: its slices are isolated on CPU.
+    return jnp.tanh(a[:, None] * a[None, :]) @ a
+
+
+def _hand_heavy(xs):
+    # `_heavy` over `T B K`: the hand-written `lax.scan` over T of a vmap over B.
+    return lax.scan(lambda c, x: (c, jax.vmap(_heavy)(x)), None, xs)[1]
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only workaround")
 def test_scanned_slices_isolated_where_it_pays():
     # On CPU a body that does more than elementwise work gets each scanned leaf
@@ -328,13 +338,11 @@ def test_scanned_slices_isolated_where_it_pays():
     # slice into the body's kernels, where it stops LLVM from vectorising them. An
     # elementwise body is the hand-written `lax.scan`, HLO for HLO.
     x = _rand((5, 3, 8), seed=12)
-    heavy = lambda a: jnp.tanh(a[:, None] * a[None, :]) @ a
     w = filter_multi_vmap(
-        heavy, in_dims="T B K", out_dims="T B K", core="K", scan="T", vmap="B"
+        _heavy, in_dims="T B K", out_dims="T B K", core="K", scan="T", vmap="B"
     )
-    hand = lambda xs: lax.scan(lambda c, x: (c, jax.vmap(heavy)(x)), None, xs)[1]
     assert "conditional(" in _optimised_hlo(w, x)
-    _assert_same(w(x), hand(x), rtol=1e-5, atol=1e-6)
+    _assert_same(w(x), _hand_heavy(x), rtol=1e-5, atol=1e-6)
     cheap = lambda a: jnp.sin(a * a + 1.0)
     w = filter_multi_vmap(cheap, in_dims="T B K", out_dims="T B K", scan="T")
     hand = lambda xs: lax.scan(
@@ -360,13 +368,14 @@ def test_slices_isolated_where_the_kernels_read_them(scan, isolated):
     # of the scan outside: those are isolated too (else, with B = 3 in chunks of 2,
     # 4x slower on CPU).
     x = _rand((4, 5, 8), seed=13)
-    heavy = lambda a: jnp.tanh(a[:, None] * a[None, :]) @ a
-    w = filter_multi_vmap(heavy, in_dims="T B K", out_dims="T B K", core="K", scan=scan)
+    w = filter_multi_vmap(
+        _heavy, in_dims="T B K", out_dims="T B K", core="K", scan=scan
+    )
     assert _optimised_hlo(w, x).count("conditional(") == isolated
-    hand = lambda xs: lax.scan(lambda c, x: (c, jax.vmap(heavy)(x)), None, xs)[1]
-    _assert_same(w(x), hand(x), rtol=1e-5, atol=1e-6)
+    _assert_same(w(x), _hand_heavy(x), rtol=1e-5, atol=1e-6)
     grad = jax.grad(lambda x: jnp.sum(jnp.sin(w(x))))(x)
-    _assert_same(grad, jax.grad(lambda x: jnp.sum(jnp.sin(hand(x))))(x), rtol=1e-4)
+    ref = jax.grad(lambda x: jnp.sum(jnp.sin(_hand_heavy(x))))(x)
+    _assert_same(grad, ref, rtol=1e-4)
 
 
 def test_scan_is_outermost_in_declared_order():
