@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax._src import traceback_util
 
+from ._text import fmt_bytes as fmt_bytes, fmt_seconds as fmt_seconds
+
 
 traceback_util.register_exclusion(__file__)
 
@@ -277,21 +279,3 @@ def same_hlo(a: Any, b: Any) -> bool:
 def temp_bytes(c: Any) -> int:
     """The temporary memory of a compiled program, as XLA reports it."""
     return int(c.memory_analysis().temp_size_in_bytes)
-
-
-def fmt_bytes(n: int | float) -> str:
-    """`512 B`, `1.5 KiB`, `2.0 GiB`."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def fmt_seconds(s: float) -> str:
-    """`3.1 ms`, `250 us`, `1.20 s`."""
-    if s >= 1.0:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} us"

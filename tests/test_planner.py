@@ -32,7 +32,7 @@ from eqx_multimap._nest import Build, run
 from eqx_multimap._planner.cache import DiskCache
 from eqx_multimap._resolve import Call, resolve
 from eqx_multimap._planner.model import calibrate
-from eqx_multimap._timing import fmt_bytes
+from eqx_multimap._text import fmt_bytes
 
 
 # XLA's memory analysis sizes these small blocks differently before jaxlib 0.10.2

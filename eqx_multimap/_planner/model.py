@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._timing import compiled as compile_program, fmt_bytes
+from .._text import fmt_bytes
 
 
 # XLA:CPU splits an op over its threads only if it reads about this many bytes:
@@ -232,7 +232,7 @@ def best_of(fn: Callable[[], Any], repeats: int, timer: Callable = time.perf_cou
 def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | None:
     """Runs of `fn`'s compiled program per second (the best of `repeats`), or with
     `key`, XLA's `cost_analysis()[key]` per second."""
-    compiled = compile_program(fn, *specs)
+    compiled = jax.jit(fn).lower(*specs).compile()
     args = concrete_inputs(specs)
     seconds = best_of(lambda: compiled(*args), repeats)
     amount = float((compiled.cost_analysis() or {}).get(key, 1.0)) if key else 1.0

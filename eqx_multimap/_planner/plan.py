@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from .._blocks import describe_nest, NestSpec, plural, wrap_nest
 from .._shard import describe_split
-from .._timing import fmt_bytes, fmt_seconds
+from .._text import fmt_bytes, fmt_seconds
 from .model import TimeModel
 
 

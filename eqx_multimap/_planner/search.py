@@ -5,7 +5,7 @@ import dataclasses
 import math
 import time
 
-from .._timing import fmt_bytes
+from .._text import fmt_bytes
 from .cost import (
     Compiler,
     KEEP_WITHIN,

@@ -12,7 +12,7 @@ import jax
 
 from .._errors import SpecError
 from .._resolve import Call
-from .._timing import fmt_bytes, fmt_seconds
+from .._text import fmt_bytes, fmt_seconds
 from .cost import KEEP_WITHIN
 from .model import TimeModel
 from .plan import Plan, PlanCandidate, ScanNest, ShardDim
