@@ -132,4 +132,4 @@ def tune(fn: Callable, /, *args, **kwargs) -> Plan:
             "must be arrays, not tracers or `jax.ShapeDtypeStruct`s: call it "
             "outside `jax.jit`, or use `eqx_multimap.explain` to plan by the model."
         )
-    return _tune(wrapper, bound_args, args, kwargs)
+    return _tune(wrapper, bound_args, args, kwargs, again=True)

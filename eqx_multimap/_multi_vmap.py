@@ -546,7 +546,15 @@ def _tune_once(
         _tune(wrapper, (), args, kwargs)
 
 
-def _tune(wrapper: "_MultiVmapWrapper", bound: tuple, args: tuple, kwargs: dict):
+def _tune(
+    wrapper: "_MultiVmapWrapper",
+    bound: tuple,
+    args: tuple,
+    kwargs: dict,
+    again: bool = False,
+):
+    """Plan a call by timing candidates on its arguments; `again`: even if a plan so
+    timed is cached (`eqx_multimap.tune`), which it replaces."""
     call = resolve(wrapper._fun, wrapper._options, bound + args, kwargs)
     assert call.options.plan is not None
-    return call.options.plan.planner.plan(call, tune=True)
+    return call.options.plan.planner.plan(call, tune=True, again=again)

@@ -1,5 +1,6 @@
-"""Measured mode on real data: `eqx_multimap.tune`, un-jitted calls of a measuring
-planner, sub-slices, the cap, and bodies whose cost depends on their data."""
+"""Measured mode: `eqx_multimap.tune`, un-jitted calls of a measuring planner, the
+slices of loop trips, the search over every ladder, the cap, and bodies whose cost
+depends on their data."""
 
 import os
 import subprocess
@@ -9,9 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqx_multimap import explain, filter_multi_vmap, Planner, SpecError, tune
+from eqx_multimap import (
+    explain,
+    filter_multi_vmap,
+    Planner,
+    SpecError,
+    TimeModel,
+    tune,
+)
 from eqx_multimap._body import data_dependent
-from eqx_multimap._planner import cost
+from eqx_multimap._planner import cost, measure
 from eqx_multimap._planner.plan import PlanCandidate
 
 
@@ -56,11 +64,15 @@ def _first_arguments_run(monkeypatch, summarise) -> list:
         if not runs:
             return compiled
 
-        def call(args):
-            seen.append(summarise(np.asarray(args[0])))
-            return compiled(args)
+        class Call:  # the compiled program, its runs spied on
+            def __call__(self, args):
+                seen.append(summarise(np.asarray(args[0])))
+                return compiled(args)
 
-        return call
+            def __getattr__(self, name):
+                return getattr(compiled, name)
+
+        return Call()
 
     monkeypatch.setattr(cost.Compiler, "compile", spy)
     return seen
@@ -76,18 +88,163 @@ def test_data_dependent_reads_the_jaxpr():
     assert data_dependent(object()) == "a body the planner cannot read"
 
 
-def test_sub_slice_spreads_whole_chunks():
+def test_a_slice_cuts_loop_trips_and_keeps_the_block():
     sizes = {"T": 32, "F": 16}
+    # Scanning T, then F in chunks of 4: an eighth of the trips cuts T alone, to
+    # 4 elements spread over it (its first and last included); F is kept whole.
     c = PlanCandidate((("T", None), ("F", 4)), (), 4, 128, "ladder")
-    index = cost.sub_slice(c, sizes)
-    # Whole chunks of 4, spread over F; the loop trips shared out between T and F.
-    assert list(index["F"]) == list(range(16))  # 4 chunks of 4
-    assert len(index["T"]) * len(index["F"]) >= cost.MIN_SLICE * 512
-    assert list(index["T"]) == [0, 10, 21, 31]  # spread to the last
-    one = PlanCandidate((("T", None), ("F", None)), (), 1, 512, "ladder")
-    assert [len(x) for x in cost.sub_slice(one, sizes).values()] == [8, 8]
-    full = PlanCandidate((), ("T", "F"), 512, 1, "full vmap")
-    assert cost.sub_slice(full, sizes) == {}
+    index = measure.trip_slice(c, sizes, 1 / 8)
+    assert list(index) == ["T"] and list(index["T"]) == [0, 10, 21, 31]
+    # T in chunks of 8, F vmapped: whole chunks, the block (8 x 16) kept.
+    c = PlanCandidate((("T", 8),), ("F",), 128, 4, "ladder")
+    assert list(measure.trip_slice(c, sizes, 1 / 2)["T"]) == [*range(8), *range(24, 32)]
+    # Fewer trips than the outer loop has: cut inside it too.
+    c = PlanCandidate((("T", 16), ("F", None)), (), 16, 32, "ladder")
+    index = measure.trip_slice(c, sizes, 1 / 32)
+    assert list(index["T"]) == list(range(16)) and list(index["F"]) == [0]
+
+
+def _landscape(monkeypatch, seconds):
+    """Measured mode with `Tuner.time` replaced: `seconds(c)` is `c`'s time, and
+    each candidate's compile is one second; the candidates timed, in order."""
+    timed = []
+
+    def time_(self, c):
+        if c.key not in self.timed:
+            timed.append(c)
+            t = seconds(c)
+            self.timed[c.key] = measure.Timed(lambda: None, {}, 1.0, 1.0, [t])
+        return self.seconds(c.key)
+
+    monkeypatch.setattr(measure.Tuner, "time", time_)
+    monkeypatch.setattr(measure.Tuner, "confirm", lambda self: None)
+    return timed
+
+
+def _valley(best_block, at=None):
+    """A time that grows with the distance (in log block) from `best_block`, on the
+    candidates whose first scanned dim is `at` (any, for `None`), 5% slower on
+    the others."""
+
+    def seconds(c):
+        far = abs(np.log2(c.block / best_block))
+        first = c.scan[0][0] if c.scan else None
+        return (1.0 + 0.1 * far) * (1.0 if at in (None, first) else 1.05)
+
+    return seconds
+
+
+@pytest.mark.parametrize("best_block", [1, 8, 64, 512, 2048])
+def test_the_search_finds_the_fastest_block_of_a_valley(monkeypatch, best_block):
+    timed = _landscape(monkeypatch, _valley(best_block))
+    x = jnp.ones((64, 32))
+    f = filter_multi_vmap(jnp.sin, in_dims="T F", out_dims="T F", plan="auto")
+    plan = tune(f, x)
+    assert plan.chosen.block == best_block
+    # Full vmap and the model's choice first, then fewer than half the others.
+    assert timed[0].block == 64 * 32
+    model = explain(
+        filter_multi_vmap(
+            jnp.sin, in_dims="T F", out_dims="T F", plan=Planner(cache_dir=False)
+        ),
+        x,
+    )
+    assert timed[1].key == model.chosen.key or model.chosen.block == 64 * 32
+    assert len(timed) < len(plan.candidates) / 2
+    assert "was not reached" in plan.summary
+    # Each candidate not timed says why: a slower one was timed between.
+    untimed = [c for c in plan.candidates if c.measured is None]
+    assert all("measured slower" in c.reason for c in untimed)
+
+
+def test_the_search_finds_the_fastest_order(monkeypatch):
+    # The fastest blocks scan F first: reached from the other orders' ladders.
+    _landscape(monkeypatch, _valley(16, at="F"))
+    x = jnp.ones((64, 32))
+    f = filter_multi_vmap(jnp.sin, in_dims="T F", out_dims="T F", plan="auto")
+    plan = tune(f, x)
+    assert plan.chosen.block == 16 and plan.chosen.scan[0][0] == "F"
+
+
+def test_the_cap_stops_the_search_and_says_so(monkeypatch):
+    rate, y = _args()
+    counts = {}
+    for cap in (1e-6, 1e6):
+        monkeypatch.setattr(measure, "CAP", cap)
+        plan = tune(_wrapper(Planner(cache_dir=False)), rate, y)
+        counts[cap] = sum(c.measured is not None for c in plan.candidates)
+        stopped = "stopped the search" in plan.summary
+        assert stopped == (cap < 1)
+        assert (cap < 1) == any(
+            "the cap stopped the search first" in c.reason for c in plan.candidates
+        )
+    # A tiny cap still times full vmap and the model's choice (here, full vmap).
+    model = explain(_wrapper(Planner(cache_dir=False)), rate, y).chosen
+    assert counts[1e-6] == 1 + bool(model.scan) < counts[1e6]
+
+
+def test_a_quick_call_is_timed_whole_a_long_one_on_slices(monkeypatch):
+    # Each timed program keeps its candidate's block: a slice cuts loop trips.
+    x = jax.random.normal(jax.random.key(0), (256, 8, 16))
+    seen = _first_arguments_run(monkeypatch, lambda a: a.shape[:2])
+    for target, what in ((1e9, "each whole"), (1e-9, "on a slice of")):
+        monkeypatch.setattr(measure, "TARGET", target)
+        monkeypatch.setattr(measure, "CACHES", 0)  # this machine's caches ignored
+        seen.clear()
+        f = filter_multi_vmap(
+            _outer_tanh, in_dims="T B K", out_dims="T B", plan=Planner(cache_dir=False)
+        )
+        plan = tune(f, x)
+        assert what in plan.summary and plan.chosen.measured is not None
+        assert seen[0] == (256, 8)  # full vmap: whole
+        assert all(s == (256, 8) for s in seen) == (target > 1)
+        cut = [c for c in plan.candidates if c.measured is not None and c.scan]
+        if target < 1:  # the vmapped dim B is never cut
+            assert all(s[1] == 8 for s in seen)
+        assert cut
+        np.testing.assert_allclose(
+            f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
+        )
+
+
+def test_tune_times_again_on_new_data_and_replaces_the_plan():
+    rate, y = _args()
+    planner = Planner(cache_dir=False)
+    f = _wrapper(planner)
+    first = tune(f, rate, y)
+    n = planner.n_plans
+    second = tune(f, rate * 0 + 1.0, y)  # the same signature, new data
+    assert planner.n_plans == n + 1 and second.basis == "arguments"
+    assert "planned now" in second.cache
+    assert explain(f, rate, y).chosen.key == second.chosen.key
+    assert first.chosen.measured is not None
+
+
+def test_measured_mode_runs_nothing_over_the_budget(monkeypatch):
+    # Full vmap does not fit: it is never run; the choice fits when compiled.
+    x = jax.random.normal(jax.random.key(0), (64, 16, 32))
+    kw = dict(in_dims="T B K", out_dims="T B")
+    wide = filter_multi_vmap(_outer_tanh, **kw, plan=Planner(cache_dir=False))
+    budget = explain(wide, x).chosen.temp_bytes // 4
+    seen = _first_arguments_run(monkeypatch, lambda a: a.shape)
+    f = filter_multi_vmap(
+        _outer_tanh, **kw, plan=Planner(cache_dir=False), memory_budget=budget
+    )
+    plan = tune(f, x)
+    assert sum(c.measured is not None for c in plan.candidates) >= 2
+    full = next(c for c in plan.candidates if not c.scan)
+    assert full.measured is None and not full.fits
+    fixed = filter_multi_vmap(_outer_tanh, **kw, scan=plan.scan, vmap=plan.vmap)
+    assert explain(fixed, x).chosen.temp_bytes <= budget
+    assert seen
+    np.testing.assert_allclose(
+        f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
+    )
+
+
+def _outer_tanh(x):
+    """No while loop: its cost does not depend on its data."""
+    return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
 
 
 def test_tune_times_the_arguments_and_is_reused():
@@ -135,10 +292,10 @@ def test_measured_values_reach_the_body(monkeypatch):
 def test_under_jit_a_data_dependent_body_is_planned_by_the_model(monkeypatch):
     made = []
     monkeypatch.setattr(
-        cost, "concrete_inputs", lambda specs: made.append(specs) or 1 / 0
+        measure, "concrete_inputs", lambda specs: made.append(specs) or 1 / 0
     )
     rate, y = _args()
-    planner = Planner(measure=True, cache_dir=False)
+    planner = Planner(measure=True, cache_dir=False, time_model=TimeModel())
     f = _wrapper(planner)
     plan = explain(f, rate, y)
     assert not made  # nothing fabricated
@@ -156,124 +313,6 @@ def test_under_jit_a_data_dependent_body_is_planned_by_the_model(monkeypatch):
     assert explain(f, rate, y).basis == "arguments"
 
 
-def test_the_cap_times_fewer_candidates(monkeypatch):
-    rate, y = _args()
-    counts = {}
-    for cap in (1e-6, 1e6):
-        monkeypatch.setattr(cost, "CAP", cap)
-        plan = tune(_wrapper(Planner(cache_dir=False)), rate, y)
-        counts[cap] = sum(c.measured is not None for c in plan.candidates)
-    # A tiny cap still times the walk's first steps: the smallest block, and a
-    # block along each of the two dims.
-    assert counts[1e-6] == 3 < counts[1e6]
-
-
-def test_a_candidate_timed_while_a_core_was_taken_is_timed_again(monkeypatch):
-    # Another job held a core while every candidate but the first ran: each is
-    # timed again, side by side, however slow it seemed. (Marking one only, the
-    # test would depend on its time: alone the fastest, it has no one to race.)
-    class Disturbed(cost.Probe):
-        def __init__(self):
-            super().__init__(run=lambda: None)
-
-        def time(self, clock=None):
-            self.times.append(3.0 if self.times else 1.0)
-
-    confirmed, timers = [], []
-    interleaved, confirm = cost.time_interleaved, cost.Timer.confirm
-
-    def spy(fns, *args, **kwargs):
-        confirmed.append((list(fns), kwargs["probe"]))
-        return interleaved(fns, *args, **kwargs)
-
-    def keep(self):
-        timers.append(self)
-        return confirm(self)
-
-    monkeypatch.setattr(cost, "Probe", Disturbed)
-    monkeypatch.setattr(cost, "KEEP_WITHIN", 1.0)  # none re-timed for being close
-    monkeypatch.setattr(cost, "time_interleaved", spy)
-    monkeypatch.setattr(cost.Timer, "confirm", keep)
-    tune(_wrapper(Planner(cache_dir=False)), *_args())
-    (timer,) = timers
-    ((fns, probe),) = confirmed
-    late = [k for k, i in timer.probed.items() if i >= 1]
-    assert probe is timer.probe and probe.disturbed()[:3] == [False, True, True]
-    assert len(timer.timed) >= 3 and len(late) == len(timer.timed) - 1
-    assert all(timer.runs[k][0] in fns for k in late)
-
-
-def _outer_tanh(x):
-    """No while loop: its cost does not depend on its data."""
-    return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
-
-
-def test_a_quick_call_is_timed_whole(monkeypatch):
-    # No while loop: the blocks are timed on the whole call when it is est. quick,
-    # else each on a slice of a few of its blocks.
-    from eqx_multimap._planner import search
-
-    x = jax.random.normal(jax.random.key(0), (256, 8, 16))
-    seen = _first_arguments_run(monkeypatch, lambda a: a.shape[:2])
-    for below, what in ((1e9, "each on the whole call"), (0.0, "each on a slice")):
-        monkeypatch.setattr(search, "WHOLE_BELOW", below)
-        seen.clear()
-        f = filter_multi_vmap(
-            _outer_tanh, in_dims="T B K", out_dims="T B", plan=Planner(cache_dir=False)
-        )
-        plan = tune(f, x)
-        assert what in plan.summary and plan.chosen.measured is not None
-        assert seen and (below == 0 or all(s == (256, 8) for s in seen))
-        # Each element sums 256 float32 products of size ~1 in an order the nest
-        # picks (XLA fuses the block's matmul differently), so the absolute
-        # error is a few 1e-5 where the sum nearly cancels.
-        np.testing.assert_allclose(
-            f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
-        )
-
-
-def test_measured_mode_compiles_the_memory_of_its_choice_only():
-    # Candidates are costed as `plan="auto"` costs them, their temporaries
-    # predicted; only the one chosen is compiled to check that it fits (unless
-    # predicted far within the budget). It fits, compiled as a fixed nest too.
-    from eqx_multimap._planner.search import SAFE_FRACTION
-
-    x = jax.random.normal(jax.random.key(0), (64, 16, 32))
-    kw = dict(in_dims="T B K", out_dims="T B")
-    wide = filter_multi_vmap(_outer_tanh, **kw, plan=Planner(cache_dir=False))
-    budget = explain(wide, x).chosen.temp_bytes // 4  # full vmap's does not fit
-    f = filter_multi_vmap(
-        _outer_tanh, **kw, plan=Planner(cache_dir=False), memory_budget=budget
-    )
-    plan = tune(f, x)
-    assert sum(c.measured is not None for c in plan.candidates) >= 2
-    assert any(c.predicted for c in plan.candidates)
-    chosen = plan.chosen
-    assert not chosen.predicted or chosen.temp_bytes <= SAFE_FRACTION * budget
-    fixed = filter_multi_vmap(_outer_tanh, **kw, scan=plan.scan, vmap=plan.vmap)
-    assert explain(fixed, x).chosen.temp_bytes <= budget
-    np.testing.assert_allclose(
-        f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
-    )
-
-
-def test_the_walk_times_every_block_on_the_same_elements(monkeypatch):
-    # The elements' loop counts differ along F, so a block is only comparable with
-    # another on the same elements: every program the walk runs sees the same
-    # rates, spread over F (its first and last included), whatever its block.
-    seen = _first_arguments_run(monkeypatch, lambda x: sorted(x.ravel().tolist()))
-    rate = jnp.broadcast_to(jnp.linspace(2.0, 40.0, 64), (16, 64))
-    f = filter_multi_vmap(
-        _loop, in_dims=("T F", "T F"), out_dims="T F", plan=Planner(cache_dir=False)
-    )
-    plan = tune(f, rate, jnp.ones_like(rate))
-    timed = [c for c in plan.candidates if c.measured is not None]
-    assert len(timed) >= 3 and {c.block for c in timed} >= {1, 8}
-    assert len(seen) >= len(timed) and all(s == seen[0] for s in seen)
-    assert seen[0][0] == 2.0 and seen[0][-1] == 40.0
-    assert len(seen[0]) < rate.size  # a slice: runs of 8 along each dim
-
-
 def test_tune_needs_a_planned_function_and_arrays():
     rate, y = _args()
     fixed = filter_multi_vmap(_loop, in_dims=("T F", "T F"), out_dims="T F")
@@ -283,6 +322,23 @@ def test_tune_needs_a_planned_function_and_arrays():
     spec = jax.ShapeDtypeStruct(rate.shape, rate.dtype)
     with pytest.raises(SpecError, match=r"must be arrays,\s+not tracers"):
         tune(_wrapper("auto"), spec, spec)
+
+
+_SCRIPT = """
+import jax.numpy as jnp, sys
+sys.path.insert(0, {tests!r})
+from test_measure import _args, _wrapper
+from eqx_multimap import Planner, explain, tune
+planner = Planner(cache_dir={cache!r})
+f = _wrapper(planner)
+if sys.argv[1] == "tune":
+    tune(f, *_args())
+else:
+    f(*_args())  # planned as usual: the tuned plan, from disk
+counts = planner.n_compiles, planner.n_disk_hits
+plan = explain(f, *_args())
+print(plan.basis, plan.chosen.scan, plan.chosen.vmap, *counts)
+"""
 
 
 _SCRIPT = """

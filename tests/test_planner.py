@@ -22,7 +22,6 @@ from eqx_multimap import (
 )
 from eqx_multimap._planner import (
     cost as _costing,
-    cost as _measure,
     cost as _progress,
     plan as _plan,
     space as _candidates,
@@ -31,7 +30,7 @@ from eqx_multimap._blocks import NestSpec
 from eqx_multimap._nest import Build, run
 from eqx_multimap._planner.cache import DiskCache
 from eqx_multimap._resolve import Call, resolve
-from eqx_multimap._planner.model import calibrate
+from eqx_multimap._planner.measure import calibrate
 from eqx_multimap._text import fmt_bytes
 
 
@@ -1038,36 +1037,6 @@ def test_every_row_carries_a_reason(getkey):
 #
 
 
-@pytest.mark.parametrize("best_block", [4, 64])
-def test_the_walk_finds_the_fastest_block_from_the_models_choice(
-    getkey, monkeypatch, best_block
-):
-    # Timed by a stand-in whose time per call has one minimum, at `best_block`
-    # elements per loop iteration: the walk from the model's choice (full vmap,
-    # 2,048 elements, here) reaches it.
-    a, b = _sumexp_args(getkey, t=64, bsize=32, k=8)
-    timed = []
-
-    def seconds(self, c, index=None):
-        if c.key not in self.timed:
-            self.timed[c.key] = 1 + abs(np.log2(c.block / best_block))
-            self.runs[c.key] = (lambda: None, 1.0)
-            timed.append(c)
-        return self.timed[c.key]
-
-    monkeypatch.setattr(_measure.Timer, "time", seconds)
-    monkeypatch.setattr(_measure.Timer, "due", lambda self: False)
-    monkeypatch.setattr(_measure.Timer, "confirm", lambda self: self.timed)
-    model = explain(_sumexp_wrapper(plan=_planner_of(), memory_budget=2**30), a, b)
-    planner = _planner_of(measure=True)
-    plan = explain(_sumexp_wrapper(plan=planner, memory_budget=2**30), a, b)
-    assert timed[0].key == model.chosen.key  # the model's choice first
-    assert plan.chosen.block == best_block
-    # A walk, not a sweep: a block along each dim, then one ladder.
-    n = sum(c.measured is not None for c in plan.candidates)
-    assert n < len(plan.candidates)
-
-
 @pytest.mark.slow
 def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
     a, b = _sumexp_args(getkey, t=16, bsize=12, k=32)
@@ -1087,29 +1056,19 @@ def test_measured_mode_picks_a_fitting_candidate(getkey, tmp_path):
     # Timed on slices: only those compiled whole know their memory; none is over.
     assert all(c.fits is not False for c in timed)
     assert plan.chosen.fits and plan.chosen.temp_bytes <= budget
-    # The rule: the fastest measured wins, unless the time model's own choice (the
-    # same model, unmeasured) measured within `KEEP_WITHIN` of it.
+    # The rule: the fastest measured wins, and the time model's own choice (the
+    # same model, unmeasured) is among those timed.
     unmeasured = explain(
         _sumexp_wrapper(plan=_planner_of(), memory_budget=budget), a, b
     )
-    model = next(c for c in timed if c.key == unmeasured.chosen.key)
+    assert any(c.key == unmeasured.chosen.key for c in timed)
     fastest = min(c.measured for c in timed)
-    keep = _measure.KEEP_WITHIN
-    if model.measured <= keep * fastest:
-        assert plan.chosen.key == model.key
-    else:
-        assert plan.chosen.measured == fastest
-    if plan.chosen.measured == fastest:
-        assert plan.chosen.reason.startswith("chosen: the fastest of the ")
-        assert f"; the fastest of the {len(timed)} timed (measured " in plan.summary
-    else:
-        assert plan.chosen.reason.startswith("chosen: the time model's choice")
-        assert f"within {keep}x of the fastest" in plan.summary
+    assert plan.chosen.measured == fastest
+    assert plan.chosen.reason.startswith("chosen: the fastest of the ")
+    assert f"; the fastest of the {len(timed)} timed (measured " in plan.summary
     for c in timed:
         if c != plan.chosen:
-            assert c.reason.startswith(
-                "slower: measured " if c.measured >= plan.chosen.measured else "faster"
-            ), c.reason
+            assert c.reason.startswith("slower: measured "), c.reason
     assert all(c.reason for c in plan.candidates)
     assert " measured  fits  nest" in str(plan)
     # The derivative's plan is measured too, and fits its budget.
@@ -1129,11 +1088,7 @@ def test_measured_mode_when_full_vmap_fits(getkey):
     assert full.source == "full vmap" and full.fits and full.measured is not None
     assert sum(c.measured is not None for c in plan.candidates) >= 2
     fastest = min(c.measured for c in plan.candidates if c.measured is not None)
-    # Full vmap is the time model's choice here: kept if within `KEEP_WITHIN`.
-    if full.measured <= _measure.KEEP_WITHIN * fastest:
-        assert plan.chosen == full
-    else:
-        assert plan.chosen.measured == fastest
+    assert plan.chosen.measured == fastest
 
 
 #

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eqx_multimap import explain, filter_multi_vmap, Planner, TimeModel
-from eqx_multimap._planner import model as _model
+from eqx_multimap._planner import measure, model as _model
 from eqx_multimap._resolve import resolve
 
 
@@ -98,22 +98,29 @@ def test_time_model_json_round_trip():
             TimeModel.from_json({**stored, "cores": bad})
 
 
-def test_calibration_takes_the_best_of_repeated_runs():
-    # A noisy function under a fake clock: the quickest run is the one kept.
-    durations = iter([5.0, 1.0, 3.0, 9.0])
-    clock = [0.0]
-    calls = []
+def test_the_timing_loop_interleaves_and_drops_disturbed_rounds():
+    # Two thunks under a fake clock: one untimed call each, then rounds in an
+    # order that rotates; a round the probe finds disturbed is dropped.
+    clock, calls = [0.0], []
 
-    def timer():
-        return clock[0]
+    def thunk(name, seconds):
+        def run():
+            calls.append(name)
+            clock[0] += seconds
 
-    def fn():
-        calls.append(1)
-        if len(calls) > 1:  # the first call is untimed
-            clock[0] += next(durations)
+        return run
 
-    assert _model.best_of(fn, 4, timer=timer) == 1.0
-    assert len(calls) == 5
+    class Probe(measure.Probe):
+        def __init__(self):
+            super().__init__(run=lambda: None)
+
+        def time(self):
+            self.times.append([1.0, 9.0, 1.0][len(self.times)])
+
+    a, b = thunk("a", 0.01), thunk("b", 0.02)
+    times = measure.rounds([a, b], 3, probe=Probe(), clock=lambda: clock[0])
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    np.testing.assert_allclose(times, [[0.01, 0.01], [0.02, 0.02]])  # round 2 dropped
 
 
 def test_calibrated_levels_are_the_machines(monkeypatch):
@@ -126,8 +133,8 @@ def test_calibrated_levels_are_the_machines(monkeypatch):
         calls.append((nbytes, repeats, one_core))
         return 1e11 / len(calls)
 
-    monkeypatch.setattr(_model, "stream_bandwidth", stream)
-    model = _model.calibrate(repeats=2)
+    monkeypatch.setattr(measure, "stream_bandwidth", stream)
+    model = measure.calibrate(repeats=2)
     default = TimeModel.for_backend("cpu")
     levels = [s for s, _ in default.levels]
     assert [s for s, _ in model.levels] == levels
@@ -142,8 +149,8 @@ def test_calibrated_levels_are_the_machines(monkeypatch):
 
 def test_one_core_bandwidth_streams_slices_in_place():
     # On one core: slices of `SLICE` bytes, each read and written once per pass.
-    whole = _model.stream_bandwidth(2**20, 2)
-    one = _model.stream_bandwidth(2**20, 2, one_core=True)
+    whole = measure.stream_bandwidth(2**20, 2)
+    one = measure.stream_bandwidth(2**20, 2, one_core=True)
     assert whole and one and 1e8 < one < 1e13 and 1e8 < whole < 1e13
 
 

@@ -25,7 +25,7 @@ import jaxlib
 
 from .._body import struct
 from .._resolve import Call
-from .cost import KEEP_WITHIN, WALK_FIRST, WALK_SLOWER
+from .measure import CAP
 from .model import machine
 from .plan import Plan, PlanCandidate
 from .search import MAX_COMPILES, SEARCH_VERSION
@@ -172,7 +172,7 @@ def plan_key(request: Request, fingerprint: str) -> dict[str, Any]:
         "checkpoint": call.options.checkpoint,
         "budget": request.budget,
         "backward": request.backward,
-        "search": [SEARCH_VERSION, MAX_COMPILES, KEEP_WITHIN, WALK_FIRST, WALK_SLOWER],
+        "search": [SEARCH_VERSION, MAX_COMPILES, CAP],
         "time_model": request.model_key,
         "machine": machine(),
         "versions": versions(),

@@ -1,6 +1,6 @@
 """Costing candidate nests: XLA's memory and cost analyses of compiled ones, the
-others predicted from full vmap's (`Reference`; see `docs/design.md`), planning's
-progress, and measured mode's timing of candidates on sub-slices of the call."""
+others predicted from full vmap's (`Reference`; see `docs/design.md`), and
+planning's progress."""
 
 import dataclasses
 import functools as ft
@@ -18,8 +18,7 @@ from .._body import _sub_jaxprs, struct
 from .._nest import Build, build_levels, loop_body_inputs, run
 from .._progress_bar import tqdm_installed
 from .._resolve import Call
-from .._timing import Probe, time_interleaved
-from .model import best_of, concrete_inputs, PARALLEL_BYTES, TimeModel
+from .model import PARALLEL_BYTES, TimeModel
 from .plan import PlanCandidate, ScanNest
 
 
@@ -155,171 +154,6 @@ class Progress:
         if self.reported:
             seconds = time.perf_counter() - self.start
             logger.info("%s: planned in %.1f s (%d steps)", self.what, seconds, self.n)
-
-
-# Measured mode (`Search.walk`) times each candidate on a sub-slice holding `BLOCKS`
-# of its loop trips (at least `MIN_SLICE` of the elements), and compiles no more
-# once planning has taken `CAP` times a compile. It keeps the model's choice unless
-# another measured faster by more than `KEEP_WITHIN`.
-BLOCKS = 4
-MIN_SLICE = 1 / 8
-CAP = 6.0
-KEEP_WITHIN = 1.10
-RUNS = 3  # a candidate's time: the best of this many runs,
-SLOW_RUN = 0.25  # seconds; of one if it takes longer
-# The walk stops at a block `WALK_SLOWER` than the best. In lockstep it starts from
-# about `WALK_FIRST` elements along each dim, every block timed on the same
-# elements: `WALK_RUNS` runs along each dim (`spread`).
-WALK_FIRST = 8
-WALK_SLOWER = 1.10
-WALK_RUNS = 4
-# A call est. quicker than this is timed whole: on a sub-slice, a few blocks' time
-# scaled up can be 2x off.
-WHOLE_BELOW = 0.05  # seconds
-
-
-Index = dict[str, np.ndarray]  # the elements of some dims
-
-
-def sub_slice(c: PlanCandidate, sizes: dict[str, int]) -> Index:
-    """The elements of each dim `c` scans that it is timed on: whole chunks spread
-    evenly over the dim (a cost that depends on the data may vary along it),
-    `BLOCKS` loop trips or more in all, shared out between the dims."""
-    trips = max(BLOCKS, math.ceil(MIN_SLICE * math.prod(sizes.values()) / c.block))
-    out = {}
-    for i, (name, chunk) in enumerate(reversed(c.scan)):  # shared out, inner first
-        k = chunk or 1
-        n = max(sizes[name] // k, 1)
-        m = min(n, math.ceil(trips ** (1 / (len(c.scan) - i))))
-        out[name] = spread(n * k, k, m)
-        trips = math.ceil(trips / m)
-    return out
-
-
-def spread(n: int, run: int, runs: int = WALK_RUNS) -> np.ndarray:
-    """`runs` runs of `run` contiguous elements of a dim of size `n`, aligned to
-    `run` and spread evenly over it; the whole dim if they would cover it."""
-    if run * runs >= n:
-        return np.arange(n)
-    starts = np.round(np.linspace(0, n // run - 1, runs)).astype(int) * run
-    return (np.unique(starts)[:, None] + np.arange(run)).ravel()
-
-
-def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
-    """The call's values at the elements `index` gives (and of the other dims, the
-    first `sub` elements: one device's block with `shard=`)."""
-    out = []
-    for v, axes in zip(call.values, call.leaf_axes):
-        for name, ax in axes.items():
-            if name in index:
-                v = jax.numpy.take(v, index[name], axis=ax)
-            elif np.shape(v)[ax] != sub[name]:
-                v = jax.lax.slice_in_dim(v, 0, sub[name], axis=ax)
-        out.append(v)
-    return out
-
-
-class Timer:
-    """Times candidates on sub-slices (`sub_slice`) of the call's values (with
-    `values`; else of made-up arrays), or with `whole` on the whole call: the best
-    of `RUNS` runs, less the cost of a call (which a whole call pays once), scaled
-    to the whole call. A `Probe` timed before each candidate finds those timed while
-    another job held a core."""
-
-    def __init__(
-        self, parent: "Compiler", call: Call, values: bool, grow: bool, whole: bool
-    ):
-        self.parent, self.call, self.values, self.grow = parent, call, values, grow
-        self.whole = whole
-        self.once = 0.0  # the cost of a call
-        self.start: float | None = None  # of the first compile
-        self.longest = 0.0  # the compile the cap counts from
-        self.runs: dict[tuple, tuple[Callable, float]] = {}  # by key: thunk, scale
-        self.timed: dict[tuple, float] = {}
-        self.slices: dict[tuple, dict[str, int]] = {}  # by key: the sizes timed at
-        self.probe: Probe | None = None  # timed before each candidate
-        self.probed: dict[tuple, int] = {}  # by key: the probe's time before it
-
-    def left(self, share: float = 1.0) -> float:
-        """Seconds left of `share` of the cap (`inf` before the first compile)."""
-        if self.start is None:
-            return math.inf
-        return self.start + share * CAP * self.longest - time.perf_counter()
-
-    def due(self) -> bool:
-        """Whether timing has taken `CAP` times the first compile (with `grow`, the
-        longest: a walk starts from the smallest block, often the quickest to
-        compile), less the 40% that `confirm` takes."""
-        return self.left(0.6) < 0
-
-    def time(self, c: PlanCandidate, index: Index | None = None) -> float:
-        """`c`'s time, on its `sub_slice` or on the elements `index` gives (its
-        chunks cut to their sizes)."""
-        if c.key in self.timed:
-            return self.timed[c.key]
-        sizes = self.parent.sizes
-        if index is None:
-            index = {} if self.whole else sub_slice(c, sizes)
-        sub = {**sizes, **{n: len(x) for n, x in index.items()}}
-        scan = tuple((n, k if k is None else min(k, sub[n])) for n, k in c.scan)
-        compiler = Compiler(self.call, sub, self.parent.model, self.parent.backward)
-        fn, specs = compiler._program(NestSpec(scan, c.vmap))
-        self.parent.report(f"compiling {c.nest(sub)} to time it")
-        t0 = time.perf_counter()
-        program = compiler.compile(fn, specs, runs=True)
-        self.parent.n_compiled += 1
-        self.start = t0 if self.start is None else self.start
-        if self.grow or not self.longest:
-            self.longest = max(self.longest, time.perf_counter() - t0)
-        if not self.values:
-            args = concrete_inputs(specs)
-        elif self.parent.backward:  # the cotangents made up
-            args = [_sliced(self.call, index, sub), concrete_inputs(specs[1])]
-        else:
-            args = _sliced(self.call, index, sub)
-        args = jax.block_until_ready(args)
-        thunk = lambda: program(args)  # noqa: E731
-        self.probe = self.probe or Probe()
-        self.probe.time()
-        self.probed[c.key] = len(self.probe.times) - 1
-        if not self.runs:  # a program that does nothing: the cost of a call
-            noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
-            self.once = best_of(lambda: noop(args), RUNS)
-        best = math.inf
-        for _ in range(RUNS):  # the first also warms up
-            t0 = time.perf_counter()
-            jax.block_until_ready(thunk())
-            best = min(best, time.perf_counter() - t0)
-            if best > SLOW_RUN:
-                break
-        scale = math.prod(sizes.values()) / math.prod(sub.values())
-        self.runs[c.key] = (thunk, scale)
-        self.slices[c.key] = {n: sub[n] for n in index}
-        self.timed[c.key] = self._whole(best, scale)
-        return self.timed[c.key]
-
-    def _whole(self, seconds: float, scale: float) -> float:
-        return max(seconds - self.once, 0.0) * scale + self.once
-
-    def confirm(self) -> dict[tuple, float]:
-        """The best times, by key, once the candidates within `KEEP_WITHIN` of the
-        fastest and those timed while another job held a core are timed side by side
-        for what is left of the time (two rounds at least, disturbed ones dropped)."""
-        best = min(self.timed.values())
-        late = self.probe.disturbed() if self.probe else []
-        close = [
-            k for k, t in self.timed.items()
-            if t <= KEEP_WITHIN * best or late[self.probed[k]]
-        ]  # fmt: skip
-        what = f"timing {len(close)} candidates"
-        times = time_interleaved(
-            [self.runs[k][0] for k in close], max(self.left(), 0.0), min_rounds=2,
-            on_round=lambda r, n: self.parent.report(f"{what}, round {r}"),
-            probe=self.probe,
-        ) if len(close) > 1 else []  # fmt: skip
-        for k, ts in zip(close, times):
-            self.timed[k] = min(self.timed[k], self._whole(min(ts), self.runs[k][1]))
-        return self.timed
 
 
 # XLA options for programs that are analysed, never run; on CPU, with `CPU_ONLY`.

@@ -1,22 +1,16 @@
-"""The planner's time model, the machine it is for, and its calibration (measured
-once per machine; the planner keeps it on disk)."""
+"""The planner's time model, and the machine it is for (`measure.calibrate` measures
+its constants once per machine; the planner keeps them on disk)."""
 
 import contextlib
 import dataclasses
-import datetime
 import math
 import os
 import pathlib
 import platform
 import re
-import time
-import timeit
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from .._text import fmt_bytes
 
@@ -196,122 +190,3 @@ def machine() -> dict[str, Any]:
         out.update(cpu=cpu or "?", cores=_cores(), arch=platform.machine())
         out["caches"] = list(cache_levels())
     return out
-
-
-def concrete_inputs(specs: Any) -> Any:
-    """Fresh arrays of the shapes and dtypes of a pytree of `ShapeDtypeStruct`s,
-    built eagerly even while tracing (the planner runs at trace time)."""
-    rng = np.random.default_rng(0)
-
-    def make(s: jax.ShapeDtypeStruct) -> Any:
-        dtype = s.dtype
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            impl = dtype._impl  # pyright: ignore[reportAttributeAccessIssue]
-            data = np.zeros(tuple(s.shape) + tuple(impl.key_shape), np.uint32)
-            return jax.random.wrap_key_data(data, impl=impl.name)
-        if jnp.issubdtype(dtype, jnp.complexfloating):
-            x = 2 * (rng.random(s.shape) + 1j * rng.random(s.shape)) - (1 + 1j)
-        elif jnp.issubdtype(dtype, jnp.floating):
-            x = rng.random(s.shape, dtype=np.float32) * 2 - 1
-        else:
-            x = np.zeros(s.shape, dtype)
-        return jax.device_put(np.asarray(x).astype(dtype))
-
-    with jax.ensure_compile_time_eval():
-        return jax.tree.map(make, specs)
-
-
-def best_of(fn: Callable[[], Any], repeats: int, timer: Callable = time.perf_counter):
-    """The quickest of `repeats` timed calls of `fn`, after one untimed call: as
-    `timeit` advises, so that another job's noise on the machine does not move it."""
-    run = lambda: jax.block_until_ready(fn())  # noqa: E731
-    run()
-    return min(timeit.repeat(run, timer=timer, repeat=repeats, number=1))
-
-
-def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | None:
-    """Runs of `fn`'s compiled program per second (the best of `repeats`), or with
-    `key`, XLA's `cost_analysis()[key]` per second."""
-    compiled = jax.jit(fn).lower(*specs).compile()
-    args = concrete_inputs(specs)
-    seconds = best_of(lambda: compiled(*args), repeats)
-    amount = float((compiled.cost_analysis() or {}).get(key, 1.0)) if key else 1.0
-    return amount / seconds if amount > 0 and seconds > 0 else None
-
-
-def stream_bandwidth(nbytes: int, repeats: int, one_core: bool = False) -> float | None:
-    """Bytes per second read and written by `y = a * y + b` over `nbytes`, in a
-    loop so that the data stays in the level it fits; with `one_core`, a slice of
-    at most `SLICE` bytes at a time, an op too small for XLA to split."""
-    n = max(nbytes // 4, 256)
-    k = min(n, SLICE // 4) if one_core else n  # elements per op
-    n, reps = n // k * k, max(2, 2**28 // (4 * k))
-
-    def step(i: Any, y: Any) -> Any:
-        if k == n:
-            return y * 0.999 + 1.0
-        at = (i % (n // k)) * k
-        part = jax.lax.dynamic_slice(y, (at,), (k,))
-        return jax.lax.dynamic_update_slice(y, part * 0.999 + 1.0, (at,))
-
-    loop = lambda x: jax.lax.fori_loop(0, reps, step, x)
-    per_second = _timed(loop, [jax.ShapeDtypeStruct((n,), jnp.float32)], repeats)
-    return 8 * k * reps * per_second if per_second else None
-
-
-def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
-    """Seconds per trip of a scan of a few small kernels (a sort, two 16x16
-    matmuls, an `exp`, a max), their arithmetic included (`docs/design.md` says
-    why): the fixed cost of a loop body, which larger blocks pay less often."""
-
-    def step(carry: Any, x: Any) -> tuple[Any, Any]:
-        w = jnp.eye(16, dtype=x.dtype) * 0.5
-        y = jnp.sort(x) @ w
-        return carry + jnp.max(y), jnp.exp(y) @ w
-
-    steps = lambda xs: jax.lax.scan(step, jnp.zeros((), xs.dtype), xs)[1]
-    spec = jax.ShapeDtypeStruct((trips, 16), jnp.float32)
-    per_second = _timed(steps, [spec], repeats)
-    return 1 / (per_second * trips) if per_second else None
-
-
-def calibrate(repeats: int = 7) -> TimeModel:
-    """Measure the time model's constants on the default backend's first device: a
-    matmul, an `exp`, a streaming kernel inside each level of the memory hierarchy
-    (a core's own levels on one core) and past the last, and a scan of small steps.
-    A constant that cannot be measured keeps its default."""
-    start = time.perf_counter()
-    default = TimeModel.for_backend(jax.default_backend())
-    matmul = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
-    vector = [jax.ShapeDtypeStruct((2**20,), jnp.float32)]
-    exp = lambda x: jnp.sum(jnp.exp(x))
-    sizes = [size for size, _ in default.levels]
-    # A core's own caches (all but the last level): one core's bandwidth times the
-    # cores (an op split over them pays for waking threads, which hides the level's
-    # speed); the last level and memory, which they share: ops split over them all.
-    one_core = [stream_bandwidth(s // 2, repeats, True) for s in sizes[:-1]]
-    rates = [r and r * default.cores for r in one_core]
-    rates += [stream_bandwidth(s // 2, repeats) for s in sizes[-1:]]
-    memory = stream_bandwidth(min(4 * max(sizes, default=2**24), 2**28), repeats)
-    # A smaller level is never slower than a larger one: noise is.
-    floor, levels = memory or default.bandwidth, []
-    for (size, old), rate in reversed(list(zip(default.levels, rates))):
-        floor = max(rate or old, floor)
-        levels.insert(0, (size, floor))
-    measured = {
-        "flops": _timed(lambda a, b: a @ b, matmul, repeats, "flops"),
-        "transcendentals": _timed(exp, vector, repeats, "transcendentals"),
-        "bandwidth": memory,
-        "loop_overhead": _loop_overhead(repeats),
-    }
-    kept = {k: v for k, v in measured.items() if v}  # each `None` or positive
-    missing = sorted(set(measured) - set(kept)) + ["levels"] * (None in rates)
-    m = machine()
-    where = f"{m['platform']}: {m['device_kind']}"
-    if m["platform"] == "cpu":
-        caches = "/".join(fmt_bytes(s) for s in m["caches"])
-        where = f"cpu: {m['cpu']}, {m['cores']} cores, caches {caches}"
-    when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
-    note = f"{where}, in {time.perf_counter() - start:.2f} s on {when}"
-    note += f" ({', '.join(missing)}: default, not measurable here)" * bool(missing)
-    return dataclasses.replace(default, levels=tuple(levels), calibration=note, **kept)

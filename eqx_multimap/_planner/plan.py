@@ -20,7 +20,8 @@ PROSE = 88  # where prose wraps
 
 _LEGEND = (
     "temp: temporary memory (~: predicted); bytes: bytes accessed; work set: of one "
-    "loop iteration; est.: estimated time"
+    "loop iteration; est.: the time model's estimate over the chosen nest's, a rank "
+    "(not a time)"
 )
 
 
@@ -248,7 +249,7 @@ class Plan:
                 _text(c.flops, "{:.3g}".format),
                 _text(c.bytes_accessed, "{:.3g}".format),
                 _text(c.working_set, fmt_bytes),
-                _text(c.seconds, fmt_seconds),
+                _text(c.seconds, lambda t: _relative(t, self.chosen.seconds)),
             )
             if self.measured:
                 row += (_text(c.measured, fmt_seconds),)
@@ -264,6 +265,10 @@ class Plan:
             out += wrap_nest(f"{line}  {nest}", WIDTH, "      ").splitlines()
             out += _prose(c.reason, "      ").splitlines()
         return out
+
+
+def _relative(t: float, chosen: float | None) -> str:
+    return f"{t / chosen:.2f}x" if chosen else "-"
 
 
 def _text(x: Any, fmt: Callable[[Any], str]) -> str:

@@ -27,8 +27,9 @@ from .cache import (
     plan_json,
     plan_key,
 )
-from .cost import CAP, Compiler, Progress, WHOLE_BELOW
-from .model import calibrate, TimeModel
+from .cost import Compiler, Progress
+from .measure import calibrate, measured
+from .model import TimeModel
 from .plan import Plan
 from .search import Search
 from .space import (
@@ -237,10 +238,13 @@ class Planner:
             self._cache.clear()
             self._signatures.clear()
 
-    def plan(self, call: Call, backward: bool = False, tune: bool = False) -> Plan:
+    def plan(
+        self, call: Call, backward: bool = False, tune: bool = False, again=False
+    ) -> Plan:
         """The (cached) plan of a resolved call; with `backward`, of the nest that
         differentiation runs. With `tune`, the call's values are concrete and
-        candidates are timed on them, unless a plan so timed is cached."""
+        candidates are timed on them, unless a plan so timed is cached; with `again`
+        too, always, the plan replacing any cached for the signature."""
         options = call.options.plan
         budget, src = resolve_budget(options.memory_budget)
         sizes, shard = localize(call)
@@ -254,12 +258,13 @@ class Planner:
         key += (body, collective_dims(call))
         start = time.perf_counter()
         data = data_dependent(call.body.standalone.jaxpr.jaxpr)
-        # The plans that will do: timed on arguments to tune; on made-up inputs
-        # to measure a body whose cost does not depend on its data; else any.
-        wanted = ["arguments"] if tune else ["arguments", "inputs"]
+        # The plans that will do: timed on arguments to tune (none to tune again);
+        # on made-up inputs to measure a body whose cost does not depend on its
+        # data; else any.
+        wanted = [] if again else ["arguments"] if tune else ["arguments", "inputs"]
         wanted += ["model"] if not tune and (not self.measure or data) else []
         with self._lock:
-            cached = self._cache.get(key)
+            cached = None if again else self._cache.get(key)
             if isinstance(cached, Plan) and cached.basis in wanted:
                 self._cache.move_to_end(key)
                 return cached
@@ -273,6 +278,7 @@ class Planner:
         disk, disk_key, found = self._disk, None, None
         if disk is not None:
             disk_key = plan_key(request, body)
+        if disk is not None and not again:
             path = disk.path("plans", disk_key)
             read = lambda stored: plan_from_json(stored, request, path)
             found = disk.read("plans", disk_key, read)
@@ -302,7 +308,7 @@ class Planner:
         progress = Progress(what, call.options.plan.verbose)
         search = Search(request, progress)
         try:
-            plan = search.run()
+            plan = search.run(measured if request.measure else None)
         except NoFit as e:
             if disk is not None:
                 no_fit = {"smallest": cand_json(e.smallest), "n": e.n}
@@ -317,7 +323,7 @@ class Planner:
         basis, why = "model", ""
         if request.measure:
             basis = "arguments" if request.values else "inputs"
-            why = _measured(plan, search.slices, request.values, search.lockstep)
+            why = search.measured_text
         elif self.measure:  # and the body's cost depends on its data
             why = (
                 f" The body's cost depends on its data ({data}): planned by the "
@@ -348,26 +354,6 @@ class Planner:
         cache[key] = value
         if len(cache) > self.max_cache:
             cache.popitem(last=False)
-
-
-def _measured(plan: Plan, slices: dict, values: bool, walked: bool) -> str:
-    """The sentence that says what a measured plan's times were taken on."""
-    n = sum(c.measured is not None for c in plan.candidates)
-    if not n:
-        return ""
-    what = "the call's arguments" if values else "made-up inputs of its shapes"
-    how = "each on a slice of its scanned dims holding a few of its blocks"
-    if not any(slices.values()):
-        how = f"each on the whole call (est. under {WHOLE_BELOW * 1e3:g} ms)"
-    elif walked:
-        how = "blocks walked up from the smallest (a while loop in lockstep), all on "
-        how += "one slice"
-    sub, sizes = slices.get(plan.chosen.key, {}), dict(plan.sizes)
-    at = ", ".join(f"{d} {k} of {sizes[d]}" for d, k in sub.items()) or "whole"
-    return (
-        f" Timed on {what}: {n} candidates, {how} (the chosen: {at}), per element, "
-        f"planning for about {CAP:g}x the {'longest' if walked else 'first'} compile."
-    )
 
 
 SYMBOLIC_STAND_IN = 2  # the size a symbolic dim is planned at (scanned: any will do)

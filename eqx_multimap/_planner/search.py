@@ -4,20 +4,10 @@
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 
 from .._text import fmt_bytes
-from .cost import (
-    Compiler,
-    KEEP_WITHIN,
-    lockstep,
-    Progress,
-    Reference,
-    spread,
-    Timer,
-    WALK_FIRST,
-    WALK_SLOWER,
-    WHOLE_BELOW,
-)
+from .cost import Compiler, lockstep, Progress, Reference
 from .plan import Plan, PlanCandidate
 from .space import (
     auto_plan,
@@ -42,7 +32,7 @@ SAFE_FRACTION = 1 / 8
 # A compile (another ladder, a larger block) is worth an estimate this much faster:
 # smaller differences are within the time model's error.
 MATERIAL = 1.05
-SEARCH_VERSION = 12  # bumped when the search chooses otherwise: older plans unused
+SEARCH_VERSION = 13  # bumped when the search chooses otherwise: older plans unused
 
 Steps = list[PlanCandidate]  # a ladder: largest block first
 
@@ -64,7 +54,8 @@ class Search:
         self.known: dict[tuple, PlanCandidate] = {}  # compiled, or taken as predicted
         self.notes: dict[tuple, str] = {}  # why one not compiled was not chosen
         self.lockstep = False  # a vmapped block runs a while loop in lockstep
-        self.slices: dict[tuple, dict[str, int]] = {}  # measured: sizes timed at
+        self.searched = False  # the model searched the ladders
+        self.measured_text = ""  # measured mode: what was timed, on what
 
     def memory(self, c: PlanCandidate) -> PlanCandidate:
         if c.key not in self.known:
@@ -202,7 +193,7 @@ class Search:
         if self.compiler.n_compiled >= MAX_COMPILES:
             return f"not compiled: beyond the compile cap ({MAX_COMPILES} compiles)"
         costed = [c for c in self.known.values() if c.fits and c.seconds]
-        if not costed or self.measure:
+        if not costed:
             return None
         best = min(costed, key=lambda c: c.seconds or 0.0)
         for c in steps:
@@ -215,8 +206,9 @@ class Search:
             "trips and working set predicted from full vmap's)"
         )
 
-    def run(self) -> Plan:
-        """Plan the call; raises `NoFit` if no candidate fits the budget."""
+    def run(self, measure: Callable | None = None) -> Plan:
+        """Plan the call; raises `NoFit` if no candidate fits the budget. `measure`
+        (`measure.measured`) times candidates to choose from the model's choice."""
         start = time.perf_counter()
         call, sizes = self.call, self.sizes
         fixed = call.options.scan  # the given scans, outermost, as given
@@ -228,7 +220,7 @@ class Search:
             n for n in dim_orders(call, sizes)[0] if n not in given
         )
         full = candidate(fixed, layout, sizes, "given scans" if fixed else "full vmap")
-        orders = dim_orders(call, sizes, free, every=self.measure) if free else []
+        orders = dim_orders(call, sizes, free) if free else []
         ladders = [ladder(o, layout, sizes, fixed, frozen) for o in orders]
         self.considered[full.key] = full
         for c in sorted((c for s in ladders for c in s), key=lambda c: -c.block):
@@ -242,7 +234,15 @@ class Search:
                 "runs and nothing was compiled."
             )
         else:
-            choice, text = self._choose(full, ladders, bool(free))
+            choice = self._choose(full, ladders)
+            if measure is not None and free:  # every order of the dims
+                orders = dim_orders(call, sizes, free, every=True)
+                ladders = [ladder(o, layout, sizes, fixed, frozen) for o in orders]
+                for c in (c for steps in ladders for c in steps):
+                    self.considered.setdefault(c.key, c)
+                choice, self.measured_text = measure(self, full, ladders, choice.chosen)
+            f = self.known[full.key]
+            text = summary(choice, f, self.searched, bool(free), self.request)
         candidates = tuple(
             with_reason(self.known.get(k, c), choice, self.notes.get(k), self.budget)
             for k, c in self.considered.items()
@@ -256,21 +256,16 @@ class Search:
             time_model=self.model, summary=text, measured=self.measure,
         )  # fmt: skip
 
-    def _choose(
-        self, full: PlanCandidate, ladders: list[Steps], free: bool
-    ) -> tuple[Choice, str]:
-        """Search the ladders: the choice, and its summary."""
+    def _choose(self, full: PlanCandidate, ladders: list[Steps]) -> Choice:
+        """Search the ladders by the time model: its choice."""
         self.ref = self.compiler.reference(self.memory(full))
         self.lockstep = lockstep(self.compiler.jaxprs[full.spec])
         f = self.costed(full)
-        fast = self.model.fastest
-        go = bool(ladders) and (  # else full vmap is kept, unsearched
-            not f.fits or (f.working_set or 0) > fast or self.measure or self.lockstep
+        # Else full vmap is kept, unsearched.
+        self.searched = bool(ladders) and (
+            not f.fits or (f.working_set or 0) > self.model.fastest or self.lockstep
         )
-        # In lockstep, measured mode's `walk` needs no search by the model.
-        walk = go and self.measure and self.lockstep
-        walked = self.measured(ladders, None) if walk else None
-        for i, steps in enumerate(ladders if go and walked is None else []):
+        for i, steps in enumerate(ladders if self.searched else []):
             # The first ladder is searched if full vmap does not fit, and in lockstep
             # (the estimate cannot see a larger block's waste); others unless skipped.
             first = i == 0 and (self.lockstep or not f.fits)
@@ -279,17 +274,12 @@ class Search:
                 self.search(steps, f)
             for c in steps if why else []:
                 self.note(c, why)
-        ws, cache = fmt_bytes(f.working_set or 0), fmt_bytes(fast)
+        ws, cache = fmt_bytes(f.working_set or 0), fmt_bytes(self.model.fastest)
         kept = f"full vmap fits, and its working set ({ws}) is within the fastest "
         kept += f"{cache} of memory"
-        for c in self.considered.values() if not go else ():
+        for c in self.considered.values() if not self.searched else ():
             self.note(c, f"not compiled: {kept}: nothing else needed")
-        choice = walked
-        if choice is None:
-            choice = self.pick()
-            if self.measure and (go or len(choice.compared) > 1):
-                choice = self.measured(ladders, choice.chosen) or choice
-        return choice, summary(choice, self.known[full.key], go, free, self.request)
+        return self.pick()
 
     def pick(self) -> Choice:
         """The fastest costed that fits (in lockstep, a block of one element if est.
@@ -319,79 +309,3 @@ class Search:
             self.notes.pop(c.key, None)
             c = dataclasses.replace(c, predicted=False, seconds=None)
         return self.costed(c)
-
-    def measured(
-        self, ladders: list[Steps], model_choice: PlanCandidate | None
-    ) -> Choice | None:
-        """Time candidates (`cost.Timer`), walking the ladders from the model's choice
-        (`None`: in lockstep): the fastest that fits (the model's choice if within
-        `KEEP_WITHIN`); `None` if none does, or timing failed in lockstep."""
-        est = self.seconds_at(self.ref.full)
-        whole = model_choice is not None and est < WHOLE_BELOW
-        timer = Timer(
-            self.compiler, self.call, self.request.values, not model_choice, whole
-        )
-        try:
-            self.walk(ladders, timer, model_choice)
-            if not timer.timed:
-                return None
-            timed = timer.confirm()
-        except Exception as e:  # e.g. inputs of a dtype we cannot make
-            if model_choice is None:
-                return None
-            note = f"could not measure ({type(e).__name__}: {e}), so estimated"
-            return Choice(model_choice, [model_choice], {}, note)
-        self.slices = timer.slices
-        first = model_choice.key if model_choice else None
-        if first not in timed or timed[first] > KEEP_WITHIN * min(timed.values()):
-            first = None  # the model's choice is kept only within `KEEP_WITHIN`
-        order = sorted(timed, key=lambda k: (k != first, timed[k]))
-        # The fastest that fits, `checked` (the model's choice if kept).
-        fitting = (self.checked(self.considered[k]) for k in order)
-        chosen = next((c for c in fitting if c.fits), None)
-        if chosen is None:
-            return None
-        compared = [self.known.get(k, self.considered[k]) for k in timed]
-        return Choice(chosen, compared, timed)
-
-    def walk(
-        self, ladders: list[Steps], timer: Timer, start: PlanCandidate | None
-    ) -> None:
-        """Time `start` (`None`: in lockstep, the smallest, all on the same `spread`
-        elements), a block of about its size along each dim (in lockstep, `WALK_FIRST`),
-        then the fastest's ladder up, and down unless in lockstep, to `WALK_SLOWER`."""
-        ups: dict[str, Steps] = {}  # by innermost dim, smallest first
-        for steps in ladders:
-            fit = [c for c in steps if self.cautious(steps, c) <= self.budget]
-            ups.setdefault(steps[-1].scan[-1][0], fit[::-1])
-        every = [c for up in ups.values() for c in up]
-        if not every and start is None:
-            return
-        first = start or min(every, key=lambda c: c.block)
-        seeds = {}
-        for d, up in ups.items():
-            if start is not None and up:
-                near = [abs(math.log(c.block / max(start.block, 1))) for c in up]
-                seeds[d] = near.index(min(near))
-            elif up and up[-1].block > first.block:
-                seeds[d] = next(
-                    i for i, c in enumerate(up)
-                    if c.block >= WALK_FIRST and c.block > first.block or c is up[-1]
-                )  # fmt: skip
-        index = None
-        if start is None:  # runs of each dim's seed chunk, spread over it
-            chunk = {d: dict(ups[d][i].scan).get(d) for d, i in seeds.items()}
-            index = {d: spread(n, chunk.get(d) or 1) for d, n in self.sizes.items()}
-        seconds = lambda c: timer.time(c, index)  # noqa: E731
-        best = min([first] + [ups[d][i] for d, i in seeds.items()], key=seconds)
-        d = min(seeds, key=lambda d: seconds(ups[d][seeds[d]]), default=None)
-        if d is not None:
-            i, up = seeds[d], ups[d]
-            for way in (up[i + 1 :], up[:i][::-1] if start is not None else []):
-                for c in way:
-                    if timer.due() or seconds(c) > WALK_SLOWER * seconds(best):
-                        break
-                    best = min(best, c, key=seconds)
-        for k in self.considered:
-            if k not in timer.timed and k not in self.known:
-                self.notes[k] = "not timed: beyond the walk over blocks"

@@ -13,7 +13,6 @@ import jax
 from .._errors import SpecError
 from .._resolve import Call
 from .._text import fmt_bytes, fmt_seconds
-from .cost import KEEP_WITHIN
 from .model import TimeModel
 from .plan import Plan, PlanCandidate, ScanNest, ShardDim
 
@@ -219,14 +218,9 @@ class Choice(NamedTuple):
 
 
 def _why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
-    """Why `c` was chosen: it measured fastest of those `timed` (or is the model's
-    choice, within `KEEP_WITHIN`), or is est. fastest of the `n` that fit."""
-    t, best = timed.get(c.key), min(timed.values(), default=0.0)
-    if t is not None and t > best:
-        return (
-            f"the time model's choice, measured {fmt_seconds(t)}, within "
-            f"{KEEP_WITHIN}x of the fastest ({fmt_seconds(best)}): kept"
-        )
+    """Why `c` was chosen: it measured fastest of those `timed`, or is est. fastest
+    of the `n` that fit."""
+    t = timed.get(c.key)
     if t is not None:
         rest = sorted(v for k, v in timed.items() if k != c.key)
         nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
@@ -282,9 +276,7 @@ def with_reason(
             far = note or "far within the budget"
             why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
     elif t is not None and mine is not None and c.fits is not False:
-        vs = f"measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
-        kept = f"but within {KEEP_WITHIN}x: the time model's choice was kept"
-        why = f"slower: {vs}" if t >= mine else f"faster, {vs}, {kept}"
+        why = f"slower: measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
         why += "; its memory not compiled" * (c.temp_bytes is None)
     elif c.temp_bytes is None:
         why = note or "not compiled"
@@ -294,10 +286,9 @@ def with_reason(
             a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
         why = f"over budget: {a} > {b}"
     elif c.seconds is not None and chosen.seconds is not None:
-        est = f"est. {fmt_seconds(c.seconds)} vs {fmt_seconds(chosen.seconds)}"
-        why = f"slower ({est})"
+        why = f"slower (est. {c.seconds / chosen.seconds:.2f}x the chosen's, by the time model)"
         if timed:  # measured mode
-            why = f"not timed: {est}, beyond the walk over blocks"
+            why = note or "not timed"
     else:
         why = note or "fits, not costed: smaller than the largest block that fits"
     return dataclasses.replace(c, measured=t, reason=why)

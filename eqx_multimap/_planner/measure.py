@@ -1,0 +1,508 @@
+"""Measured mode: candidate nests timed on the call's own arguments (or on made-up
+inputs of their shapes), the search that chooses which to time, and the package's
+one timing loop, which also calibrates the time model (`docs/planner.md`)."""
+
+import dataclasses
+import datetime
+import functools as ft
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._blocks import NestSpec, plural
+from .._resolve import Call
+from .._text import fmt_bytes, fmt_seconds
+from .cost import Compiler
+from .model import machine, SLICE, TimeModel
+from .plan import PlanCandidate
+from .search import Search, Steps
+from .space import Choice
+
+
+CAP = 8.0
+"""The search's default cap: it times no further candidate once measuring has taken
+this many times the median compile of the candidates it timed."""
+TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
+WHOLE = 0.5  # timed whole if a slice would keep at least this share of the trips
+CACHES = 2  # a slice's inputs and outputs fill the last cache level this many times
+CLOSE = 1.15  # those within this factor of the fastest are timed again, side by side
+SAMPLE = 2e-3  # seconds: the shortest sample (a quick program runs several times)
+SPEND = 0.25  # a candidate is timed for up to this share of its compile (3 rounds)
+DISTURBED = 1.5  # a round whose probe took this many times its best is dropped
+
+
+class Probe:
+    """A program whose op XLA spreads over its threads (about a millisecond), timed
+    before each round: a round in which it ran more than `DISTURBED` times its best
+    was disturbed (another job held a core)."""
+
+    def __init__(self, run: Callable[[], Any] | None = None):
+        self.run, self.times = run or _probe_loop(), []
+
+    def time(self) -> None:
+        jax.block_until_ready(self.run())  # settles
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.run())
+        self.times.append(time.perf_counter() - t0)
+
+    def disturbed(self, start: int = 0) -> list[bool]:
+        best = min(self.times, default=0.0)
+        return [t > DISTURBED * best for t in self.times[start:]]
+
+
+@ft.cache
+def _probe_loop() -> Callable[[], Any]:
+    x = np.ones(2**18, np.float32)  # not traced: planning runs in a trace
+    loop = lambda y: jax.lax.fori_loop(0, 99, lambda i, y: y * 0.999 + 1, y)
+    program = jax.jit(loop).lower(x).compile()
+    return lambda: program(x)
+
+
+def rounds(
+    thunks: Sequence[Callable[[], Any]],
+    at_least: int,
+    at_most: int = 0,
+    seconds: float = 0.0,
+    probe: Probe | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[list[float]]:
+    """The package's timing loop: seconds per call of each thunk, per round.
+
+    After one untimed call of each, `at_least` rounds (more, to `at_most`, within
+    about `seconds`), the thunks taking turns in an order that rotates each round.
+    A sample is at least `SAMPLE` long (every thunk called as often); a quick one is
+    called once more, untimed, before its sample, as a caller calling it again and
+    again would find the machine. Rounds a `probe` finds disturbed are dropped,
+    unless every round was."""
+    firsts = []
+    for fn in thunks:
+        t0 = clock()
+        jax.block_until_ready(fn())
+        firsts.append(clock() - t0)
+    number = max(1, math.ceil(SAMPLE / max(min(firsts), 1e-9)))
+    per_round = (number + (number > 1)) * sum(firsts)
+    n = max(at_least, min(at_most, int(seconds / max(per_round, 1e-9))))
+    times: list[list[float]] = [[] for _ in thunks]
+    for r in range(n):
+        if probe is not None:
+            probe.time()
+        for k in range(len(thunks)):
+            i = (k + r) % len(thunks)
+            if number > 1:
+                jax.block_until_ready(thunks[i]())
+            t0 = clock()
+            for _ in range(number):
+                jax.block_until_ready(thunks[i]())
+            times[i].append((clock() - t0) / number)
+    if probe is not None and not all(bad := probe.disturbed(len(probe.times) - n)):
+        times = [[t for t, b in zip(ts, bad) if not b] for ts in times]
+    return times
+
+
+Index = dict[str, np.ndarray]  # the elements of some dims
+
+
+def spread(n: int, chunk: int, m: int) -> np.ndarray:
+    """`m` of the `n` whole chunks of `chunk` elements of a dim, spread evenly over
+    it (its first and last included)."""
+    starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * chunk
+    return (starts[:, None] + np.arange(chunk)).ravel()
+
+
+def trip_slice(c: PlanCandidate, sizes: dict[str, int], keep: float) -> Index:
+    """The elements of the dims `c` scans that it is timed on: about `keep` of its
+    loop trips, its block kept whole. Outer loops are cut first, each to whole
+    chunks spread evenly over its dim (a cost that depends on the data may vary
+    along it)."""
+    out = {}
+    for name, chunk in c.scan:
+        k = chunk or 1
+        n = sizes[name] // k
+        m = min(n, max(1, math.ceil(n * keep)))
+        out[name] = spread(n, k, m)
+        keep *= n / m
+        if keep >= 1:
+            break
+    return out
+
+
+def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
+    """The call's values at the elements `index` gives (and of the other dims, the
+    first `sub` elements: one device's block with `shard=`)."""
+    out = []
+    with jax.ensure_compile_time_eval():
+        for v, axes in zip(call.values, call.leaf_axes):
+            for name, ax in axes.items():
+                if name in index:
+                    v = jax.numpy.take(v, index[name], axis=ax)
+                elif np.shape(v)[ax] != sub[name]:
+                    v = jax.lax.slice_in_dim(v, 0, sub[name], axis=ax)
+            out.append(v)
+    return out
+
+
+@dataclasses.dataclass
+class Timed:
+    """A candidate as timed: a thunk running it, what it ran on (`slice`: the elements
+    of each dim cut, by name), the factor from a run to the whole call, its
+    compile, and its rounds."""
+
+    run: Callable[[], Any]
+    slice: dict[str, int]
+    scale: float
+    compile: float
+    rounds: list[float]
+    probe: int = 0  # the probe's time before it (`Probe.times`)
+
+
+class Tuner:
+    """One measured search: times candidates (`time`), chooses which (`run`)."""
+
+    def __init__(self, search: Search, values: bool, cap: float | None = None):
+        self.search, self.call, self.values = search, search.call, values
+        self.sizes, self.cap = search.sizes, CAP if cap is None else cap
+        self.compiler = search.compiler
+        self.start = time.perf_counter()
+        self.timed: dict[tuple, Timed] = {}
+        self.once = 0.0  # seconds: a call that does nothing
+        self.capped = False
+        self.probe = Probe()
+        self.why: dict[tuple, str] = {}  # why one was not timed
+
+    def seconds(self, key: tuple) -> float:
+        """The time of a whole call of a timed candidate: its median round, scaled."""
+        t = self.timed[key]
+        if not t.rounds:
+            return math.inf  # over the budget
+        return max(statistics.median(t.rounds) - self.once, 0.0) * t.scale + self.once
+
+    def best(self) -> float:
+        return min((self.seconds(k) for k in self.timed), default=math.inf)
+
+    def due(self) -> bool:
+        """Whether the next candidate would take the search past `cap` times the
+        median compile (one kept for timing the fastest again)."""
+        if not self.timed:
+            return False
+        compiles = statistics.median(t.compile for t in self.timed.values())
+        per = (time.perf_counter() - self.start) / len(self.timed)
+        return time.perf_counter() - self.start + per > (self.cap - 1) * compiles
+
+    def keep(self, c: PlanCandidate) -> float:
+        """The share of `c`'s loop trips it is timed on: about `TARGET` seconds'
+        worth, judged from the fastest so far, and holding `CACHES` times the last
+        cache level's worth of inputs and outputs; all if that is `WHOLE` or more."""
+        if not c.scan or not self.timed:
+            return 1.0 if not c.scan else 1 / 8
+        levels = self.search.model.levels
+        io = self.search.ref.io()
+        floor = CACHES * levels[-1][0] / max(io, 1) if levels else 0.0
+        keep = max(TARGET / max(self.best(), 1e-9), floor)
+        return 1.0 if keep >= WHOLE else keep
+
+    def time(self, c: PlanCandidate) -> float:
+        """Compile `c` (on a slice of its trips, `keep`) and time it: its whole
+        call's time, or `inf` if, compiled whole, it is over the budget."""
+        if c.key in self.timed:
+            return self.seconds(c.key)
+        sizes, keep = self.sizes, self.keep(c)
+        index = trip_slice(c, sizes, keep) if keep < 1 else {}
+        sub = {**sizes, **{n: len(x) for n, x in index.items()}}
+        compiler = Compiler(self.call, sub, self.search.model, self.compiler.backward)
+        fn, specs = compiler._program(NestSpec(c.scan, c.vmap))
+        compiler.report = self.compiler.report
+        t0 = time.perf_counter()
+        program = compiler.compile(
+            fn, specs, f"compiling {c.nest(sub)} to time it", True
+        )
+        compile_seconds = time.perf_counter() - t0
+        self.compiler.n_compiled += 1
+        scale = math.prod(sizes.values()) / max(math.prod(sub.values()), 1)
+        self.timed[c.key] = Timed(lambda: None, {}, scale, compile_seconds, [])
+        if not index:  # compiled whole: its memory is known, and not run if over
+            temp = int(program.memory_analysis().temp_size_in_bytes)
+            fits = temp <= self.search.budget
+            exact = dataclasses.replace(c, temp_bytes=temp, fits=fits, predicted=False)
+            costed = self.search.compiler.predicted_costs(exact, self.search.ref)
+            self.search.known[c.key] = costed if fits else exact
+            if not fits:
+                return math.inf
+        if not self.values:
+            args = concrete_inputs(specs)
+        elif compiler.backward:  # the cotangents made up
+            args = [_sliced(self.call, index, sub), concrete_inputs(specs[1])]
+        else:
+            args = _sliced(self.call, index, sub)
+        args = jax.block_until_ready(args)
+        if not self.once:
+            noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
+            self.once = min(rounds([lambda: noop(args)], 3)[0])
+        run = lambda: program(args)  # noqa: E731
+        self.probe.time()
+        (times,) = rounds([run], 3, 15, SPEND * compile_seconds)
+        cut, i = {n: sub[n] for n in index}, len(self.probe.times) - 1
+        self.timed[c.key] = Timed(run, cut, scale, compile_seconds, times, i)
+        return self.seconds(c.key)
+
+    def confirm(self) -> None:
+        """Time again, side by side, for what is left of the cap (three rounds at
+        least), those within `CLOSE` of the fastest and those timed while another
+        job held a core (the probe timed before them was disturbed)."""
+        best, late = self.best(), self.probe.disturbed()
+        close = [
+            k for k, t in self.timed.items()
+            if t.rounds and (self.seconds(k) <= CLOSE * best or late[t.probe])
+        ]  # fmt: skip
+        if len(close) < 2:
+            return
+        compiles = statistics.median(t.compile for t in self.timed.values())
+        left = self.cap * compiles - (time.perf_counter() - self.start)
+        runs = [self.timed[k].run for k in close]
+        for k, ts in zip(close, rounds(runs, 3, 15, left, self.probe)):
+            self.timed[k].rounds = ts
+
+    def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):
+        """Time full vmap (if it fits) and the model's choice, then search each
+        ladder that fits the budget: along the fastest's ladder by halving the gap
+        beside it, then each other order's block nearest the fastest's, searched
+        along in turn if faster. The fastest timed that fits, and those timed."""
+        search, budget = self.search, self.search.budget
+        fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
+        full_fits = bool(search.known[full.key].fits)
+        lines = [[full] * full_fits + [c for c in s if fits(s, c)] for s in ladders]
+        lines = [ln for ln in lines if len(ln) > 1] or [[full] * full_fits]
+        for c in [full] * full_fits + [model]:
+            self.time(c)
+        first = next((ln for ln in lines if model in ln[1:]), lines[0])
+        done = [first]
+        self.along(first)
+        for line in sorted(
+            lines, key=lambda ln: ln[1].scan[0][0] == first[1].scan[0][0]
+        ):
+            if line in done or self.capped:
+                continue
+            best = min(self.timed, key=self.seconds)
+            block = next(c.block for c in search.considered.values() if c.key == best)
+            near = min(line, key=lambda c: abs(math.log(c.block / block)))
+            if near.key in self.timed:
+                continue
+            if self.due():
+                self.capped = True
+                break
+            done.append(line)
+            if self.time(near) < self.seconds(best):
+                self.along(line)
+        self.confirm()
+        for line in lines:
+            for c in line:
+                if c.key not in self.timed:
+                    why = (
+                        "the cap stopped the search first"
+                        if self.capped
+                        else (
+                            "a block between it and the fastest, on its ladder or at "
+                            "the fastest's block, measured slower"
+                        )
+                    )
+                    self.why.setdefault(c.key, f"not timed: {why}")
+        return self.choose()
+
+    def along(self, line: list[PlanCandidate]) -> None:
+        """Search `line` (largest block first): time the middle of the larger
+        untimed gap beside its fastest, until both its neighbours are timed."""
+        while True:
+            t = {
+                i: self.seconds(c.key)
+                for i, c in enumerate(line)
+                if c.key in self.timed
+            }
+            b = min(t, key=t.get)
+            lo = max((i for i in t if i < b), default=-1)
+            hi = min((i for i in t if i > b), default=len(line))
+            left, right = b - lo - 1, hi - b - 1
+            if not left and not right:
+                return
+            if self.due():
+                self.capped = True
+                return
+            lower_left = t.get(lo, math.inf) < t.get(hi, math.inf)
+            go_left = left > right or left == right and lower_left
+            self.time(line[(lo + b) // 2 if go_left else (b + hi) // 2])
+
+    def choose(self) -> Choice:
+        """The fastest timed that fits (its memory compiled, if only predicted)."""
+        search = self.search
+        order = sorted(self.timed, key=self.seconds)
+        considered = search.considered
+        chosen = None
+        for k in order:
+            if self.seconds(k) == math.inf:
+                break
+            c = search.checked(search.known.get(k, considered[k]))
+            if c.fits:
+                chosen = c
+                break
+        timed = {k: self.seconds(k) for k in self.timed if self.timed[k].rounds}
+        compared = [search.known.get(k, considered[k]) for k in timed]
+        return Choice(chosen or search.pick().chosen, compared, timed)
+
+    def describe(self, what: str) -> str:
+        """What was timed, on what, and whether the cap stopped the search."""
+        n = len([t for t in self.timed.values() if t.rounds])
+        cut = [t for t in self.timed.values() if t.slice and t.rounds]
+        how = "each whole"
+        if cut:
+            how = (
+                f"{len(cut)} of them on a slice of their loop trips (their blocks "
+                "kept), scaled to the whole call, the others whole"
+                if len(cut) < n
+                else "each on a slice of its loop trips (its block kept), scaled to "
+                "the whole call"
+            )
+        compiles = statistics.median(t.compile for t in self.timed.values())
+        cap = f"{self.cap:g}x the median compile, {fmt_seconds(self.cap * compiles)}"
+        stop = "stopped the search" if self.capped else "was not reached"
+        return (
+            f" Timed on {what}: {plural(n, 'candidate')}, {how}; the fastest again "
+            f"side by side with those within {CLOSE:g}x of it. The cap ({cap}) "
+            f"{stop}."
+        )
+
+
+def measured(search: Search, full, ladders, model: PlanCandidate) -> tuple[Choice, str]:
+    tuner = Tuner(search, search.request.values)
+    what = (
+        "the call's arguments"
+        if search.request.values
+        else "made-up inputs of its shapes"
+    )
+    try:
+        choice = tuner.run(full, ladders, model)
+    except Exception as e:  # e.g. inputs of a dtype that cannot be made up
+        note = f"could not measure ({type(e).__name__}: {e}), so estimated"
+        return Choice(model, [model], {}, note), ""
+    search.notes.update(tuner.why)
+    return choice, tuner.describe(what)
+
+
+#
+# The time model's calibration.
+#
+
+
+def concrete_inputs(specs: Any) -> Any:
+    """Fresh arrays of the shapes and dtypes of a pytree of `ShapeDtypeStruct`s,
+    built eagerly even while tracing (the planner runs at trace time)."""
+    rng = np.random.default_rng(0)
+
+    def make(s: jax.ShapeDtypeStruct) -> Any:
+        dtype = s.dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            impl = dtype._impl  # pyright: ignore[reportAttributeAccessIssue]
+            data = np.zeros(tuple(s.shape) + tuple(impl.key_shape), np.uint32)
+            return jax.random.wrap_key_data(data, impl=impl.name)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            x = 2 * (rng.random(s.shape) + 1j * rng.random(s.shape)) - (1 + 1j)
+        elif jnp.issubdtype(dtype, jnp.floating):
+            x = rng.random(s.shape, dtype=np.float32) * 2 - 1
+        else:
+            x = np.zeros(s.shape, dtype)
+        return jax.device_put(np.asarray(x).astype(dtype))
+
+    with jax.ensure_compile_time_eval():
+        return jax.tree.map(make, specs)
+
+
+def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | None:
+    """Runs of `fn`'s compiled program per second (the best of `repeats`), or with
+    `key`, XLA's `cost_analysis()[key]` per second."""
+    compiled = jax.jit(fn).lower(*specs).compile()
+    args = concrete_inputs(specs)
+    seconds = min(rounds([lambda: compiled(*args)], 2, repeats, 1.0)[0])
+    amount = float((compiled.cost_analysis() or {}).get(key, 1.0)) if key else 1.0
+    return amount / seconds if amount > 0 and seconds > 0 else None
+
+
+def stream_bandwidth(nbytes: int, repeats: int, one_core: bool = False) -> float | None:
+    """Bytes per second read and written by `y = a * y + b` over `nbytes`, in a
+    loop so that the data stays in the level it fits; with `one_core`, a slice of
+    at most `SLICE` bytes at a time, an op too small for XLA to split."""
+    n = max(nbytes // 4, 256)
+    k = min(n, SLICE // 4) if one_core else n  # elements per op
+    n, reps = n // k * k, max(2, 2**28 // (4 * k))
+
+    def step(i: Any, y: Any) -> Any:
+        if k == n:
+            return y * 0.999 + 1.0
+        at = (i % (n // k)) * k
+        part = jax.lax.dynamic_slice(y, (at,), (k,))
+        return jax.lax.dynamic_update_slice(y, part * 0.999 + 1.0, (at,))
+
+    loop = lambda x: jax.lax.fori_loop(0, reps, step, x)
+    per_second = _timed(loop, [jax.ShapeDtypeStruct((n,), jnp.float32)], repeats)
+    return 8 * k * reps * per_second if per_second else None
+
+
+def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
+    """Seconds per trip of a scan of a few small kernels (a sort, two 16x16
+    matmuls, an `exp`, a max), their arithmetic included (`docs/design.md` says
+    why): the fixed cost of a loop body, which larger blocks pay less often."""
+
+    def step(carry: Any, x: Any) -> tuple[Any, Any]:
+        w = jnp.eye(16, dtype=x.dtype) * 0.5
+        y = jnp.sort(x) @ w
+        return carry + jnp.max(y), jnp.exp(y) @ w
+
+    steps = lambda xs: jax.lax.scan(step, jnp.zeros((), xs.dtype), xs)[1]
+    spec = jax.ShapeDtypeStruct((trips, 16), jnp.float32)
+    per_second = _timed(steps, [spec], repeats)
+    return 1 / (per_second * trips) if per_second else None
+
+
+def calibrate(repeats: int = 7) -> TimeModel:
+    """Measure the time model's constants on the default backend's first device: a
+    matmul, an `exp`, a streaming kernel inside each level of the memory hierarchy
+    (a core's own levels on one core) and past the last, and a scan of small steps.
+    A constant that cannot be measured keeps its default."""
+    start = time.perf_counter()
+    default = TimeModel.for_backend(jax.default_backend())
+    matmul = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
+    vector = [jax.ShapeDtypeStruct((2**20,), jnp.float32)]
+    exp = lambda x: jnp.sum(jnp.exp(x))
+    sizes = [size for size, _ in default.levels]
+    # A core's own caches (all but the last level): one core's bandwidth times the
+    # cores (an op split over them pays for waking threads, which hides the level's
+    # speed); the last level and memory, which they share: ops split over them all.
+    one_core = [stream_bandwidth(s // 2, repeats, True) for s in sizes[:-1]]
+    rates = [r and r * default.cores for r in one_core]
+    rates += [stream_bandwidth(s // 2, repeats) for s in sizes[-1:]]
+    # Past the last level: twice its size (a 480 MiB L3 exists), at most 2 GiB.
+    memory = stream_bandwidth(min(2 * max(sizes, default=2**24), 2**31), repeats)
+    # A smaller level is never slower than a larger one: noise is.
+    floor, levels = memory or default.bandwidth, []
+    for (size, old), rate in reversed(list(zip(default.levels, rates))):
+        floor = max(rate or old, floor)
+        levels.insert(0, (size, floor))
+    measured = {
+        "flops": _timed(lambda a, b: a @ b, matmul, repeats, "flops"),
+        "transcendentals": _timed(exp, vector, repeats, "transcendentals"),
+        "bandwidth": memory,
+        "loop_overhead": _loop_overhead(repeats),
+    }
+    kept = {k: v for k, v in measured.items() if v}  # each `None` or positive
+    missing = sorted(set(measured) - set(kept)) + ["levels"] * (None in rates)
+    m = machine()
+    where = f"{m['platform']}: {m['device_kind']}"
+    if m["platform"] == "cpu":
+        caches = "/".join(fmt_bytes(s) for s in m["caches"])
+        where = f"cpu: {m['cpu']}, {m['cores']} cores, caches {caches}"
+    when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
+    note = f"{where}, in {time.perf_counter() - start:.2f} s on {when}"
+    note += f" ({', '.join(missing)}: default, not measurable here)" * bool(missing)
+    return dataclasses.replace(default, levels=tuple(levels), calibration=note, **kept)
