@@ -19,7 +19,7 @@ For each, under a memory budget (a fraction of full vmap's forward temporaries):
 - the plan of the time model without its memory hierarchy (`no hierarchy`: one
   bandwidth, the last cache level's, whatever the working set).
 
-Every fitting nest and each pick are timed round-robin (`timing.time_interleaved`,
+Every fitting nest and each pick are timed round-robin (`harness.time_interleaved`,
 the rounds in which another job held a core dropped), medians; then the auto program
 against the best fitting nest and its twin (the noise floor) in a second pass, again
 after a pause if all its rounds were disturbed: `auto / best`, the median of
@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import explain, filter_multi_vmap, Planner, SpecError, tune
-from eqx_multimap.timing import (
+from harness import (
     compiled as _compile,
     fmt_bytes as _fmt_bytes,
     normalised_hlo,

@@ -13,7 +13,7 @@ details, and how to read the figures: `benchmarks/README.md`):
     side, and the peak RSS of a process running the one program.
 
 Programs are compiled first, checked to agree, then timed interleaved
-(`eqx_multimap.timing`): medians and paired ratios, never absolute verdicts.
+(`harness.py`): medians and paired ratios, never absolute verdicts.
 
     python benchmarks/reduce.py --quick     # T up to 4096; eager: 1 round of 30
     python benchmarks/reduce.py             # T up to 16384; eager: 3 rounds of 100
@@ -36,7 +36,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import explain, filter_multi_vmap, Planner
-from eqx_multimap.timing import (
+from harness import (
     compiled,
     count_compiles,
     fmt_bytes,

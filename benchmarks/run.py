@@ -37,7 +37,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import filter_multi_vmap
-from eqx_multimap.timing import (
+from harness import (
     compile_seconds,
     compiled,
     count_compiles,

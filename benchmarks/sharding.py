@@ -6,7 +6,7 @@ on one device, and with `shard={"F": "d"}` over a mesh of the first `n` devices
 (inputs placed with their sharding beforehand, as they would be in real use). Both
 programs, and a second, separately compiled copy of the unsharded one (its *twin*,
 whose ratio to it is the noise floor), are compiled first, then timed side by side
-with `eqx_multimap.timing.time_interleaved` (rounds interleaved, samples settled).
+with `harness.time_interleaved` (rounds interleaved, samples settled).
 Reported: medians, paired ratios sharded / unsharded and twin / unsharded (median
 and quartiles per round; below 1, sharding is faster), and the sharded program's
 collectives (a pure map has none).
@@ -38,7 +38,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 from eqx_multimap import filter_multi_vmap
-from eqx_multimap.timing import (
+from harness import (
     compiled,
     fmt_ratios,
     fresh,
