@@ -1,15 +1,9 @@
-"""The benchmarks' timing harness: compiled programs timed side by side, with twins as
-the noise floor. Not part of `eqx_multimap`: the scripts here import it (`python
-benchmarks/X.py` puts this folder on `sys.path`); copy it to use it elsewhere.
-
-Times on a shared machine drift with its load, so programs are never timed one after
-the other: `time_interleaved` runs them round by round, the order rotating, and two
-are compared by their *paired* ratio, the median of the per-round ratios
-(`paired_ratios`). Two separately compiled copies of one program (*twins*: `fresh`,
-checked with `same_hlo`) timed in the same rounds give the noise floor. A `Probe`
-timed before each round finds the rounds in which another job held a core (they slow
-the programs whose ops XLA spreads over threads, and not the others): they are
-dropped.
+"""The benchmarks' timing harness, not part of `eqx_multimap` (copy it to use it
+elsewhere): compiled programs timed side by side, round by round, the order rotating
+(`time_interleaved`), compared by their *paired* ratio, the median of the per-round
+ratios (`paired_ratios`). Two separately compiled copies of one program (*twins*:
+`fresh`, `same_hlo`) timed in the same rounds give the noise floor; a `Probe` finds
+the rounds in which another job held a core. `benchmarks/README.md` has the method.
 """
 
 import contextlib
@@ -35,13 +29,9 @@ def compiled(fn: Callable, *args: Any) -> Any:
 
 
 def fresh(fn: Callable) -> Callable:
-    """A new function object calling `fn`, with its name and signature.
-
-    `jax.jit` caches on the function object, so `compiled(fresh(fn), ...)` beside
-    `compiled(fn, ...)` is a second, separately compiled executable of the same
-    program: its *twin*. Build every program compared afresh, or a comparison may read
-    one executable twice.
-    """
+    """A new function object calling `fn`, with its name and signature: `jax.jit`
+    caches on the function object, so `compiled(fresh(fn), ...)` beside
+    `compiled(fn, ...)` is a second executable of the same program, its *twin*."""
 
     @ft.wraps(fn)
     def fresh_fn(*args: Any, **kwargs: Any) -> Any:
@@ -56,8 +46,8 @@ DISTURBED = 1.5  # a round whose probe took more than this times its best
 class Probe:
     """A program whose op XLA spreads over its threads (a loop over 1 MiB, about a
     millisecond), timed before each round of `time_interleaved`: a round in which it
-    took over `DISTURBED` times its best (over all its `times`) is *disturbed*.
-    `run`: the thunk to time instead (tests)."""
+    took over `DISTURBED` times its best is *disturbed* (another job held a core,
+    which slows only such programs). `run`: a thunk to time instead (tests)."""
 
     def __init__(self, run: Callable[[], Any] | None = None):
         self.run, self.times = run or _probe_loop(), []
