@@ -1,11 +1,13 @@
 """How good is the planner? Its plan against the best fixed nest of a sweep.
 
 Workloads: synthetic bodies, and real ones (`--real`, or both with `--all`): the
-calibration example's per-slot Levenberg-Marquardt fit (`examples/calibration.py`),
-an MLP with weights per element (4 layers of `tanh(W @ h)`), and a stiff diffrax
-solve (Tsit5 and a PID controller; each element's rate spans 3 decades, laid out at
-random or along `F`). Each is planned and timed forward and under `jax.grad` (the
-diffrax body forward only: its reverse pass is not what is benchmarked here).
+calibration example's per-slot Levenberg-Marquardt fit (`examples/calibration.py`)
+at two sizes, an MLP with weights per element (4 layers of `tanh(W @ h)`), a stiff
+diffrax solve (Tsit5 and a PID controller; each element's rate spans 3 decades, laid
+out at random or along `F`), with a scalar state or a 16-vector coupled by a fixed
+matrix, and the planner page's `newton_sqrt` (a while loop). Each is planned and
+timed forward and under `jax.grad` (the diffrax and Newton bodies forward only:
+their reverse pass is not what is benchmarked here).
 
 For each, under a memory budget (a fraction of full vmap's forward temporaries):
 
@@ -19,7 +21,7 @@ For each, under a memory budget (a fraction of full vmap's forward temporaries):
 - the plan of the time model without its memory hierarchy (`no hierarchy`: one
   bandwidth, the last cache level's, whatever the working set).
 
-Every fitting nest and each pick are timed round-robin (`timing.time_interleaved`,
+Every fitting nest and each pick are timed round-robin (`harness.time_interleaved`,
 the rounds in which another job held a core dropped), medians; then the auto program
 against the best fitting nest and its twin (the noise floor) in a second pass, again
 after a pause if all its rounds were disturbed: `auto / best`, the median of
@@ -44,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import explain, filter_multi_vmap, Planner, SpecError, tune
-from eqx_multimap.timing import (
+from harness import (
     compiled as _compile,
     fmt_bytes as _fmt_bytes,
     normalised_hlo,
@@ -166,46 +168,97 @@ def _mlp(w, h):
     return h
 
 
-def _stiff(rate, y0):
+def _stiff(rate, y0, coupling=None):
+    """`dy/dt = -rate (y - cos t)`, plus `coupling @ y` with a vector state."""
     import diffrax
 
-    term = diffrax.ODETerm(lambda t, y, r: -r * (y - jnp.cos(t)))
+    def vector_field(t, y, args):
+        r, c = args
+        dy = -r * (y - jnp.cos(t))
+        return dy if c is None else dy + c @ y
+
     pid = diffrax.PIDController(rtol=1e-5, atol=1e-5)
     sol = diffrax.diffeqsolve(
-        term, diffrax.Tsit5(), 0.0, 1.0, 0.01, y0, rate, stepsize_controller=pid,
-        max_steps=1024,
+        diffrax.ODETerm(vector_field), diffrax.Tsit5(), 0.0, 1.0, 0.01, y0,
+        (rate, coupling), stepsize_controller=pid, max_steps=1024,
     )  # fmt: skip
     return sol.ys[-1]
 
 
-def real_workloads(quick: bool) -> list[Workload]:
+def _newton_sqrt(a):  # the planner page's: a while loop, its cost the data's
+    def step(s):
+        return 0.5 * (s[0] + a / s[0]), s[1] + 1
+
+    def more(s):
+        return (jnp.abs(s[0] ** 2 - a) > 1e-5 * a) & (s[1] < 200)
+
+    return jax.lax.while_loop(more, step, (a, 0))[0]
+
+
+def _calibration(t: int, f: int, a: int) -> Workload:
     root = pathlib.Path(__file__).parent.parent / "examples" / "calibration.py"
     spec = importlib.util.spec_from_file_location("calibration", root)
     assert spec is not None and spec.loader is not None
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
-    t, f, a = (4, 4, 8) if quick else (32, 16, 24)
     obs = cal.simulate(jax.random.key(0), t, f, a)
     g0 = jnp.ones((a,), jnp.complex64)
     lm = ft.partial(cal.solve_slot, ref=0, solver=cal.make_solver())
     lm.__name__ = "solve_slot"  # type: ignore[attr-defined]
     # The example's budget: half of full vmap's temporaries.
-    out = [Workload(f"calibration LM {t}x{f}x{a}", lm, dict(core="A"),
-                    (obs.vis, obs.model, obs.ant1, obs.ant2, g0), 0.5)]  # fmt: skip
-    k = iter(jax.random.split(jax.random.key(1), 8))
+    return Workload(f"calibration LM {t}x{f}x{a}", lm, dict(core="A"),
+                    (obs.vis, obs.model, obs.ant1, obs.ant2, g0), 0.5)  # fmt: skip
+
+
+def _mlps(sizes: tuple, k: Any) -> list[Workload]:
     kw = dict(in_dims=("B L K J", "B J"), out_dims="B K", core="K")
-    for kk, b in ((64, 256), (256, 32)) if quick else ((64, 4096), (256, 1024)):
+    out = []
+    for kk, b in sizes:
         w = _normal(next(k), (b, 4, kk, kk), 1.0 / np.sqrt(kk))
         args = (w, _normal(next(k), (b, kk), 1.0))
-        out.append(Workload(f"MLP, W per element, K={kk}", _mlp, kw, args, 2.0))
-    t, f = (4, 8) if quick else (16, 32)
+        name = f"MLP, W per element, K={kk}, B={b}"
+        out.append(Workload(name, _mlp, kw, args, 2.0))
+    return out
+
+
+def _stiffs(t: int, f: int, k: Any, n: int = 0) -> list[Workload]:
+    """The stiff solve, each element's rate spanning 3 decades, laid out at random or
+    along `F`: a scalar state, or (`n`) an `n`-vector coupled by a fixed matrix."""
     along_f = jnp.broadcast_to(10.0 ** jnp.linspace(0.0, 3.0, f), (t, f))
     at_random = 10.0 ** jax.random.uniform(next(k), (t, f), jnp.float32, 0.0, 3.0)
-    kw = dict(in_dims=("T F", "T F"), out_dims="T F")
+    kw, tail, what = dict(in_dims=("T F", "T F"), out_dims="T F"), (), ""
+    if n:  # the coupling's eigenvalues within about 0.5 of 0: the rates dominate
+        kw = dict(in_dims=("T F", "T F S", None), out_dims="T F S", core="S")
+        tail, what = (_normal(next(k), (n, n), 0.5 / np.sqrt(n)),), f", {n}-vector"
+    y0 = jnp.ones((t, f, n) if n else (t, f), jnp.float32)
+    out = []
     for layout, rate in (("at random", at_random), ("along F", along_f)):
-        args = (rate.astype(jnp.float32), jnp.ones((t, f), jnp.float32))
-        name = f"stiff diffrax, rates {layout}"
+        args = (rate.astype(jnp.float32), y0, *tail)
+        name = f"stiff diffrax{what}, rates {layout}"
         out.append(Workload(name, _stiff, kw, args, 2.0, False))
+    return out
+
+
+def real_workloads(quick: bool) -> list[Workload]:
+    q = quick
+    out = [_calibration(*((4, 4, 8) if q else (32, 16, 24)))]
+    out.append(_calibration(*((8, 4, 12) if q else (64, 32, 12))))  # A: the example's
+    k = iter(jax.random.split(jax.random.key(1), 8))
+    out += _mlps(((64, 256), (256, 32)) if q else ((64, 4096), (256, 1024)), k)
+    out += _stiffs(*((4, 8) if q else (16, 32)), k)
+    k = iter(jax.random.split(jax.random.key(2), 16))
+    out += _mlps(((256, 256),) if q else ((256, 4096),), k)
+    out += _stiffs(*((4, 8) if q else (16, 32)), k, n=16)
+    kw = dict(in_dims="T F", out_dims="T F")
+    sizes = ((64, 32), (256, 128)) + (() if q else ((512, 256),))
+    for t, f in sizes:  # the page's law and key
+        a = jnp.exp(5.0 * jax.random.normal(jax.random.key(0), (t, f), jnp.float32))
+        name = f"newton_sqrt {t}x{f}, a = exp(5 N(0,1))"
+        out.append(Workload(name, _newton_sqrt, kw, (a,), 2.0, False))
+    if not q:
+        a = jax.random.uniform(next(k), (128, 256), jnp.float32, 1.0, 2.0)
+        name = "newton_sqrt 128x256, a uniform in [1, 2]"
+        out.append(Workload(name, _newton_sqrt, kw, (a,), 2.0, False))
     return out
 
 
@@ -451,11 +504,10 @@ def main(argv: list[str] | None = None) -> None:
     print(model.describe(), flush=True)
     chosen = [] if opts.real else workloads(opts.quick)
     chosen += real_workloads(opts.quick) if opts.real or opts.all else []
+    chosen = [w for w in chosen if opts.only is None or opts.only in w.name]
     jax.block_until_ready([w.args for w in chosen])  # made before any clock starts
     rows = []
     for w in chosen:
-        if opts.only is not None and opts.only not in w.name:
-            continue
         grad = w.grad and not opts.forward
         for mode in ("forward", "grad") if grad else ("forward",):
             try:

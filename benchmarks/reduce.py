@@ -1,19 +1,14 @@
 """Memory and reductions, each section against the program written by hand (the
 details, and how to read the figures: `benchmarks/README.md`):
 
-- `reduce`: `reduce={"T": "sum"}` of `softmax(outer(x_t, y_t), axis=1) @ v` (scan,
-    chunked scan) against materialise-then-sum and a hand-written `lax.scan` carry;
-- `budget`: the temporaries of a forward pass and its derivatives under
-    `plan=Planner(), memory_budget=B`, against unplanned gradients;
-- `eager`: the resident memory a wrapper keeps after it is deleted, per 100 fresh
-    functions called un-jitted or jitted, ours and hand-written;
-- `gains`: `g[i] @ m @ conj(g[j]).T` per baseline over `m: "T F B 2 2"` with
-    `scan={"T": 1, "F": 1, "B": chunk}` (a remainder) against the hand-written
-    `lax.map` nest and full vmap, forward and `jax.grad`: temporaries, times side by
-    side, and the peak RSS of a process running the one program.
+- `reduce`: `reduce={"T": "sum"}` against materialise-then-sum and a `lax.scan` carry;
+- `budget`: a forward pass's and its derivatives' temporaries under `memory_budget`;
+- `eager`: the resident memory a deleted wrapper leaves, per 100 fresh functions;
+- `gains`: a two-level chunked nest at scale against the hand-written `lax.map` nest
+    and full vmap, forward and `jax.grad`: temporaries, times, peak RSS.
 
 Programs are compiled first, checked to agree, then timed interleaved
-(`eqx_multimap.timing`): medians and paired ratios, never absolute verdicts.
+(`harness.py`): medians and paired ratios, never absolute verdicts.
 
     python benchmarks/reduce.py --quick     # T up to 4096; eager: 1 round of 30
     python benchmarks/reduce.py             # T up to 16384; eager: 3 rounds of 100
@@ -36,7 +31,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import explain, filter_multi_vmap, Planner
-from eqx_multimap.timing import (
+from harness import (
     compiled,
     count_compiles,
     fmt_bytes,

@@ -1,20 +1,14 @@
 """Ours against hand-written: does `filter_multi_vmap` cost anything over the nest it
 replaces, forward and under `jax.grad`, compiled and un-jitted, and to compile?
 
-Two bodies over `xs: (b1, b2, L)` mapped over `b1` and `b2` (`core="L"`): `cheap`,
-`sin(x**2 + 1)`, and `heavy`, `tanh(outer(x, x)) @ x`. Four nests, each against its
-hand-written program: `vmap`, `scan(vmap)` (`lax.scan` over `b1`), `chunk`
-(`scan={"b1": k}` against `lax.map(..., batch_size=k)`, `k = b1 // 8`: a remainder)
-and `chunk2` (`scan={"b1": k, "b2": k2}` against a `lax.map(..., batch_size=k2)`
-inside a `lax.map(..., batch_size=k)`: two chunked levels, two remainders). Sections:
-`run` (compiled, timed side by side; whether ours has the hand-written optimised HLO,
-or one no larger: its temporaries within 10% and 2 KiB of the hand-written one's),
-`compile` (lower + compile seconds) and `eager` (un-jitted calls, and the traces and
-compiles of ours). Each measurement builds three programs afresh: ours, the
-hand-written one and its *twin* (a second copy: the noise floor). Reported: paired
+Two bodies over `xs: (b1, b2, L)` (`cheap`, `heavy`), four nests (`vmap`,
+`scan(vmap)`, `chunk`, `chunk2`: chunked scans with remainders), each against its
+hand-written program and that program's *twin* (a second copy: the noise floor),
+all built afresh; sections `run` (compiled; same HLO or no larger), `compile` and
+`eager` (un-jitted calls, and the traces and compiles of ours). Reported: paired
 ratios, a summary table, and in `--out` `results.md`, `results.csv` and
-`ours_vs_hand.png` (details: `benchmarks/README.md`). Nothing passes or fails on a
-time.
+`ours_vs_hand.png`. Nothing passes or fails on a time. Details:
+`benchmarks/README.md`.
 
     python benchmarks/run.py --quick     # 2 minutes on 2 busy cores
     python benchmarks/run.py             # 19 minutes on 2 busy cores (18 cells)
@@ -32,23 +26,12 @@ import statistics
 import time
 from collections.abc import Callable
 
+import harness
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import filter_multi_vmap
-from eqx_multimap.timing import (
-    compile_seconds,
-    compiled,
-    count_compiles,
-    fmt_ratios,
-    fresh,
-    paired_ratios,
-    quartiles,
-    same_hlo,
-    temp_bytes,
-    time_interleaved,
-)
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,7 +77,7 @@ def hand(body: Callable, nest: str, k: int) -> Callable:
 def ours(body: Callable, nest: str, k: int) -> Callable:
     """`filter_multi_vmap` with the same nest, wrapping a new function object (so
     that it is not equal to an earlier wrapper)."""
-    fun = fresh(body)
+    fun = harness.fresh(body)
     if nest == "vmap":
         return filter_multi_vmap(fun, **DIMS, vmap="b1 b2")
     if nest == "scan(vmap)":
@@ -183,8 +166,8 @@ def row(kind, body, nest, transform, cell, times, **extra) -> dict:
     t_ours, t_hand, t_twin = times
     what = dict(kind=kind, body=body, nest=nest, transform=transform)
     ms = dict(ours_ms=1e3 * med(t_ours), hand_ms=1e3 * med(t_hand))
-    ratios = paired_ratios(t_ours, t_hand)
-    twin = paired_ratios(t_twin, t_hand)
+    ratios = harness.paired_ratios(t_ours, t_hand)
+    twin = harness.paired_ratios(t_twin, t_hand)
     cell = "x".join(map(str, cell))
     return dict(what, cell=cell, **ms, ratios=ratios, twin=twin, **extra)
 
@@ -192,16 +175,18 @@ def row(kind, body, nest, transform, cell, times, **extra) -> dict:
 def run_cell(body, nest, transform, cell, cfg: Config) -> dict:
     """`run`: the three programs compiled afresh, checked, then timed."""
     xs = inputs(cell)
-    progs = [compiled(make(), xs) for make in makers(body, nest, transform, cell[0])]
+    made = makers(body, nest, transform, cell[0])
+    progs = [harness.compiled(make(), xs) for make in made]
     outs = [p(xs) for p in progs]
     if not (agree(outs[0], outs[1]) and agree(outs[2], outs[1])):
         raise AssertionError(f"ours and hand-written differ: {body} {nest} {cell}")
-    times = time_interleaved(
+    times = harness.time_interleaved(
         [lambda p=p: p(xs) for p in progs], cfg.seconds, 5, cfg.max_rounds
     )
-    hlo = same_hlo(progs[0], progs[1])
+    hlo = harness.same_hlo(progs[0], progs[1])
     # No larger: temporaries within those of the hand-written program (10%, 2 KiB).
-    no_larger = hlo or temp_bytes(progs[0]) <= 1.1 * temp_bytes(progs[1]) + 2048
+    temps = [harness.temp_bytes(p) for p in progs]
+    no_larger = hlo or temps[0] <= 1.1 * temps[1] + 2048
     extra = dict(same_hlo=hlo, no_larger=no_larger)
     return row("run", body, nest, transform, cell, times, **extra)
 
@@ -210,7 +195,7 @@ def compile_cell(body, nest, transform, cell, cfg: Config) -> dict:
     """`compile`: lower + compile of fresh programs, taking turns."""
     xs = jax.ShapeDtypeStruct(cell, jnp.float32)
     made = makers(body, nest, transform, cell[0])
-    times = compile_seconds(made, (xs,), cfg.compile_repeats)
+    times = harness.compile_seconds(made, (xs,), cfg.compile_repeats)
     return row("compile", body, nest, transform, cell, times)
 
 
@@ -219,10 +204,10 @@ def eager_cell(body, nest, transform, cell, cfg: Config) -> dict:
     xs = inputs(cell)
     fns = [make() for make in makers(body, nest, transform, cell[0])]
     fns[0](xs)  # the first call of a signature traces and compiles
-    with count_compiles() as counts:
+    with harness.count_compiles() as counts:
         for _ in range(cfg.eager_calls):
             jax.block_until_ready(fns[0](xs))
-    times = time_interleaved(
+    times = harness.time_interleaved(
         [lambda f=f: f(xs) for f in fns], cfg.seconds, 5, cfg.max_rounds
     )
     extra = dict(counts, calls=cfg.eager_calls)
@@ -246,8 +231,8 @@ def measure(sections: list[str], cfg: Config, log: Callable[[str], None]) -> lis
             rows.append(MEASURE[kind](body, nest, transform, cell, cfg))
             r = rows[-1]
             log(
-                f"{what}: ours / hand {fmt_ratios(r['ratios'])}, twin / hand "
-                f"{fmt_ratios(r['twin'])}"
+                f"{what}: ours / hand {harness.fmt_ratios(r['ratios'])}, twin / hand "
+                f"{harness.fmt_ratios(r['twin'])}"
             )
     return rows
 
@@ -313,13 +298,13 @@ def eager_note(rows: list[dict]) -> str:
 def detail_table(rows: list[dict]) -> str:
     head = ["kind", "transform", "body", "nest", "cell", "ours (ms)", "hand (ms)"]
     head += ["ours / hand", "twin / hand", "rounds", "same HLO", "no larger"]
-    lines = [head]
+    lines, fmt = [head], harness.fmt_ratios
+    yes = {None: "", True: "yes", False: "no"}
     for r in rows:
-        yes = {None: "", True: "yes", False: "no"}
         lines.append(
             [r["kind"], r["transform"], r["body"], r["nest"], r["cell"]]
-            + [f"{r['ours_ms']:.3f}", f"{r['hand_ms']:.3f}", fmt_ratios(r["ratios"])]
-            + [fmt_ratios(r["twin"]), str(len(r["ratios"]))]
+            + [f"{r['ours_ms']:.3f}", f"{r['hand_ms']:.3f}"]
+            + [fmt(r["ratios"]), fmt(r["twin"]), str(len(r["ratios"]))]
             + [yes[r.get("same_hlo")], yes[r.get("no_larger")]]
         )
     return md_table(lines)
@@ -392,7 +377,7 @@ def plot(rows: list[dict], path: str) -> None:
             xs, ys, err, out = [], [], [[], []], []
             for r in (r for r in sub if r["nest"] == nest):
                 x = labels.index(_x_label(r, transform)) + (j - 1.5) * 0.2
-                q1, q2, q3 = quartiles(r["ratios"])
+                q1, q2, q3 = harness.quartiles(r["ratios"])
                 if lo <= q2 <= hi:
                     xs.append(x)
                     ys.append(q2)

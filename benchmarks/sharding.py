@@ -6,7 +6,7 @@ on one device, and with `shard={"F": "d"}` over a mesh of the first `n` devices
 (inputs placed with their sharding beforehand, as they would be in real use). Both
 programs, and a second, separately compiled copy of the unsharded one (its *twin*,
 whose ratio to it is the noise floor), are compiled first, then timed side by side
-with `eqx_multimap.timing.time_interleaved` (rounds interleaved, samples settled).
+with `harness.time_interleaved` (rounds interleaved, samples settled).
 Reported: medians, paired ratios sharded / unsharded and twin / unsharded (median
 and quartiles per round; below 1, sharding is faster), and the sharded program's
 collectives (a pure map has none).
@@ -35,16 +35,10 @@ import argparse
 import re
 import statistics
 
+import harness
 import jax
 import jax.numpy as jnp
 from eqx_multimap import filter_multi_vmap
-from eqx_multimap.timing import (
-    compiled,
-    fmt_ratios,
-    fresh,
-    paired_ratios,
-    time_interleaved,
-)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
@@ -104,20 +98,20 @@ def main(argv=None) -> int:
     )
     print("|---:|---|---:|---:|---|---|---:|")
     for nest in NESTS:
-        unsharded = compiled(make(nest), vis1, nu1)
-        twin = compiled(make(nest, fn=fresh(body)), vis1, nu1)
+        unsharded = harness.compiled(make(nest), vis1, nu1)
+        twin = harness.compiled(make(nest, fn=harness.fresh(body)), vis1, nu1)
         for n in (1, 2, 4, 8):
             mesh = jax.make_mesh(
                 (n,), ("d",), axis_types=(AxisType.Auto,), devices=devices[:n]
             )
             vis_n = jax.device_put(vis, NamedSharding(mesh, P(None, "d")))
             nu_n = jax.device_put(nu, NamedSharding(mesh, P("d")))
-            sharded = compiled(make(nest, mesh), vis_n, nu_n)
+            sharded = harness.compiled(make(nest, mesh), vis_n, nu_n)
             n_coll = len(COLLECTIVES.findall(sharded.as_text()))
             out_s, out_u = sharded(vis_n, nu_n), unsharded(vis1, nu1)
             err = float(jnp.max(jnp.abs(jax.device_get(out_s) - jax.device_get(out_u))))
             assert err < 1e-5, err
-            t_u, t_s, t_t = time_interleaved(
+            t_u, t_s, t_t = harness.time_interleaved(
                 [
                     lambda: unsharded(vis1, nu1),
                     lambda: sharded(vis_n, nu_n),
@@ -130,8 +124,8 @@ def main(argv=None) -> int:
             ms_u, ms_s = (1e3 * statistics.median(t) for t in (t_u, t_s))
             print(
                 f"| {n} | {nest} | {ms_u:.2f} | {ms_s:.2f} "
-                f"| {fmt_ratios(paired_ratios(t_s, t_u))} "
-                f"| {fmt_ratios(paired_ratios(t_t, t_u))} | {n_coll} |",
+                f"| {harness.fmt_ratios(harness.paired_ratios(t_s, t_u))} "
+                f"| {harness.fmt_ratios(harness.paired_ratios(t_t, t_u))} | {n_coll} |",
                 flush=True,
             )
     print()

@@ -8,7 +8,6 @@ import jax as _jax
 
 from jax._src import traceback_util as _traceback_util
 
-from . import timing as timing
 from ._doc_utils import for_help as _for_help
 from ._dims import Dims as Dims, parse_dims as parse_dims
 from ._errors import ShapeError as ShapeError, SpecError as SpecError

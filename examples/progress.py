@@ -5,13 +5,15 @@ body is a few flops, so that the cost of the bar's reports is as visible as it g
 Every program is compiled first, checked to give the values of the map without a
 bar, then timed interleaved with it and with its twin (a second compile of the map
 without a bar: the noise floor), forward and under `jax.grad`; reported are the
-median and interquartile range of the per-round time ratios (`eqx_multimap.timing`).
+median and interquartile range of the per-round time ratios (the timing harness of
+`benchmarks/harness.py`, which this imports).
 The bars write to stderr: run with `2>/dev/null` to keep them off the terminal.
 
 Run: `python examples/progress.py 2>/dev/null` (`--quick`: fewer rounds).
 """
 
 import argparse
+import pathlib
 import platform
 import sys
 import time
@@ -20,7 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import filter_multi_vmap
-from eqx_multimap.timing import (
+
+
+# The benchmarks' timing harness, not part of the package.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from harness import (
     compiled,
     fmt_ratios,
     fmt_seconds,

@@ -6,10 +6,12 @@ strings with its own few lines, slices with numpy-style indexing one index
 combination at a time, and stacks the per-element results with `np.stack`.
 """
 
+import importlib
 import importlib.util
 import itertools as it
 import os
 import pathlib
+import sys
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,9 +26,21 @@ def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8):
     return eqx.tree_equal(x, y, typematch=True, rtol=rtol, atol=atol)
 
 
+BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
+
+
 def load_benchmark(name: str) -> types.ModuleType:
-    """The module `benchmarks/<name>.py`, which is not part of the package."""
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+    """The module `benchmarks/<name>.py`, which is not part of the package.
+
+    `benchmarks/` goes on `sys.path` first, as `python benchmarks/<name>.py` puts it,
+    so that the scripts import the timing harness as `harness`; and
+    `load_benchmark("harness")` is that same module, not a second copy.
+    """
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    if name == "harness":
+        return importlib.import_module("harness")
+    path = BENCHMARKS / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -10,11 +10,14 @@ import jax.numpy as jnp
 import jax.test_util as jtu_test
 import numpy as np
 import pytest
-from eqx_multimap import filter_multi_vmap, SpecError, timing
+from eqx_multimap import filter_multi_vmap, SpecError
 from eqx_multimap._blocks import describe_nest, NestSpec
 from hypothesis import given, settings
 
-from .helpers import loop_reference, tree_allclose
+from .helpers import load_benchmark, loop_reference, tree_allclose
+
+
+harness = load_benchmark("harness")  # the benchmarks' timing harness
 
 
 def _rand(shape, seed=0, dtype=np.float32):
@@ -318,7 +321,7 @@ def test_scan_lowers_to_loop():
 
 
 def _optimised_hlo(fn, *args) -> str:
-    return timing.normalised_hlo(timing.compiled(fn, *args))
+    return harness.normalised_hlo(harness.compiled(fn, *args))
 
 
 def _heavy(a):

@@ -1,11 +1,15 @@
-"""`eqx_multimap.timing`: the interleaving order, the calibration of calls per sample
-and of rounds, and the ratio and formatting helpers, with a fake clock (no real
-times), and the twin and HLO helpers on real compiled programs."""
+"""The benchmarks' timing harness, `benchmarks/harness.py`: the interleaving order,
+the calibration of calls per sample and of rounds, and the ratio and formatting
+helpers, with a fake clock (no real times), and the twin and HLO helpers on real
+compiled programs."""
 
 import jax.numpy as jnp
 import pytest
 
-from eqx_multimap import timing
+from .helpers import load_benchmark
+
+
+harness = load_benchmark("harness")
 
 
 class FakeClock:
@@ -29,7 +33,7 @@ class FakeClock:
 def test_rounds_rotate_the_order_and_settle_each_sample():
     clock = FakeClock()
     fns = [clock.program(n, 2**-6) for n in "abc"]
-    times = timing.time_interleaved(
+    times = harness.time_interleaved(
         fns, seconds=0.0, min_rounds=3, max_rounds=3, settle=1, clock=clock
     )
     # One untimed call each, then per round every thunk once (settled: twice),
@@ -42,7 +46,7 @@ def test_rounds_rotate_the_order_and_settle_each_sample():
 def test_calls_per_sample_and_rounds_follow_the_first_calls():
     clock = FakeClock()
     fns = [clock.program("quick", 1e-3), clock.program("slow", 4e-3)]
-    times = timing.time_interleaved(
+    times = harness.time_interleaved(
         fns, seconds=0.2, min_sample=5e-3, settle=0, max_rounds=100, clock=clock
     )
     # 5 calls per sample make the quickest sample 5 ms; a round is 5 x 5 ms.
@@ -53,7 +57,7 @@ def test_calls_per_sample_and_rounds_follow_the_first_calls():
 def test_rounds_stay_within_their_bounds():
     for seconds, expected in ((0.0, 4), (1e3, 6)):
         clock = FakeClock()
-        times = timing.time_interleaved(
+        times = harness.time_interleaved(
             [clock.program("a", 0.01)],
             seconds=seconds,
             min_rounds=4,
@@ -66,12 +70,12 @@ def test_rounds_stay_within_their_bounds():
 def test_drop_above_stops_timing_slow_thunks_after_two_rounds():
     clock = FakeClock()
     fns = [clock.program("fast", 0.01), clock.program("slow", 0.02)]
-    times = timing.time_interleaved(
+    times = harness.time_interleaved(
         fns, 0.0, min_rounds=5, max_rounds=5, settle=0, drop_above=1.25, clock=clock
     )
     assert len(times[0]) == 5 and len(times[1]) == 2
     on = []
-    timing.time_interleaved(
+    harness.time_interleaved(
         [clock.program("a", 0.01)],
         0.0,
         min_rounds=2,
@@ -97,15 +101,15 @@ def test_a_probe_drops_the_rounds_another_job_disturbed():
     def program():
         clock.now += 3e-2 if taken else 1e-2
 
-    probe = timing.Probe(probe_run)
-    times = timing.time_interleaved(
+    probe = harness.Probe(probe_run)
+    times = harness.time_interleaved(
         [program] * 2, 0.0, min_rounds=5, max_rounds=5, settle=0, clock=clock,
         probe=probe,
     )  # fmt: skip
     assert probe.disturbed() == [False, True, False, True, False]
     assert times == [[pytest.approx(1e-2)] * 3] * 2
     # A later call, every round disturbed by the probe's best so far: all kept.
-    times = timing.time_interleaved(
+    times = harness.time_interleaved(
         [program], 0.0, min_rounds=3, max_rounds=3, settle=0, clock=clock,
         probe=probe,
     )  # fmt: skip
@@ -114,7 +118,7 @@ def test_a_probe_drops_the_rounds_another_job_disturbed():
 
 
 def test_the_probe_runs_a_threaded_program():
-    probe = timing.Probe()
+    probe = harness.Probe()
     for _ in range(3):
         probe.time()
     assert len(probe.times) == 3 and min(probe.times) > 0
@@ -133,7 +137,7 @@ def test_compile_seconds_builds_fresh_programs_in_rotating_turns():
 
         return make
 
-    out = timing.compile_seconds(
+    out = harness.compile_seconds(
         [maker("a"), maker("b")], (jnp.ones(3),), repeats=2, clock=clock
     )
     assert made == ["a", "b", "a", "b", "b", "a"]
@@ -143,10 +147,10 @@ def test_compile_seconds_builds_fresh_programs_in_rotating_turns():
 
 
 def test_ratios_and_quartiles():
-    assert timing.paired_ratios([2.0, 6.0, 3.0], [1.0, 2.0, 3.0]) == [2.0, 3.0, 1.0]
-    assert timing.quartiles([5.0]) == (5.0, 5.0, 5.0)
-    assert timing.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
-    assert timing.fmt_ratios([1.0, 2.0, 3.0, 4.0, 5.0]) == "3.00 (2.00 to 4.00)"
+    assert harness.paired_ratios([2.0, 6.0, 3.0], [1.0, 2.0, 3.0]) == [2.0, 3.0, 1.0]
+    assert harness.quartiles([5.0]) == (5.0, 5.0, 5.0)
+    assert harness.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
+    assert harness.fmt_ratios([1.0, 2.0, 3.0, 4.0, 5.0]) == "3.00 (2.00 to 4.00)"
 
 
 @pytest.mark.parametrize(
@@ -155,7 +159,7 @@ def test_ratios_and_quartiles():
     + [(2**30, "1.0 GiB"), (5 * 2**40, "5120.0 GiB"), (-2048, "-2.0 KiB")],
 )
 def test_fmt_bytes(n, text):
-    assert timing.fmt_bytes(n) == text
+    assert harness.fmt_bytes(n) == text
 
 
 @pytest.mark.parametrize(
@@ -163,7 +167,7 @@ def test_fmt_bytes(n, text):
     [(2.5e-4, "250 us"), (3.14e-3, "3.14 ms"), (0.25, "250 ms"), (1.2, "1.20 s")],
 )
 def test_fmt_seconds(s, text):
-    assert timing.fmt_seconds(s) == text
+    assert harness.fmt_seconds(s) == text
 
 
 def _program(x):
@@ -172,24 +176,24 @@ def _program(x):
 
 def test_twins_are_separate_executables_with_the_same_hlo():
     x = jnp.ones((4, 3), jnp.float32)
-    a = timing.compiled(_program, x)
-    again = timing.compiled(_program, x)
-    twin = timing.compiled(timing.fresh(_program), x)
-    other = timing.compiled(lambda x: jnp.cos(x) * 2, x)
+    a = harness.compiled(_program, x)
+    again = harness.compiled(_program, x)
+    twin = harness.compiled(harness.fresh(_program), x)
+    other = harness.compiled(lambda x: jnp.cos(x) * 2, x)
     assert again.runtime_executable() is a.runtime_executable()
-    assert timing.same_hlo(a, twin)
-    assert not timing.same_hlo(a, other)
+    assert harness.same_hlo(a, twin)
+    assert not harness.same_hlo(a, other)
     with pytest.raises(ValueError, match="one executable twice"):
-        timing.same_hlo(a, again)
-    assert timing.temp_bytes(a) >= 0
-    assert timing.fresh(_program)(x).shape == (4, 3)
+        harness.same_hlo(a, again)
+    assert harness.temp_bytes(a) >= 0
+    assert harness.fresh(_program)(x).shape == (4, 3)
 
 
 def test_count_compiles_counts_traces_and_compiles_only_while_active():
     x = jnp.ones((4, 3), jnp.float32)
-    with timing.count_compiles() as counts:
-        timing.compiled(timing.fresh(_program), x)
-        timing.compiled(timing.fresh(_program), x)
+    with harness.count_compiles() as counts:
+        harness.compiled(harness.fresh(_program), x)
+        harness.compiled(harness.fresh(_program), x)
     assert counts == {"traces": 2, "compiles": 2}
-    timing.compiled(timing.fresh(_program), x)
+    harness.compiled(harness.fresh(_program), x)
     assert counts == {"traces": 2, "compiles": 2}
