@@ -367,7 +367,7 @@ def trace_body(
     # the jaxprs nested in calls, loops and custom rules are on that mesh too (`grad`
     # of the `shard_map` rejects a cotangent whose mesh is not its primal's).
     mesh = shard.mesh.abstract_mesh if isinstance(shard.mesh, Mesh) else shard.mesh
-    manual = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
+    manual = mesh.update_axis_types({a: AxisType.Manual for a in shard.manual})
     replicated = NamedSharding(manual, PartitionSpec())
 
     def on_mesh(specs: list[jax.ShapeDtypeStruct]) -> list[jax.ShapeDtypeStruct]:
@@ -398,7 +398,7 @@ def trace_body(
 
     with jax.sharding.use_abstract_mesh(manual):
         inside = jax.make_jaxpr(
-            inside_shard_map, axis_env=[*axis_env, *mesh.shape.items()]
+            inside_shard_map, axis_env=[*axis_env, *((a, mesh.shape[a]) for a in shard.manual)]
         )(specs(element_specs), specs(hoisted_specs))
     return Body(inside, hoisted, len(element_specs), jaxpr), out
 

@@ -255,34 +255,31 @@ def _spec(dim_axes: Mapping[str, int], dims: dict, ndim: int) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def _explicit_only(spec: PartitionSpec, mesh: AnyMesh) -> PartitionSpec:
-    """`spec` without the mesh axes of type `Auto` (which `reshard` may not name)."""
-    explicit = {
-        name
-        for name, kind in zip(mesh.axis_names, mesh.axis_types)
-        if kind == AxisType.Explicit
-    }
-    entries = []
-    for entry in spec:
-        names = (entry,) if isinstance(entry, str) else (entry or ())
-        kept = tuple(n for n in names if n in explicit)
-        entries.append(None if not kept else _entry(kept))
-    return PartitionSpec(*entries)
+def _names(entry: Any) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
-def _has_explicit(mesh: AnyMesh) -> bool:
-    return any(kind == AxisType.Explicit for kind in mesh.axis_types)
+def _padded_spec(spec: PartitionSpec, ndim: int) -> list[Any]:
+    return list(spec) + [None] * (ndim - len(spec))
 
 
-def _reshard(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
-    """Give `x` the sharding `spec` on the mesh's `Explicit` axes.
-
-    `shard_map` demands that its inputs' explicit shardings equal `in_specs`; on
-    `Auto` axes it inserts the resharding itself.
-    """
-    if not _has_explicit(mesh):
+def _reshard(
+    x: Any, spec: PartitionSpec, mesh: AnyMesh, manual: Sequence[str], clear=()
+) -> Any:
+    """Give `x` the sharding `spec` on the manual axes of the mesh's `Explicit` ones
+    (`shard_map` demands that its inputs' explicit shardings equal `in_specs`),
+    keeping its sharding on the others, but on its axes numbered in `clear`. On
+    `Auto` axes `shard_map` inserts the resharding itself."""
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+    if not explicit:
         return x
-    return jax.sharding.reshard(x, NamedSharding(mesh, _explicit_only(spec, mesh)))
+    have = _padded_spec(jax.typeof(x).sharding.spec, np.ndim(x))
+    entries = []
+    for i, (h, w) in enumerate(zip(have, _padded_spec(spec, np.ndim(x)))):
+        kept = () if i in clear else tuple(a for a in _names(h) if a not in manual)
+        names = tuple(a for a in _names(w) + kept if a in explicit)
+        entries.append(_entry(names) if names else None)
+    return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*entries)))
 
 
 def _pad_edge(x: Any, axis: int, extra: int) -> Any:
@@ -303,6 +300,11 @@ class ShardPlan:
     sizes: dict[str, int]
     local_sizes: dict[str, int]
     padded: dict[str, int]
+
+    @property
+    def manual(self) -> tuple[str, ...]:
+        """The mesh axes that `shard=` names, which `shard_map` makes manual."""
+        return tuple(a for _, axes in self.dims for a in axes)
 
     def describe(self, nest: str) -> str:
         """Put `shard_map(...)` in front of the (local) nest description."""
@@ -345,7 +347,9 @@ class ShardPlan:
                         values[i], axes[name], n_pad - self.sizes[name]
                     )
         in_specs = [_spec(a, dims, np.ndim(v)) for v, a in zip(values, leaf_axes)]
-        values = [_reshard(v, s, self.mesh) for v, s in zip(values, in_specs)]
+        values = [
+            _reshard(v, s, self.mesh, self.manual) for v, s in zip(values, in_specs)
+        ]
         out_axes = [
             {k: final_axis(d, k, n) for k in dims if k in d.names}
             for d, n in zip(out_dims, out_ndims)
@@ -357,6 +361,7 @@ class ShardPlan:
             jax.shard_map(
                 lambda *local_values: local(list(local_values)),
                 mesh=self.mesh,
+                axis_names=set(self.manual),
                 in_specs=tuple(in_specs),
                 out_specs=out_specs,
                 # The body was traced once, on one element, outside (see
@@ -369,11 +374,12 @@ class ShardPlan:
             trimmed = []
             for out, axes, spec in zip(outs, out_axes, out_specs):
                 # A JAX array cannot be sharded unevenly: gather the padded dims.
-                gathered = list(spec) + [None] * (out.ndim - len(spec))
                 trim = [name for name in self.padded if name in axes]
-                for name in trim:
-                    gathered[axes[name]] = None
-                out = _reshard(out, PartitionSpec(*gathered), self.mesh)
+                clear = [axes[name] for name in trim]
+                gathered = [None if i in clear else e for i, e in enumerate(spec)]
+                out = _reshard(
+                    out, PartitionSpec(*gathered), self.mesh, self.manual, clear
+                )
                 for name in trim:
                     out = lax.slice_in_dim(out, 0, self.sizes[name], axis=axes[name])
                 trimmed.append(out)
