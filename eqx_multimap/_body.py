@@ -366,8 +366,7 @@ def trace_body(
     # every value on that mesh. Traced afresh rather than `closed` rebound, so that
     # the jaxprs nested in calls, loops and custom rules are on that mesh too (`grad`
     # of the `shard_map` rejects a cotangent whose mesh is not its primal's).
-    mesh = shard.mesh.abstract_mesh if isinstance(shard.mesh, Mesh) else shard.mesh
-    manual = mesh.update_axis_types({a: AxisType.Manual for a in shard.manual})
+    manual = shard.inside_mesh
     replicated = NamedSharding(manual, PartitionSpec())
 
     def on_mesh(specs: list[jax.ShapeDtypeStruct]) -> list[jax.ShapeDtypeStruct]:
@@ -398,7 +397,7 @@ def trace_body(
 
     with jax.sharding.use_abstract_mesh(manual):
         inside = jax.make_jaxpr(
-            inside_shard_map, axis_env=[*axis_env, *((a, mesh.shape[a]) for a in shard.manual)]
+            inside_shard_map, axis_env=[*axis_env, *((a, manual.shape[a]) for a in shard.manual)]
         )(specs(element_specs), specs(hoisted_specs))
     return Body(inside, hoisted, len(element_specs), jaxpr), out
 

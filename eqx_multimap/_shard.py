@@ -282,6 +282,14 @@ def _reshard(
     return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*entries)))
 
 
+def _retyped(mesh: AnyMesh, types: dict[str, AxisType]) -> AnyMesh:
+    """`mesh` with the axis types `types` on its axes named there."""
+    if not types or isinstance(mesh, AbstractMesh):
+        return mesh.update_axis_types(types) if types else mesh
+    kinds = tuple(types.get(a, t) for a, t in zip(mesh.axis_names, mesh.axis_types))
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=kinds)
+
+
 def _pad_edge(x: Any, axis: int, extra: int) -> Any:
     """Pad `x` along `axis` with `extra` copies of its last element (a real slice)."""
     n = x.shape[axis]
@@ -305,6 +313,20 @@ class ShardPlan:
     def manual(self) -> tuple[str, ...]:
         """The mesh axes that `shard=` names, which `shard_map` makes manual."""
         return tuple(a for _, axes in self.dims for a in axes)
+
+    @property
+    def others(self) -> tuple[str, ...]:
+        """The mesh's other `Explicit` axes: `Auto` inside (`jax.sharding.auto_axes`),
+        as `shard_map` would gather an argument split over them."""
+        kinds = zip(self.mesh.axis_names, self.mesh.axis_types)
+        return tuple(a for a, k in kinds if k == AxisType.Explicit and a not in self.manual)
+
+    @property
+    def inside_mesh(self) -> AbstractMesh:
+        """The mesh as the body sees it: manual on `manual`, `Auto` on `others`."""
+        mesh = self.mesh.abstract_mesh if isinstance(self.mesh, Mesh) else self.mesh
+        types = {a: AxisType.Manual for a in self.manual}
+        return mesh.update_axis_types(types | {a: AxisType.Auto for a in self.others})
 
     def describe(self, nest: str) -> str:
         """Put `shard_map(...)` in front of the (local) nest description."""
@@ -357,19 +379,27 @@ class ShardPlan:
         out_specs = [_spec(a, dims, n) for a, n in zip(out_axes, out_ndims)]
         # Under `jax.jit` even when called eagerly: the body's jaxpr was traced with
         # the mesh's axes manual, as in a traced `shard_map`.
-        outs = jax.jit(
-            jax.shard_map(
-                lambda *local_values: local(list(local_values)),
-                mesh=self.mesh,
-                axis_names=set(self.manual),
-                in_specs=tuple(in_specs),
-                out_specs=out_specs,
-                # The body was traced once, on one element, outside (see
-                # `_body.trace_body`): its jaxpr does not carry the varying manual
-                # axes that this check needs.
-                check_vma=False,
+        auto = {a: AxisType.Auto for a in self.others}
+        mapped = jax.shard_map(
+            lambda *local_values: local(list(local_values)),
+            mesh=_retyped(self.mesh, auto),
+            axis_names=set(self.manual),
+            in_specs=tuple(in_specs),
+            out_specs=out_specs,
+            # The body was traced once, on one element, outside (see
+            # `_body.trace_body`): its jaxpr does not carry the varying manual
+            # axes that this check needs.
+            check_vma=False,
+        )
+        if self.others:
+            # jax-ml/jax#29162: on `Explicit` axes that are not manual, `shard_map`
+            # gathers its inputs; on `Auto` ones the compiler keeps them split.
+            mapped = jax.sharding.auto_axes(
+                mapped,
+                axes=self.others,
+                out_sharding=[NamedSharding(self.mesh, s) for s in out_specs],
             )
-        )(*values)
+        outs = jax.jit(mapped)(*values)
         if self.padded:
             trimmed = []
             for out, axes, spec in zip(outs, out_axes, out_specs):
