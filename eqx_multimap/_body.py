@@ -345,9 +345,14 @@ def trace_body(
         static_out.append(others)
         return arrays
 
-    closed, shapes = jax.make_jaxpr(element, axis_env=axis_env, return_shape=True)(
-        element_specs
-    )
+    # Mesh axes that `shard=` leaves to the compiler are bound too, to be named in
+    # an error.
+    others = [] if shard is None else shard.unbound_axes(axis_env)
+    closed, shapes = jax.make_jaxpr(
+        element, axis_env=[*axis_env, *others], return_shape=True
+    )(element_specs)
+    if shard is not None:
+        shard.check_collectives(collectives(closed.jaxpr))
     # The arrays the body closed over become inputs: trace the jaxpr once more,
     # with them as arguments.
     hoisted = tuple(closed.consts)

@@ -36,7 +36,7 @@ from jax.sharding import (
 )
 
 from ._blocks import plural
-from ._check import InputCheck, Seen
+from ._check import describe, InputCheck, Seen
 from ._dims import unstarred
 from ._errors import ShapeError, SpecError
 from ._nest import final_axis
@@ -74,6 +74,7 @@ def describe_split(
 AnyMesh = Mesh | AbstractMesh
 Leaves = list[Any]
 AxesList = list[dict[str, int]]
+AxesEnv = list[tuple[str, int]]
 
 
 def shard_repr(dims: Sequence[tuple[str, tuple[str, ...]]]) -> str:
@@ -345,6 +346,43 @@ class ShardPlan:
         assert nest.startswith(head)
         return f"{head}shard_map({'; '.join(parts)}) -> {nest[len(head) :]}"
 
+    def unbound_axes(self, axis_env: Sequence[tuple[str, int]]) -> AxesEnv:
+        """The mesh axes that are neither manual nor a dim's name, with sizes."""
+        bound = {name for name, _ in axis_env} | set(self.manual)
+        return [(a, n) for a, n in self.mesh.shape.items() if a not in bound]
+
+    def check_collectives(self, found: Sequence[tuple[str, tuple[str, ...]]]) -> None:
+        """A collective of the body over a mesh axis that `shard=` does not name."""
+        for prim, names in found:
+            for a in names:
+                if a in self.mesh.axis_names and a not in self.manual:
+                    raise SpecError(
+                        f"`{self.fun_name}`: the body uses the collective `{prim}` "
+                        f"over mesh axis {a!r}, which is not manual: `shard="
+                        f"{shard_repr(self.dims)}` makes manual only the mesh axes "
+                        f"it names, and leaves {a!r} to the compiler. Shard a dim "
+                        f"over {a!r} too, to make it manual; or drop the collective "
+                        f"and compute with whole arrays (e.g. `jnp.sum`), which the "
+                        f"compiler partitions over {a!r} itself."
+                    )
+
+    def _check_split(self, x: Any, spec: PartitionSpec) -> None:
+        """`x` is not split over a manual axis along another dim than `spec` puts
+        there. (Its type shows its `Explicit` axes; on `Auto` ones, the compiler
+        reshards it.)"""
+        have = jax.typeof(x).sharding.spec
+        owner = {a: name for name, axes in self.dims for a in axes}
+        for i, (h, w) in enumerate(zip(_padded_spec(have, np.ndim(x)), spec)):
+            for a in set(_names(h)) & set(owner) - set(_names(w)):
+                raise SpecError(
+                    f"`{self.fun_name}`: `shard={shard_repr(self.dims)}` maps dim "
+                    f"{owner[a]!r} over mesh axis {a!r}, but an argument "
+                    f"{describe(x)} is already split over {a!r} along its axis {i}, "
+                    f"which is not dim {owner[a]!r}. Reshard it first (e.g. with "
+                    "`jax.sharding.reshard`), or shard the dim over another mesh "
+                    "axis."
+                )
+
     def run(
         self,
         values: Leaves,
@@ -369,6 +407,8 @@ class ShardPlan:
                         values[i], axes[name], n_pad - self.sizes[name]
                     )
         in_specs = [_spec(a, dims, np.ndim(v)) for v, a in zip(values, leaf_axes)]
+        for v, spec in zip(values, in_specs):
+            self._check_split(v, spec)
         values = [
             _reshard(v, s, self.mesh, self.manual) for v, s in zip(values, in_specs)
         ]
