@@ -30,7 +30,7 @@ import jax.lax as lax
 import numpy as np
 from jax._src import traceback_util
 from jax.experimental import checkify
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._args import BoundCall, is_array
 from ._errors import SpecError
@@ -400,10 +400,11 @@ def trace_body(
     def inside_shard_map(dyn: list[Any], consts: list[Any]) -> Any:
         return _rebind(closed.jaxpr, consts, dyn, sharded)
 
+    manual_env = [(a, manual.shape[a]) for a in shard.manual]
     with jax.sharding.use_abstract_mesh(manual):
-        inside = jax.make_jaxpr(
-            inside_shard_map, axis_env=[*axis_env, *((a, manual.shape[a]) for a in shard.manual)]
-        )(specs(element_specs), specs(hoisted_specs))
+        inside = jax.make_jaxpr(inside_shard_map, axis_env=[*axis_env, *manual_env])(
+            specs(element_specs), specs(hoisted_specs)
+        )
     return Body(inside, hoisted, len(element_specs), jaxpr), out
 
 
@@ -529,9 +530,7 @@ def inputs_to_isolate(body: Body) -> frozenset[int]:
     jaxpr = body.jaxpr.jaxpr
     try:
         return frozenset(
-            i
-            for i, v in enumerate(jaxpr.invars)
-            if _reads(jaxpr, {v: frozenset({()})})
+            i for i, v in enumerate(jaxpr.invars) if _reads(jaxpr, {v: frozenset({()})})
         )
     except Exception:  # a last resort: every equation above is handled
         return frozenset()

@@ -256,6 +256,11 @@ def _spec(dim_axes: Mapping[str, int], dims: dict, ndim: int) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def _explicit(mesh: AnyMesh) -> tuple[str, ...]:
+    kinds = zip(mesh.axis_names, mesh.axis_types)
+    return tuple(a for a, kind in kinds if kind == AxisType.Explicit)
+
+
 def _names(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
@@ -271,7 +276,7 @@ def _reshard(
     (`shard_map` demands that its inputs' explicit shardings equal `in_specs`),
     keeping its sharding on the others, but on its axes numbered in `clear`. On
     `Auto` axes `shard_map` inserts the resharding itself."""
-    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+    explicit = _explicit(mesh)
     if not explicit:
         return x
     have = _padded_spec(jax.typeof(x).sharding.spec, np.ndim(x))
@@ -319,8 +324,7 @@ class ShardPlan:
     def others(self) -> tuple[str, ...]:
         """The mesh's other `Explicit` axes: `Auto` inside (`jax.sharding.auto_axes`),
         as `shard_map` would gather an argument split over them."""
-        kinds = zip(self.mesh.axis_names, self.mesh.axis_types)
-        return tuple(a for a, k in kinds if k == AxisType.Explicit and a not in self.manual)
+        return tuple(a for a in _explicit(self.mesh) if a not in self.manual)
 
     @property
     def inside_mesh(self) -> AbstractMesh:
