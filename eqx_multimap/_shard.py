@@ -10,7 +10,8 @@ remainder), and vmapped otherwise.
 Nothing here moves data itself: inputs get `PartitionSpec`s built from their dims
 (an input without a sharded dim is replicated), outputs get `PartitionSpec`s built
 from `out_dims`, and JAX/XLA do the rest. A pure map therefore compiles with no
-collectives at all.
+collectives at all. Only the mesh axes that `shard=` names are manual; the others
+stay with the compiler, so an array split over them stays split (docs/sharding.md).
 
 `shard_map` needs its `out_specs` before it traces the body: the output layout (the
 dims of each output array) is known by then, since the body was traced once, on
