@@ -30,7 +30,7 @@ import jax.lax as lax
 import numpy as np
 from jax._src import traceback_util
 from jax.experimental import checkify
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._args import BoundCall, is_array
 from ._errors import SpecError
@@ -345,9 +345,14 @@ def trace_body(
         static_out.append(others)
         return arrays
 
-    closed, shapes = jax.make_jaxpr(element, axis_env=axis_env, return_shape=True)(
-        element_specs
-    )
+    # Mesh axes that `shard=` leaves to the compiler are bound too, to be named in
+    # an error.
+    others = [] if shard is None else shard.unbound_axes(axis_env)
+    closed, shapes = jax.make_jaxpr(
+        element, axis_env=[*axis_env, *others], return_shape=True
+    )(element_specs)
+    if shard is not None:
+        shard.check_collectives(collectives(closed.jaxpr))
     # The arrays the body closed over become inputs: trace the jaxpr once more,
     # with them as arguments.
     hoisted = tuple(closed.consts)
@@ -366,8 +371,7 @@ def trace_body(
     # every value on that mesh. Traced afresh rather than `closed` rebound, so that
     # the jaxprs nested in calls, loops and custom rules are on that mesh too (`grad`
     # of the `shard_map` rejects a cotangent whose mesh is not its primal's).
-    mesh = shard.mesh.abstract_mesh if isinstance(shard.mesh, Mesh) else shard.mesh
-    manual = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
+    manual = shard.inside_mesh
     replicated = NamedSharding(manual, PartitionSpec())
 
     def on_mesh(specs: list[jax.ShapeDtypeStruct]) -> list[jax.ShapeDtypeStruct]:
@@ -396,10 +400,11 @@ def trace_body(
     def inside_shard_map(dyn: list[Any], consts: list[Any]) -> Any:
         return _rebind(closed.jaxpr, consts, dyn, sharded)
 
+    manual_env = [(a, manual.shape[a]) for a in shard.manual]
     with jax.sharding.use_abstract_mesh(manual):
-        inside = jax.make_jaxpr(
-            inside_shard_map, axis_env=[*axis_env, *mesh.shape.items()]
-        )(specs(element_specs), specs(hoisted_specs))
+        inside = jax.make_jaxpr(inside_shard_map, axis_env=[*axis_env, *manual_env])(
+            specs(element_specs), specs(hoisted_specs)
+        )
     return Body(inside, hoisted, len(element_specs), jaxpr), out
 
 
@@ -525,9 +530,7 @@ def inputs_to_isolate(body: Body) -> frozenset[int]:
     jaxpr = body.jaxpr.jaxpr
     try:
         return frozenset(
-            i
-            for i, v in enumerate(jaxpr.invars)
-            if _reads(jaxpr, {v: frozenset({()})})
+            i for i, v in enumerate(jaxpr.invars) if _reads(jaxpr, {v: frozenset({()})})
         )
     except Exception:  # a last resort: every equation above is handled
         return frozenset()

@@ -59,8 +59,8 @@ def tqdm_installed() -> bool:
 @dataclasses.dataclass(frozen=True)
 class Meter:
     """What `progress=` asks for: the kind of bar, its label, and, under `shard=`,
-    the mesh axes whose index 0 reports (all of them: the index is the device's
-    position on the mesh)."""
+    the mesh axes whose index 0 reports (the manual ones: the others are the
+    compiler's)."""
 
     kind: Kind
     label: str = ""
@@ -71,7 +71,7 @@ def make_meter(call: Any) -> Meter | None:
     """The [`Meter`][] of one call (a `_resolve.Call`), if `progress=` is on."""
     if call.options.progress is None:
         return None
-    axes = () if call.shard is None else tuple(call.shard.mesh.axis_names)
+    axes = () if call.shard is None else call.shard.manual
     label = call.fun_name.removeprefix("filter_multi_vmap(")[:-1]
     return Meter(call.options.progress, label, axes)
 

@@ -10,7 +10,8 @@ remainder), and vmapped otherwise.
 Nothing here moves data itself: inputs get `PartitionSpec`s built from their dims
 (an input without a sharded dim is replicated), outputs get `PartitionSpec`s built
 from `out_dims`, and JAX/XLA do the rest. A pure map therefore compiles with no
-collectives at all.
+collectives at all. Only the mesh axes that `shard=` names are manual; the others
+stay with the compiler, so an array split over them stays split (docs/sharding.md).
 
 `shard_map` needs its `out_specs` before it traces the body: the output layout (the
 dims of each output array) is known by then, since the body was traced once, on
@@ -36,7 +37,7 @@ from jax.sharding import (
 )
 
 from ._blocks import plural
-from ._check import InputCheck, Seen
+from ._check import describe, InputCheck, Seen
 from ._dims import unstarred
 from ._errors import ShapeError, SpecError
 from ._nest import final_axis
@@ -74,6 +75,7 @@ def describe_split(
 AnyMesh = Mesh | AbstractMesh
 Leaves = list[Any]
 AxesList = list[dict[str, int]]
+AxesEnv = list[tuple[str, int]]
 
 
 def shard_repr(dims: Sequence[tuple[str, tuple[str, ...]]]) -> str:
@@ -255,34 +257,44 @@ def _spec(dim_axes: Mapping[str, int], dims: dict, ndim: int) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def _explicit_only(spec: PartitionSpec, mesh: AnyMesh) -> PartitionSpec:
-    """`spec` without the mesh axes of type `Auto` (which `reshard` may not name)."""
-    explicit = {
-        name
-        for name, kind in zip(mesh.axis_names, mesh.axis_types)
-        if kind == AxisType.Explicit
-    }
-    entries = []
-    for entry in spec:
-        names = (entry,) if isinstance(entry, str) else (entry or ())
-        kept = tuple(n for n in names if n in explicit)
-        entries.append(None if not kept else _entry(kept))
-    return PartitionSpec(*entries)
+def _explicit(mesh: AnyMesh) -> tuple[str, ...]:
+    kinds = zip(mesh.axis_names, mesh.axis_types)
+    return tuple(a for a, kind in kinds if kind == AxisType.Explicit)
 
 
-def _has_explicit(mesh: AnyMesh) -> bool:
-    return any(kind == AxisType.Explicit for kind in mesh.axis_types)
+def _names(entry: Any) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
-def _reshard(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
-    """Give `x` the sharding `spec` on the mesh's `Explicit` axes.
+def _padded_spec(spec: PartitionSpec, ndim: int) -> list[Any]:
+    return list(spec) + [None] * (ndim - len(spec))
 
-    `shard_map` demands that its inputs' explicit shardings equal `in_specs`; on
-    `Auto` axes it inserts the resharding itself.
-    """
-    if not _has_explicit(mesh):
+
+def _reshard(
+    x: Any, spec: PartitionSpec, mesh: AnyMesh, manual: Sequence[str], clear=()
+) -> Any:
+    """Give `x` the sharding `spec` on the manual axes of the mesh's `Explicit` ones
+    (`shard_map` demands that its inputs' explicit shardings equal `in_specs`),
+    keeping its sharding on the others, but on its axes numbered in `clear`. On
+    `Auto` axes `shard_map` inserts the resharding itself."""
+    explicit = _explicit(mesh)
+    if not explicit:
         return x
-    return jax.sharding.reshard(x, NamedSharding(mesh, _explicit_only(spec, mesh)))
+    have = _padded_spec(jax.typeof(x).sharding.spec, np.ndim(x))
+    entries = []
+    for i, (h, w) in enumerate(zip(have, _padded_spec(spec, np.ndim(x)))):
+        kept = () if i in clear else tuple(a for a in _names(h) if a not in manual)
+        names = tuple(a for a in _names(w) + kept if a in explicit)
+        entries.append(_entry(names) if names else None)
+    return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*entries)))
+
+
+def _retyped(mesh: AnyMesh, types: dict[str, AxisType]) -> AnyMesh:
+    """`mesh` with the axis types `types` on its axes named there."""
+    if not types or isinstance(mesh, AbstractMesh):
+        return mesh.update_axis_types(types) if types else mesh
+    kinds = tuple(types.get(a, t) for a, t in zip(mesh.axis_names, mesh.axis_types))
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=kinds)
 
 
 def _pad_edge(x: Any, axis: int, extra: int) -> Any:
@@ -304,6 +316,24 @@ class ShardPlan:
     local_sizes: dict[str, int]
     padded: dict[str, int]
 
+    @property
+    def manual(self) -> tuple[str, ...]:
+        """The mesh axes that `shard=` names, which `shard_map` makes manual."""
+        return tuple(a for _, axes in self.dims for a in axes)
+
+    @property
+    def others(self) -> tuple[str, ...]:
+        """The mesh's other `Explicit` axes: `Auto` inside (`jax.sharding.auto_axes`),
+        as `shard_map` would gather an argument split over them."""
+        return tuple(a for a in _explicit(self.mesh) if a not in self.manual)
+
+    @property
+    def inside_mesh(self) -> AbstractMesh:
+        """The mesh as the body sees it: manual on `manual`, `Auto` on `others`."""
+        mesh = self.mesh.abstract_mesh if isinstance(self.mesh, Mesh) else self.mesh
+        types = {a: AxisType.Manual for a in self.manual}
+        return mesh.update_axis_types(types | {a: AxisType.Auto for a in self.others})
+
     def describe(self, nest: str) -> str:
         """Put `shard_map(...)` in front of the (local) nest description."""
         parts = [
@@ -320,6 +350,43 @@ class ShardPlan:
         head = f"{self.fun_name}: "
         assert nest.startswith(head)
         return f"{head}shard_map({'; '.join(parts)}) -> {nest[len(head) :]}"
+
+    def unbound_axes(self, axis_env: Sequence[tuple[str, int]]) -> AxesEnv:
+        """The mesh axes that are neither manual nor a dim's name, with sizes."""
+        bound = {name for name, _ in axis_env} | set(self.manual)
+        return [(a, n) for a, n in self.mesh.shape.items() if a not in bound]
+
+    def check_collectives(self, found: Sequence[tuple[str, tuple[str, ...]]]) -> None:
+        """A collective of the body over a mesh axis that `shard=` does not name."""
+        for prim, names in found:
+            for a in names:
+                if a in self.mesh.axis_names and a not in self.manual:
+                    raise SpecError(
+                        f"`{self.fun_name}`: the body uses the collective `{prim}` "
+                        f"over mesh axis {a!r}, which is not manual: `shard="
+                        f"{shard_repr(self.dims)}` makes manual only the mesh axes "
+                        f"it names, and leaves {a!r} to the compiler. Shard a dim "
+                        f"over {a!r} too, to make it manual; or drop the collective "
+                        f"and compute with whole arrays (e.g. `jnp.sum`), which the "
+                        f"compiler partitions over {a!r} itself."
+                    )
+
+    def _check_split(self, x: Any, spec: PartitionSpec) -> None:
+        """`x` is not split over a manual axis along another dim than `spec` puts
+        there. (Its type shows its `Explicit` axes; on `Auto` ones, the compiler
+        reshards it.)"""
+        have = jax.typeof(x).sharding.spec
+        owner = {a: name for name, axes in self.dims for a in axes}
+        for i, (h, w) in enumerate(zip(_padded_spec(have, np.ndim(x)), spec)):
+            for a in set(_names(h)) & set(owner) - set(_names(w)):
+                raise SpecError(
+                    f"`{self.fun_name}`: `shard={shard_repr(self.dims)}` maps dim "
+                    f"{owner[a]!r} over mesh axis {a!r}, but an argument "
+                    f"{describe(x)} is already split over {a!r} along its axis {i}, "
+                    f"which is not dim {owner[a]!r}. Reshard it first (e.g. with "
+                    "`jax.sharding.reshard`), or shard the dim over another mesh "
+                    "axis."
+                )
 
     def run(
         self,
@@ -345,7 +412,11 @@ class ShardPlan:
                         values[i], axes[name], n_pad - self.sizes[name]
                     )
         in_specs = [_spec(a, dims, np.ndim(v)) for v, a in zip(values, leaf_axes)]
-        values = [_reshard(v, s, self.mesh) for v, s in zip(values, in_specs)]
+        for v, spec in zip(values, in_specs):
+            self._check_split(v, spec)
+        values = [
+            _reshard(v, s, self.mesh, self.manual) for v, s in zip(values, in_specs)
+        ]
         out_axes = [
             {k: final_axis(d, k, n) for k in dims if k in d.names}
             for d, n in zip(out_dims, out_ndims)
@@ -353,27 +424,37 @@ class ShardPlan:
         out_specs = [_spec(a, dims, n) for a, n in zip(out_axes, out_ndims)]
         # Under `jax.jit` even when called eagerly: the body's jaxpr was traced with
         # the mesh's axes manual, as in a traced `shard_map`.
-        outs = jax.jit(
-            jax.shard_map(
-                lambda *local_values: local(list(local_values)),
-                mesh=self.mesh,
-                in_specs=tuple(in_specs),
-                out_specs=out_specs,
-                # The body was traced once, on one element, outside (see
-                # `_body.trace_body`): its jaxpr does not carry the varying manual
-                # axes that this check needs.
-                check_vma=False,
+        auto = {a: AxisType.Auto for a in self.others}
+        mapped = jax.shard_map(
+            lambda *local_values: local(list(local_values)),
+            mesh=_retyped(self.mesh, auto),
+            axis_names=set(self.manual),
+            in_specs=tuple(in_specs),
+            out_specs=out_specs,
+            # The body was traced once, on one element, outside (see
+            # `_body.trace_body`): its jaxpr does not carry the varying manual
+            # axes that this check needs.
+            check_vma=False,
+        )
+        if self.others:
+            # jax-ml/jax#29162: on `Explicit` axes that are not manual, `shard_map`
+            # gathers its inputs; on `Auto` ones the compiler keeps them split.
+            mapped = jax.sharding.auto_axes(
+                mapped,
+                axes=self.others,
+                out_sharding=[NamedSharding(self.mesh, s) for s in out_specs],
             )
-        )(*values)
+        outs = jax.jit(mapped)(*values)
         if self.padded:
             trimmed = []
             for out, axes, spec in zip(outs, out_axes, out_specs):
                 # A JAX array cannot be sharded unevenly: gather the padded dims.
-                gathered = list(spec) + [None] * (out.ndim - len(spec))
                 trim = [name for name in self.padded if name in axes]
-                for name in trim:
-                    gathered[axes[name]] = None
-                out = _reshard(out, PartitionSpec(*gathered), self.mesh)
+                clear = [axes[name] for name in trim]
+                gathered = [None if i in clear else e for i, e in enumerate(spec)]
+                out = _reshard(
+                    out, PartitionSpec(*gathered), self.mesh, self.manual, clear
+                )
                 for name in trim:
                     out = lax.slice_in_dim(out, 0, self.sizes[name], axis=axes[name])
                 trimmed.append(out)
