@@ -299,18 +299,16 @@ class Tuner:
             if self.time(near) < self.seconds(best):
                 self.along(line)
         self.confirm()
-        for line in lines:
-            for c in line:
-                if c.key not in self.timed:
-                    why = (
-                        "the cap stopped the search first"
-                        if self.capped
-                        else (
-                            "a block between it and the fastest, on its ladder or at "
-                            "the fastest's block, measured slower"
-                        )
-                    )
-                    self.why.setdefault(c.key, f"not timed: {why}")
+        pruned = "a block between it and the fastest, on its ladder or at the "
+        pruned += "fastest's block, measured slower"
+        in_lines = {c.key for line in lines for c in line}
+        for k in search.considered:
+            if k in self.timed:
+                continue
+            why = "its temporaries predicted over the budget"
+            if k in in_lines:
+                why = "the cap stopped the search first" if self.capped else pruned
+            self.why[k] = f"not timed: {why}"
         return self.choose()
 
     def along(self, line: list[PlanCandidate]) -> None:
