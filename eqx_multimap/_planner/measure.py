@@ -31,14 +31,15 @@ this many times the median compile of the candidates it timed."""
 TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
 WHOLE = 0.5  # timed whole if a slice would keep at least this share of the trips
 CACHES = 2  # a slice's inputs and outputs fill the last cache level this many times
-CLOSE = 1.15  # those within this factor of the fastest are timed again, side by side
+CLOSE = 1.3  # those within this factor of the fastest are timed again, side by side
 SAMPLE = 2e-3  # seconds: the shortest sample (a quick program runs several times)
 SPEND = 0.25  # a candidate is timed for up to this share of its compile (3 rounds)
+LONG = 0.05  # seconds: a program that runs longer is timed on one call, once
 DISTURBED = 1.5  # a round whose probe took this many times its best is dropped
 
 
 class Probe:
-    """A program whose op XLA spreads over its threads (about a millisecond), timed
+    """A program whose op XLA spreads over its threads (a fraction of a ms), timed
     before each round: a round in which it ran more than `DISTURBED` times its best
     was disturbed (another job held a core)."""
 
@@ -58,8 +59,8 @@ class Probe:
 
 @ft.cache
 def _probe_loop() -> Callable[[], Any]:
-    x = np.ones(2**18, np.float32)  # not traced: planning runs in a trace
-    loop = lambda y: jax.lax.fori_loop(0, 99, lambda i, y: y * 0.999 + 1, y)
+    x = np.ones(2**17, np.float32)  # not traced: planning runs in a trace
+    loop = lambda y: jax.lax.fori_loop(0, 50, lambda i, y: y * 0.999 + 1, y)
     program = jax.jit(loop).lower(x).compile()
     return lambda: program(x)
 
@@ -79,12 +80,14 @@ def rounds(
     A sample is at least `SAMPLE` long (every thunk called as often); a quick one is
     called once more, untimed, before its sample, as a caller calling it again and
     again would find the machine. Rounds a `probe` finds disturbed are dropped,
-    unless every round was."""
+    unless every round was. Thunks all longer than `LONG` are called once only."""
     firsts = []
     for fn in thunks:
         t0 = clock()
         jax.block_until_ready(fn())
         firsts.append(clock() - t0)
+    if min(firsts) > LONG:  # each first call is its one sample
+        return [[t] for t in firsts]
     number = max(1, math.ceil(SAMPLE / max(min(firsts), 1e-9)))
     per_round = (number + (number > 1)) * sum(firsts)
     n = max(at_least, min(at_most, int(seconds / max(per_round, 1e-9))))
@@ -140,11 +143,19 @@ def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
         for v, axes in zip(call.values, call.leaf_axes):
             for name, ax in axes.items():
                 if name in index:
-                    v = jax.numpy.take(v, index[name], axis=ax)
+                    v = _take(v, index[name], ax)
                 elif np.shape(v)[ax] != sub[name]:
                     v = jax.lax.slice_in_dim(v, 0, sub[name], axis=ax)
             out.append(v)
     return out
+
+
+def _take(v: Any, index: np.ndarray, axis: int) -> Any:
+    """`jnp.take`, by NumPy on CPU (no gather compiled for each slice)."""
+    key = jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+    if jax.default_backend() == "cpu" and not key:
+        return jax.device_put(np.take(np.asarray(v), index, axis=axis))
+    return jnp.take(v, index, axis=axis)
 
 
 @dataclasses.dataclass
@@ -196,19 +207,22 @@ class Tuner:
 
     def keep(self, c: PlanCandidate) -> float:
         """The share of `c`'s loop trips it is timed on: about `TARGET` seconds'
-        worth, judged from the fastest so far, and holding `CACHES` times the last
-        cache level's worth of inputs and outputs; all if that is `WHOLE` or more."""
+        worth, judged from the fastest so far, and, if the call's inputs and
+        outputs do not fit the last cache level, `CACHES` times its worth of them
+        (else a slice would run from a cache the call misses); all if that is
+        `WHOLE` or more."""
         if not c.scan or not self.timed:
             return 1.0 if not c.scan else 1 / 8
-        levels = self.search.model.levels
-        io = self.search.ref.io()
-        floor = CACHES * levels[-1][0] / max(io, 1) if levels else 0.0
+        levels, io = self.search.model.levels, self.search.ref.io()
+        last = levels[-1][0] if levels else math.inf
+        floor = CACHES * last / io if io > last else 0.0
         keep = max(TARGET / max(self.best(), 1e-9), floor)
         return 1.0 if keep >= WHOLE else keep
 
     def time(self, c: PlanCandidate) -> float:
-        """Compile `c` (on a slice of its trips, `keep`) and time it: its whole
-        call's time, or `inf` if, compiled whole, it is over the budget."""
+        """Compile `c` (on a slice of its trips, `keep`) and time it, side by side
+        with the fastest so far: its whole call's time, or `inf` if, compiled
+        whole, it is over the budget."""
         if c.key in self.timed:
             return self.seconds(c.key)
         sizes, keep = self.sizes, self.keep(c)
@@ -245,26 +259,37 @@ class Tuner:
             self.once = min(rounds([lambda: noop(args)], 3)[0])
         run = lambda: program(args)  # noqa: E731
         self.probe.time()
-        (times,) = rounds([run], 3, 15, SPEND * compile_seconds)
+        ran = [k for k, t in self.timed.items() if t.rounds]
+        lead = self.timed[min(ran, key=self.seconds)] if ran else None
+        if lead is None or statistics.median(lead.rounds) > TARGET:
+            (times,) = rounds([run], 3, 15, SPEND * compile_seconds)
+        else:  # side by side with the fastest so far: the machine's drift taken out
+            spend = 2 * SPEND * compile_seconds
+            times, again = rounds([run, lead.run], 3, 15, spend)
+            base = statistics.median(lead.rounds)
+            times = [t * base / a for t, a in zip(times, again)]
         cut, i = {n: sub[n] for n in index}, len(self.probe.times) - 1
         self.timed[c.key] = Timed(run, cut, scale, compile_seconds, times, i)
         return self.seconds(c.key)
 
     def confirm(self) -> None:
-        """Time again, side by side, for what is left of the cap (three rounds at
-        least), those within `CLOSE` of the fastest and those timed while another
-        job held a core (the probe timed before them was disturbed)."""
+        """Time again, side by side (three rounds at least, for up to `SPEND` of a
+        compile each, within the cap), those within `CLOSE` of the fastest and
+        those timed while another job held a core (the probe timed before them was
+        disturbed)."""
         best, late = self.best(), self.probe.disturbed()
         close = [
             k for k, t in self.timed.items()
             if t.rounds and (self.seconds(k) <= CLOSE * best or late[t.probe])
+            and statistics.median(t.rounds) <= LONG
         ]  # fmt: skip
         if len(close) < 2:
             return
         compiles = statistics.median(t.compile for t in self.timed.values())
         left = self.cap * compiles - (time.perf_counter() - self.start)
+        spend = min(left, SPEND * compiles * len(close))
         runs = [self.timed[k].run for k in close]
-        for k, ts in zip(close, rounds(runs, 3, 15, left, self.probe)):
+        for k, ts in zip(close, rounds(runs, 3, 15, spend, self.probe)):
             self.timed[k].rounds = ts
 
     def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):
