@@ -1025,7 +1025,7 @@ def test_prefix_dims_map_array_leaves_only():
 
 def test_docstring_states_the_default_memory_budget():
     # `help(filter_multi_vmap)` says what `memory_budget=None` means.
-    from eqx_multimap._planner.space import DEFAULT_BUDGET_FRACTION
+    from eqx_multimap._planner.search import DEFAULT_BUDGET_FRACTION
 
     doc = filter_multi_vmap.__doc__
     assert doc is not None

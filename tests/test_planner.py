@@ -24,7 +24,7 @@ from eqx_multimap._planner import (
     cost as _costing,
     cost as _progress,
     plan as _plan,
-    space as _candidates,
+    search as _candidates,
 )
 from eqx_multimap._blocks import NestSpec
 from eqx_multimap._nest import Build, run

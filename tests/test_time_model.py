@@ -306,7 +306,7 @@ def _halve_ten_times(x):
 
 def test_lockstep_is_found_in_the_vmapped_program():
     import equinox.internal as eqxi
-    from eqx_multimap._planner.cost import lockstep
+    from eqx_multimap._jaxpr import lockstep
 
     x = jnp.ones((4, 8))
     vmapped = lambda f: jax.make_jaxpr(jax.vmap(f))(x).jaxpr  # noqa: E731
@@ -329,7 +329,8 @@ def _mlp(w, h):
 
 
 def test_op_bytes_are_the_bytes_each_op_reads():
-    from eqx_multimap._planner.cost import op_bytes, serial
+    from eqx_multimap._jaxpr import op_bytes
+    from eqx_multimap._planner.cost import serial
 
     w, h = jnp.ones((8, 4, 64, 64)), jnp.ones((8, 64))
     ops = op_bytes(jax.make_jaxpr(jax.vmap(_mlp))(w, h).jaxpr)

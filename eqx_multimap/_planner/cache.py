@@ -28,14 +28,15 @@ from .._resolve import Call
 from .measure import CAP
 from .model import machine
 from .plan import Plan, PlanCandidate
-from .search import MAX_COMPILES, SEARCH_VERSION
-from .space import (
+from .search import (
     auto_plan,
     block_and_trips,
     collective_dims,
     given_dims,
+    MAX_COMPILES,
     no_fit_message,
     Request,
+    SEARCH_VERSION,
 )
 
 

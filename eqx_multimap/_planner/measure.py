@@ -20,9 +20,8 @@ from .._resolve import Call
 from .._text import fmt_bytes, fmt_seconds
 from .cost import Compiler
 from .model import machine, SLICE, TimeModel
-from .plan import PlanCandidate
+from .plan import Choice, PlanCandidate
 from .search import Search, Steps
-from .space import Choice
 
 
 CAP = 8.0

@@ -31,8 +31,7 @@ from .cost import Compiler, Progress
 from .measure import calibrate, measured
 from .model import TimeModel
 from .plan import Plan
-from .search import Search
-from .space import (
+from .search import (
     candidate,
     check_budget,
     collective_dims,
@@ -42,6 +41,7 @@ from .space import (
     plan_for,
     Request,
     resolve_budget,
+    Search,
 )
 
 
