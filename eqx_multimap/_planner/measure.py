@@ -210,12 +210,14 @@ class Tuner:
         outputs do not fit the last cache level, `CACHES` times its worth of them
         (else a slice would run from a cache the call misses); all if that is
         `WHOLE` or more."""
-        if not c.scan or not self.timed:
-            return 1.0 if not c.scan else 1 / 8
+        if not c.scan:
+            return 1.0
+        # Before any is timed, judged from the time model's estimate.
+        best = self.best() if self.timed else self.search.seconds_at(c)
         levels, io = self.search.model.levels, self.search.ref.io()
         last = levels[-1][0] if levels else math.inf
         floor = CACHES * last / io if io > last else 0.0
-        keep = max(TARGET / max(self.best(), 1e-9), floor)
+        keep = max(TARGET / max(best, 1e-9), floor)
         return 1.0 if keep >= WHOLE else keep
 
     def time(self, c: PlanCandidate) -> float:
