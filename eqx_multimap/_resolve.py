@@ -182,15 +182,6 @@ class Call:
         rest = [n for n in self.mapped if n not in named | set(first) | set(given)]
         return NestSpec(scan=scan, vmap=tuple(first + given + rest))
 
-    def element_specs(self) -> list[jax.ShapeDtypeStruct]:
-        """The input leaves on one element: without their mapped axes."""
-        out = []
-        for v, axes in zip(self.values, self.leaf_axes):
-            drop = set(axes.values())
-            shape = tuple(s for i, s in enumerate(np.shape(v)) if i not in drop)
-            out.append(struct(v, shape))
-        return out
-
 
 #
 # The output's dims.
