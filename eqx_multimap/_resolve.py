@@ -29,6 +29,7 @@ The result is a frozen [`Call`][].
 
 import contextlib
 import dataclasses
+import functools as ft
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -331,12 +332,13 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         options.in_dims.value,
         annotations.in_dims_hook(fun_name, mapped),
     )
-    places = _places(bound, out_spec, options)
+    # Where each dim is written, as the user wrote it: for errors that name a typo.
+    typos = ft.partial(_typos, bound, out_spec, options)
     sharded = options.shard is not None
     bound, variadic = rewrite_inputs(fun_name, bound, mapped, sharded)
     check = check_inputs(fun_name, bound.leaves, mapped, variadic)
     reduced = options.reduce_names
-    with _naming_typos(places, options.core):
+    with _naming_typos(typos):
         _check_sizes_known(fun_name, options, out_spec, mapped, check)
     dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
     values = [bound.leaves[i].value for i in dyn_index]
@@ -360,10 +362,10 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
                 dict(zip(dyn_index, element_specs)),
                 variadic,
             )
-            note += typo_hint(places, options.core) + _checked_class_note(e)
+            note += typos() + _checked_class_note(e)
             e.add_note(wrap(note))
         raise
-    with _naming_typos(places, options.core):
+    with _naming_typos(typos):
         _check_collectives(fun_name, body, options, mapped)
         out_mapped = tuple(n for n in mapped if n not in reduced)
         layout = _out_dims(
@@ -388,10 +390,9 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
     )
 
 
-def _places(
-    bound: BoundCall, out_spec: _OutSpec, options: Options
-) -> dict[str, list[str]]:
-    """Where each dim is written, the output first: for errors that name a typo."""
+def _typos(bound: BoundCall, out_spec: _OutSpec, options: Options) -> str:
+    """For a call that failed: the likely typos of its dims (`typo_hint`), from
+    where each dim is written, the output first."""
     places: dict[str, list[str]] = {name: [] for name in out_spec.written}
     for name in out_spec.written:
         places[name].append(out_spec.source)
@@ -401,16 +402,16 @@ def _places(
         dims = leaf.spec.dims
         for name in dict.fromkeys(() if dims is None else dims.names):
             places.setdefault(name, []).append(f"`{leaf.path}` ({dims.source!r})")
-    return places
+    return typo_hint(places, options.core)
 
 
 @contextlib.contextmanager
-def _naming_typos(places: dict[str, list[str]], declared: Sequence[str]):
+def _naming_typos(typos: Callable[[], str]):
     """Our own error, raised by a check of this call, names the likely typos."""
     try:
         yield
     except (ShapeError, SpecError) as e:
-        hint = typo_hint(places, declared)
+        hint = typos()
         if hint and len(e.args) == 1 and isinstance(e.args[0], str):
             e.args = (e.args[0] + hint,)
         raise
