@@ -2,7 +2,7 @@
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -12,7 +12,7 @@ from jax._src import traceback_util
 from jax._src.tree_util import prefix_errors
 
 from ._dims import Dims, parse_dims
-from ._errors import ShapeError, SpecError, wrap
+from ._errors import did_you_mean, ShapeError, SpecError, wrap
 
 
 traceback_util.register_exclusion(__file__)
@@ -213,39 +213,6 @@ class _Params:
 def check_in_dims_keys(fun: Callable, fun_name: str, in_dims: Any) -> None:
     """At decoration: the keys of a dict `in_dims` against `fun`'s signature."""
     _Params.of(fun).check_keys(in_dims, fun_name)
-
-
-def did_you_mean(unknown: Sequence[Any], names: Sequence[str]) -> str:
-    """` Did you mean 'vis' (not 'viz')?` for the unknown names close to known ones
-    (see `near_miss`), or the empty string."""
-    hints = []
-    for key in unknown:
-        if not isinstance(key, str):
-            continue
-        close = [p for p in names if near_miss(key, p)]
-        if close:
-            hints.append(f"{close[0]!r} (not {key!r})")
-    return f" Did you mean {', '.join(hints)}?" if hints else ""
-
-
-def near_miss(a: str, b: str) -> bool:
-    """Whether two different names differ only in case, or (both of three or more
-    characters) by one edit: a character added, dropped or changed, or two
-    adjacent characters swapped."""
-    if a == b:
-        return False
-    if a.lower() == b.lower():
-        return True
-    if min(len(a), len(b)) < 3 or abs(len(a) - len(b)) > 1:
-        return False
-    if len(a) == len(b):
-        diff = [i for i in range(len(a)) if a[i] != b[i]]
-        if len(diff) == 1:
-            return True
-        i, j = diff[0], diff[-1]
-        return len(diff) == 2 and j == i + 1 and a[i] == b[j] and a[j] == b[i]
-    short, long = (a, b) if len(a) < len(b) else (b, a)
-    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
 
 def _specs_from_dict(

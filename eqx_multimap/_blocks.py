@@ -122,9 +122,6 @@ class Block:
         keys = [lv.key for lv in self.levels if lv.dim == dim]
         return tuple(sorted(keys, key=lambda k: k != dim))
 
-    def part(self, dim: str) -> Part | None:
-        return next((p for p in self.parts if p.dim == dim), None)
-
 
 def chunk_key(dim: str) -> str:
     """The level key of the elements inside a chunk of `dim`."""

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from jax._src import traceback_util
 
-from ._args import InLeaf, is_array, near_miss
+from ._args import InLeaf, is_array
 from ._dims import AnonDim, axes_of, Dims, EllipsisDim, FixedDim, NamedDim
 from ._errors import ShapeError, SpecError
 
@@ -213,23 +213,19 @@ def check_inputs(
 
 def _core_hint(dims: Dims, mapped: tuple[str, ...], seen: dict) -> str:
     """For an output of the wrong rank: the core dims that exactly one input names
-    (a misspelled mapped dim, say), and a did-you-mean."""
+    (a misspelled mapped dim, say)."""
     lines = []
     for name, ss in seen.items():
         if not isinstance(name, str) or name in mapped or name in dims.names:
             continue
         args = {s.where.split("`")[1] for s in ss}
-        if len(args) != 1:
-            continue
-        close = [m for m in mapped if near_miss(name, m)]
-        line = (
-            f" `{args.pop()}` names dim '{name}' (size {ss[0].size}), which the "
-            f"output does not name, so '{name}' is a core dim: the body sees it whole."
-        )
-        if close:
-            line += f" Did you mean {close[0]!r} (not {name!r})?"
-        lines.append((not close, line))
-    return "".join(line for _, line in sorted(lines, key=lambda t: t[0]))
+        if len(args) == 1:
+            lines.append(
+                f" `{args.pop()}` names dim '{name}' (size {ss[0].size}), which the "
+                f"output does not name, so '{name}' is a core dim: the body sees it "
+                "whole."
+            )
+    return "".join(lines)
 
 
 def check_output(

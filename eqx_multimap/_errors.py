@@ -24,6 +24,8 @@ error the body raises.
 """
 
 import re
+from collections.abc import Sequence
+from typing import Any
 
 
 _LONG = 100
@@ -101,6 +103,75 @@ def wrap(message: str, prefix: int = 0) -> str:
             offset = 0
         lines.append(line)
     return "\n".join(lines)
+
+
+def did_you_mean(unknown: Sequence[Any], names: Sequence[str]) -> str:
+    """` Did you mean 'vis' (not 'viz')?` for the unknown names close to known ones
+    (see `near_miss`), or the empty string."""
+    hints = []
+    for key in unknown:
+        if not isinstance(key, str):
+            continue
+        close = [p for p in names if near_miss(key, p)]
+        if close:
+            hints.append(f"{close[0]!r} (not {key!r})")
+    return f" Did you mean {', '.join(hints)}?" if hints else ""
+
+
+def near_miss(a: str, b: str) -> bool:
+    """Whether two different names differ only in case, or (both of three or more
+    characters) by one edit: a character added, dropped or changed, or two
+    adjacent characters swapped."""
+    if a == b:
+        return False
+    if a.lower() == b.lower():
+        return True
+    if min(len(a), len(b)) < 3 or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        if len(diff) == 1:
+            return True
+        i, j = diff[0], diff[-1]
+        return len(diff) == 2 and j == i + 1 and a[i] == b[j] and a[j] == b[i]
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
+
+
+def _typo_of(name: str, meant: str) -> bool:
+    """Whether dim `name` looks like a typo of dim `meant`: a near miss, or `meant`
+    with one or two characters added at its end, in any case (`Fr`, `fq` for `F`).
+    Two distinct one-letter names (`K` and `T`) never are."""
+    added = len(name) - len(meant)
+    lower = name.lower().startswith(meant.lower())
+    return near_miss(name, meant) or (0 < added <= 2 and lower)
+
+
+def typo_hint(places: dict[str, list[str]], declared: Sequence[str] = ()) -> str:
+    """For a call that failed: each dim written in one place only (`places` lists,
+    in order, where each dim is written) that looks like a typo of another dim,
+    written elsewhere or `declared` core; where it was written and the dim probably
+    meant. One sentence a line, each starting on a new line; or the empty string."""
+    lines = []
+    said: set[frozenset[str]] = set()
+    for name, where in places.items():
+        if len(where) != 1 or name in declared:
+            continue
+        meant = [m for m in [*places, *declared] if m != name and _typo_of(name, m)]
+        if not meant or frozenset((name, meant[0])) in said:
+            continue
+        m = meant[0]
+        said.add(frozenset((name, m)))
+        how = (
+            f"is named by {', '.join(places[m])}"
+            if m in places
+            else "is declared `core`"
+        )
+        lines.append(
+            f"\nDid you mean {m!r} for {name!r}? {name!r} is named only by "
+            f"{where[0]}, while {m!r} {how}."
+        )
+    return "".join(lines)
 
 
 class _Wrapped:

@@ -118,16 +118,6 @@ class Options:
     def shard_names(self) -> tuple[str, ...]:
         return () if self.shard is None else self.shard.names
 
-    def strategy_of(self, name: str) -> str | None:
-        """The keyword that names dim `name`, for errors."""
-        if name in self.shard_names:
-            return "shard"
-        if name in self.scan_names:
-            return "scan"
-        if name in self.vmap:
-            return "vmap"
-        return None
-
 
 def parse_chunk(name: str, chunk: Any) -> int | None:
     if chunk is None:

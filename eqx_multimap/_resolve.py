@@ -17,8 +17,9 @@
    is then a pure function of its inputs, which `jax.custom_jvp` and
    `jax.shard_map` need. An exception raised while the body is traced is the
    user's own, and is re-raised as it is, with a note (`_body_note`): the
-   per-element shapes of the arguments, the mapped and core dims, and a
-   did-you-mean for a core dim named like a mapped one.
+   per-element shapes of the arguments, the mapped and core dims. A call that
+   fails, there or by a check of ours, names any likely typo of a dim
+   (`_errors.typo_hint`): where it was written and the dim probably meant.
 4. From the body's jaxpr: the collectives it uses over mapped dims
    ([`Call.collective_dims`][]), which a scan cannot run; and the reductions'
    dtypes and identities (`_reduce.make_reduction`).
@@ -26,7 +27,9 @@
 The result is a frozen [`Call`][].
 """
 
+import contextlib
 import dataclasses
+import functools as ft
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,15 +47,13 @@ from ._args import (
     bind_call,
     BoundCall,
     broadcast_spec,
-    did_you_mean,
     LeafSpec,
-    near_miss,
 )
 from ._blocks import NestSpec
 from ._body import Body, collectives, inputs_to_isolate, struct, trace_body
 from ._check import check_inputs, check_output, describe, InputCheck
 from ._dims import Dims, parse_dims
-from ._errors import SpecError, wrap
+from ._errors import ShapeError, SpecError, typo_hint, wrap
 from ._nest import Axes, Problem
 from ._options import (
     check_out_leaf,
@@ -60,6 +61,7 @@ from ._options import (
     explicit_mapped,
     mapped_dims,
     Options,
+    out_leaf_dims,
 )
 from ._reduce import check_reduce_sizes, make_reduction, Reduction
 from ._shard import ShardPlan
@@ -182,15 +184,6 @@ class Call:
         rest = [n for n in self.mapped if n not in named | set(first) | set(given)]
         return NestSpec(scan=scan, vmap=tuple(first + given + rest))
 
-    def element_specs(self) -> list[jax.ShapeDtypeStruct]:
-        """The input leaves on one element: without their mapped axes."""
-        out = []
-        for v, axes in zip(self.values, self.leaf_axes):
-            drop = set(axes.values())
-            shape = tuple(s for i, s in enumerate(np.shape(v)) if i not in drop)
-            out.append(struct(v, shape))
-        return out
-
 
 #
 # The output's dims.
@@ -203,6 +196,12 @@ class _OutSpec:
 
     spec: Any  # the `out_dims` tree, or an `OutAnnotation`
     source: str  # "`out_dims`" or "the return annotation"
+    written: dict[str, str]  # each named dim, as written: 'F', '*rest', '#B'
+
+
+def _written(dims_list: Sequence[Dims]) -> dict[str, str]:
+    """Each named dim of `dims_list`, as written: 'F', '*rest', '#B'."""
+    return {t.name: str(t) for d in dims_list for t in d.tokens if hasattr(t, "name")}
 
 
 def _out_spec(
@@ -211,7 +210,8 @@ def _out_spec(
     """The output's dims and the mapped dims, checked before the body is traced."""
     mapped = explicit_mapped(options, fun_name)
     if mapped is not None:
-        return _OutSpec(options.out_dims.value, "`out_dims`"), mapped
+        written = _written([d for _, d in out_leaf_dims(options.out_dims.value)])
+        return _OutSpec(options.out_dims.value, "`out_dims`", written), mapped
     if not annotations.has_return:
         raise SpecError(
             f"`{fun_name}` has no `out_dims` and no return annotation, so which dims "
@@ -238,7 +238,8 @@ def _out_spec(
             check_out_leaf(fun_name, source, where, dims, out_mapped)
     check_strategies(options, mapped, source, fun_name)
     spec = annotations.out_dims(fun_name, mapped)
-    return _OutSpec(spec, "the return annotation"), mapped
+    written = _written([dims for _, dims, _ in leaves])
+    return _OutSpec(spec, "the return annotation", written), mapped
 
 
 def _out_dims(
@@ -305,9 +306,7 @@ def _out_dims(
         shapes.append(leaf)
         static.append(_DYNAMIC)
     expanded = tuple(expand) if any(e is not None for e in expand) else ()
-    return OutLayout(
-        treedef, tuple(static), tuple(dims_list), tuple(shapes), expanded
-    )
+    return OutLayout(treedef, tuple(static), tuple(dims_list), tuple(shapes), expanded)
 
 
 #
@@ -333,11 +332,14 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         options.in_dims.value,
         annotations.in_dims_hook(fun_name, mapped),
     )
+    # Where each dim is written, as the user wrote it: for errors that name a typo.
+    typos = ft.partial(_typos, bound, out_spec, options)
     sharded = options.shard is not None
     bound, variadic = rewrite_inputs(fun_name, bound, mapped, sharded)
     check = check_inputs(fun_name, bound.leaves, mapped, variadic)
     reduced = options.reduce_names
-    _check_sizes_known(fun_name, options, out_spec.source, mapped, check)
+    with _naming_typos(typos):
+        _check_sizes_known(fun_name, options, out_spec, mapped, check)
     dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
     values = [bound.leaves[i].value for i in dyn_index]
     leaf_axes = [check.axes[i] for i in dyn_index]
@@ -350,24 +352,26 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         # The user's own exception, kept as it is, with what the body was given.
         notes = getattr(e, "__notes__", ())
         if not any(_NOTE_MARK in " ".join(n.split()) for n in notes):
-            e.add_note(
-                _body_note(
-                    fun_name,
-                    options,
-                    out_spec.source,
-                    mapped,
-                    bound,
-                    check,
-                    dict(zip(dyn_index, element_specs)),
-                    variadic,
-                )
-                + _checked_class_note(e)
+            note = _body_note(
+                fun_name,
+                options,
+                out_spec.source,
+                mapped,
+                bound,
+                check,
+                dict(zip(dyn_index, element_specs)),
+                variadic,
             )
+            note += typos() + _checked_class_note(e)
+            e.add_note(wrap(note))
         raise
-    _check_collectives(fun_name, body, options, mapped)
-    out_mapped = tuple(n for n in mapped if n not in reduced)
-    layout = _out_dims(fun_name, out_spec, out, out_mapped, check, reduced, variadic)
-    reduction = make_reduction(fun_name, options.reduce, layout.shapes, check.sizes)
+    with _naming_typos(typos):
+        _check_collectives(fun_name, body, options, mapped)
+        out_mapped = tuple(n for n in mapped if n not in reduced)
+        layout = _out_dims(
+            fun_name, out_spec, out, out_mapped, check, reduced, variadic
+        )
+        reduction = make_reduction(fun_name, options.reduce, layout.shapes, check.sizes)
     sizes = dict(check.sizes)
     return Call(
         fun_name=fun_name,
@@ -386,10 +390,37 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
     )
 
 
+def _typos(bound: BoundCall, out_spec: _OutSpec, options: Options) -> str:
+    """For a call that failed: the likely typos of its dims (`typo_hint`), from
+    where each dim is written, the output first."""
+    places: dict[str, list[str]] = {name: [] for name in out_spec.written}
+    for name in out_spec.written:
+        places[name].append(out_spec.source)
+    for name in options.reduce_names:
+        places.setdefault(name, []).append("`reduce`")
+    for leaf in bound.leaves:
+        dims = leaf.spec.dims
+        for name in dict.fromkeys(() if dims is None else dims.names):
+            places.setdefault(name, []).append(f"`{leaf.path}` ({dims.source!r})")
+    return typo_hint(places, options.core)
+
+
+@contextlib.contextmanager
+def _naming_typos(typos: Callable[[], str]):
+    """Our own error, raised by a check of this call, names the likely typos."""
+    try:
+        yield
+    except (ShapeError, SpecError) as e:
+        hint = typos()
+        if hint and len(e.args) == 1 and isinstance(e.args[0], str):
+            e.args = (e.args[0] + hint,)
+        raise
+
+
 def _check_sizes_known(
     fun_name: str,
     options: Options,
-    out_source: str,
+    out_spec: _OutSpec,
     mapped: tuple[str, ...],
     check: InputCheck,
 ) -> None:
@@ -407,15 +438,24 @@ def _check_sizes_known(
             )
     check_reduce_sizes(fun_name, options.reduce, check.sizes, check.seen)
     for name in mapped:
-        if name not in check.sizes:
-            known = ", ".join(check.sizes) or "none"
+        if name in check.sizes:
+            continue
+        known = ", ".join(check.sizes) or "none"
+        written = out_spec.written.get(name, name)
+        if written.startswith("*"):
             raise SpecError(
-                f"`{fun_name}`: {out_source} names dim '{name}', so it is "
-                "mapped, but no array argument's dims name it, so its size is "
-                f"unknown. The named dims of the arguments are: {known}. If the "
-                f"body makes '{name}' itself, declare it `core='{name}'`."
-                + did_you_mean([name], list(check.sizes))
+                f"`{fun_name}`: {out_spec.source} names the variadic dim "
+                f"'{written}', which no array argument's dims name. A variadic dim "
+                "of the output must come from an argument, which gives its shape: "
+                f"name '{written}' in an argument's dims too, or write the output's "
+                f"axes out. The named dims of the arguments are: {known}."
             )
+        raise SpecError(
+            f"`{fun_name}`: {out_spec.source} names dim '{name}', so it is "
+            "mapped, but no array argument's dims name it, so its size is "
+            f"unknown. The named dims of the arguments are: {known}. If the "
+            f"body makes '{name}' itself, declare it `core='{name}'`."
+        )
 
 
 def _element_spec(value: Any, axes: dict | None) -> jax.ShapeDtypeStruct:
@@ -464,8 +504,7 @@ def _body_note(
     variadic: dict[Any, tuple[int, ...]] | None = None,
 ) -> str:
     """The note added to an exception raised while the body is traced: what each
-    argument is on one element, which dims are mapped, which core and why, and a
-    did-you-mean for a core dim whose name is close to a mapped dim's."""
+    argument is on one element, which dims are mapped, which core and why."""
     lines = [
         f"`{fun_name}` {_NOTE_MARK},\nwhich it calls with each argument without its "
         "mapped dims:"
@@ -514,16 +553,7 @@ def _body_note(
             + ", ".join(f"{n}={check.sizes[n]} ({w})" for n, w in zip(core, why))
             + "."
         )
-    for name in core:
-        if name in options.core:
-            continue
-        close = [m for m in mapped if near_miss(name, m)]
-        if close:
-            lines.append(
-                f"Did you mean {close[0]!r} for {name!r}? {name!r} is named by no "
-                f"output, so it is a core dim, while {close[0]!r} is mapped."
-            )
-    return wrap("\n".join(lines))
+    return "\n".join(lines)
 
 
 def _check_collectives(

@@ -74,7 +74,6 @@ def describe_split(
 
 AnyMesh = Mesh | AbstractMesh
 Leaves = list[Any]
-AxesList = list[dict[str, int]]
 AxesEnv = list[tuple[str, int]]
 
 

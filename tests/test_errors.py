@@ -883,8 +883,8 @@ def test_misspelled_dim_in_in_dims_gets_a_note():
         r"nu: float32\[4\] whole \(dims 'f'\)",
         r"Mapped dims \(named by `out_dims`\): T=3, F=4, B=5\.",
         r"Core dims, which the body sees whole: f=4 \(named by no output\)\.",
-        r"Did you mean 'F' for 'f'\? 'f' is named by no output, so it is a core "
-        r"dim, while 'F' is mapped\.",
+        r"Did you mean 'F' for 'f'\?\s+'f' is named only by `nu` \('f'\),\s+while "
+        r"'F' is named by `out_dims`, `vis` \('T F B 2 2'\)\.",
     ]
     _raises_each(ValueError, matches, lambda: w(jnp.ones((3, 4, 5, 2, 2)), jnp.ones(4)))
     with pytest.raises(ValueError) as info:
@@ -992,6 +992,10 @@ def test_body_error_note_lists_non_array_leaves_and_declared_core():
         ("a", "b", False),
         ("ant", "nat1", False),  # two edits
         ("nu", "mu", False),
+        ("Fr", "F", True),  # one or two characters added at the end
+        ("fq", "F", True),
+        ("Fabc", "F", False),
+        ("K", "F", False),  # two one-letter names
     ],
 )
 def test_did_you_mean_rule(core, mapped, close):
@@ -1011,7 +1015,8 @@ def test_out_dims_naming_a_dim_no_input_has_suggests_the_close_one():
     matches = [
         r"`out_dims` names dim 'Freq',\s+so it is mapped",
         r"The named dims of the arguments are: T, freq",
-        r"Did you mean 'freq' \(not 'Freq'\)\?",
+        r"Did you mean 'freq' for 'Freq'\?\s+'Freq' is named only by `out_dims`,\s+"
+        r"while 'freq' is named by `args\[0\]` \('T freq'\)\.",
     ]
     _raises_each(SpecError, matches, lambda: w(jnp.ones((3, 4))))
 
@@ -1050,3 +1055,105 @@ def test_numpy_arrays_are_arrays():
     assert isinstance(out, jax.Array)
     assert out.shape == (4, 3) and out.dtype == jnp.float32
     np.testing.assert_array_equal(out, (vis * nu).T)
+
+
+#
+# Typos named when a call fails: where the dim was written, and the dim meant.
+#
+
+
+class _Gained(eqx.Module):
+    gain: Float[Array, "T f"]  # a typo for `F`
+
+    @filter_multi_vmap
+    def apply(self, raw: Float[Array, "T F K"]) -> Float[Array, "T F"]:
+        return self.gain * raw.sum()  # (F,) per element, as annotated
+
+    @filter_multi_vmap
+    def mix(self, raw: Float[Array, "T F K"]) -> Float[Array, "T F"]:
+        return (self.gain * raw).sum()  # (F,) * (K,): fails in the body
+
+
+@pytest.mark.parametrize("method", ["apply", "mix"])
+def test_typo_in_a_module_field_is_named(method):
+    # `apply` fails our rank check (the output is (16,) per element), `mix` in the
+    # body (JAX's broadcasting error): both name `self.gain` and 'F'.
+    model = _Gained(jnp.ones((8, 16)))
+    matches = [
+        r"Did you mean 'F' for 'f'\?",
+        r"'f' is named only by `self\.gain` \('T f'\)",
+        r"while 'F' is named by the return annotation, `raw` \('T F K'\)",
+    ]
+    error = ShapeError if method == "apply" else TypeError
+    call = getattr(model, method)
+    _raises_each(error, matches, lambda: call(jnp.ones((8, 16, 32))))
+    with pytest.raises(error) as info:
+        call(jnp.ones((8, 16, 32)))
+    # 'K' is a core dim, and not a typo of 'T' or 'F'.
+    assert "for 'K'" not in str(info.value) + "".join(info.value.__notes__)
+
+
+def test_typo_in_an_argument_annotation_is_named():
+    @filter_multi_vmap
+    def project(
+        raw: Float[Array, "T Fr K"], w: Float[Array, "T F K"]
+    ) -> Float[Array, "T F"]:
+        return raw @ w
+
+    matches = [
+        r"Did you mean 'F' for 'Fr'\?",
+        r"'Fr' is named only by `raw` \('T Fr K'\)",
+        r"while 'F' is named by the return annotation, `w` \('T F K'\)",
+    ]
+    _raises_each(
+        ShapeError, matches, lambda: project(jnp.ones((8, 16, 4)), jnp.ones((8, 16, 4)))
+    )
+
+
+def test_typo_in_the_return_annotation_is_named():
+    @filter_multi_vmap
+    def total(raw: Float[Array, "T F K"]) -> Float[Array, "T Fq"]:
+        return raw.sum(-1)
+
+    matches = [
+        r"the return annotation names dim 'Fq'",
+        r"Did you mean 'F' for 'Fq'\?",
+        r"'Fq' is named only by the return annotation,\s+while 'F' is named by `raw` "
+        r"\('T F K'\)",
+    ]
+    _raises_each(SpecError, matches, lambda: total(jnp.ones((8, 16, 4))))
+
+
+def test_typo_in_in_dims_when_the_body_fails():
+    # An error raised while the body is traced names the typo in its note.
+    def body(x, y):
+        raise RuntimeError("the user's own bug")
+
+    w = filter_multi_vmap(body, in_dims=("T F", "T F"), out_dims="T F", core="F")
+    with pytest.raises(RuntimeError, match="the user's own bug") as info:
+        w(jnp.ones((2, 3)), jnp.ones((2, 3)))
+    assert "Did you mean" not in "".join(info.value.__notes__)
+    w = filter_multi_vmap(body, in_dims=("T F", "T fr"), out_dims="T F")
+    matches = [
+        r"Did you mean 'F' for 'fr'\?",
+        r"'fr' is named only by `y` \('T fr'\)",
+    ]
+    _raises_each(RuntimeError, matches, lambda: w(jnp.ones((2, 3)), jnp.ones((2, 3))))
+
+
+def test_distinct_names_are_not_typos():
+    # `K` and `T` are two dims, and so are `F` and the core dim `Fs`, written twice.
+    @filter_multi_vmap
+    def f(x: Float[Array, "T F Fs"], y: Float[Array, "K Fs"]) -> Float[Array, "T F K"]:
+        return x.sum(-1) + y.sum(-1)
+
+    x, y = jnp.ones((2, 3, 5)), jnp.ones((4, 5))
+    assert f(x, y).shape == (2, 3, 4)  # no warning either: warnings are errors here
+
+    @filter_multi_vmap
+    def g(x: Float[Array, "T F Fs"], y: Float[Array, "K Fs"]) -> Float[Array, "T F K"]:
+        return x + y  # fails in the body
+
+    with pytest.raises(TypeError) as info:
+        g(x, y)
+    assert "Did you mean" not in "".join(info.value.__notes__)

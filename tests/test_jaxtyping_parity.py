@@ -338,9 +338,7 @@ def test_misspelled_dim_is_named(explicit):
         return x + noise
 
     if explicit:
-        f = filter_multi_vmap(
-            body, in_dims={"x": "T F", "noise": "f"}, out_dims="T F"
-        )
+        f = filter_multi_vmap(body, in_dims={"x": "T F", "noise": "f"}, out_dims="T F")
     else:
 
         def body_annotated(
@@ -354,7 +352,8 @@ def test_misspelled_dim_is_named(explicit):
     msg = str(info.value)
     assert "`noise` names dim 'f' (size 4), which the output does not name" in msg
     assert "so 'f' is a core dim" in msg
-    assert "Did you mean 'F' (not 'f')?" in msg
+    assert "Did you mean 'F' for 'f'?" in msg
+    assert "'f' is named only by `noise` ('f')" in " ".join(msg.split())
 
 
 #
@@ -422,10 +421,7 @@ def test_variadic_dim_is_mapped(strategy, explicit):
         f = filter_multi_vmap(annotated, **kw)
     out = f(x, y, w)
     want = np.stack(
-        [
-            np.stack([np.tanh(x[i, j] * w) * y[i, j] for j in range(4)])
-            for i in range(2)
-        ]
+        [np.stack([np.tanh(x[i, j] * w) * y[i, j] for j in range(4)]) for i in range(2)]
     )
     assert_close(out, want)
     assert jaxtyping_accepts(
@@ -453,6 +449,21 @@ def test_variadic_dim_of_any_rank(batch):
 
     out = f(x, y)
     assert_close(out, np.moveaxis(np.asarray(x) * np.asarray(y)[..., None], -1, 0))
+
+
+def test_variadic_output_dim_named_by_no_argument():
+    @filter_multi_vmap
+    def f(x: Float[Array, "T F"]) -> Float[Array, "T *rest"]:
+        return x
+
+    matches = [
+        r"the return annotation names the variadic dim '\*rest'",
+        r"A variadic dim of the output must come from an argument",
+        r"name '\*rest' in an argument's dims too",
+    ]
+    for match in matches:
+        with pytest.raises(SpecError, match=match):
+            f(jnp.ones((3, 4)))
 
 
 def test_variadic_shapes_must_agree():
@@ -702,4 +713,3 @@ def test_dataclass_flattened_without_keys_is_refused():
 
     with pytest.raises(SpecError, match=r"parameter `p` is a `Keyless`"):
         f(Keyless(jnp.ones((3, 4))), jnp.ones((3, 4)))
-
