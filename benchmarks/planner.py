@@ -337,8 +337,8 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     programs, plans = {}, {}
     for name, planner in planners.items():
         mapped = filter_multi_vmap(w.body, plan=planner, **kw)
-        # Measured mode times the forward nest on the workload's arguments.
-        tuned = name == "measure" and mode == "forward"
+        # Measured mode times the nest (and its derivative's) on the arguments.
+        tuned = name == "measure"
         programs[name], cold[name] = _cpu(
             lambda: (tuned and tune(mapped, *w.args), _compile(prog(mapped), *args))[1]
         )

@@ -104,10 +104,11 @@ def tune(fn: Callable, /, *args, **kwargs) -> Plan:
     **Returns:**
 
     The [`eqx_multimap.Plan`][] chosen, as [`eqx_multimap.explain`][] gives it. It
-    is kept in the plan cache of `fn`'s planner, in memory and on disk: later calls
-    of `fn` with arguments of the same shapes, in this process or another, use it
-    without planning again. Only the forward nest is timed; differentiating `fn`
-    plans its derivative's nest as usual.
+    is kept in the plan cache of `fn`'s planner, in memory and on disk, replacing
+    any plan cached for the signature: later calls of `fn` with arguments of the
+    same shapes, in this process or another, use it without planning again. The
+    nest that differentiating `fn` runs is timed too, on these arguments (the
+    cotangents made up), and kept as `plan.gradient` is.
 
     !!! example
 

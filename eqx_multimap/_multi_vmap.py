@@ -8,6 +8,7 @@ the devices are combined, and a mean divided (`_reduce`); the wrapper rebuilds t
 output.
 """
 
+import contextlib
 import dataclasses
 import functools as ft
 import weakref
@@ -553,8 +554,14 @@ def _tune(
     kwargs: dict,
     again: bool = False,
 ):
-    """Plan a call by timing candidates on its arguments; `again`: even if a plan so
-    timed is cached (`eqx_multimap.tune`), which it replaces."""
+    """Plan a call by timing candidates on its arguments; with `again`
+    (`eqx_multimap.tune`), even if a plan so timed is cached, which it replaces,
+    and its derivative's nest too. The forward plan."""
     call = resolve(wrapper._fun, wrapper._options, bound + args, kwargs)
     assert call.options.plan is not None
-    return call.options.plan.planner.plan(call, tune=True, again=again)
+    planner = call.options.plan.planner
+    plan = planner.plan(call, tune=True, again=again)
+    if again:
+        with contextlib.suppress(Exception):  # a body JAX cannot differentiate
+            planner.plan(call, backward=True, tune=True, again=True)
+    return plan

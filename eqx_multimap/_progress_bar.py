@@ -20,6 +20,7 @@ remainder, vmapped, is not counted.
 """
 
 import dataclasses
+import logging
 import sys
 import threading
 import time
@@ -194,3 +195,39 @@ def parse_progress(progress: Any) -> Kind | None:
         f"stderr), `'tqdm'` or `'text'`, but got {progress!r} of type "
         f"`{type(progress).__name__}`."
     )
+
+
+_logger = logging.getLogger("eqx_multimap")
+
+
+class Progress:
+    """Reports a planning run once it has taken `after` seconds: each step logged at
+    INFO level on the `"eqx_multimap"` logger and, with `verbose`, on a `tqdm` bar."""
+
+    def __init__(self, what: str, verbose: bool, after: float = 1.0):
+        self.what, self.verbose, self.after = what, verbose, after
+        self.start, self.n = time.perf_counter(), 0
+        self.bar, self.reported = None, False
+
+    def step(self, doing: str) -> None:
+        self.n += 1
+        elapsed = time.perf_counter() - self.start
+        if elapsed < self.after:
+            return
+        self.reported = True
+        what, n = self.what, self.n
+        _logger.info("%s: %s (step %d, %.1f s so far)", what, doing, n, elapsed)
+        if self.verbose and self.bar is None and tqdm_installed():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc=self.what, initial=self.n - 1, leave=False)
+        if self.bar is not None:
+            self.bar.set_postfix_str(doing, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.reported:
+            seconds = time.perf_counter() - self.start
+            _logger.info("%s: planned in %.1f s (%d steps)", self.what, seconds, self.n)

@@ -150,7 +150,8 @@ def test_the_search_finds_the_fastest_block_of_a_valley(monkeypatch, best_block)
         x,
     )
     assert timed[1].key == model.chosen.key or model.chosen.block == 64 * 32
-    assert len(timed) < len(plan.candidates) / 2
+    n = sum(c.measured is not None for c in plan.candidates)
+    assert n < len(plan.candidates) / 2
     assert "was not reached" in plan.summary
     # Each candidate not timed says why: a slower one was timed between.
     untimed = [c for c in plan.candidates if c.measured is None]
@@ -178,15 +179,19 @@ def test_the_cap_stops_the_search_and_says_so(monkeypatch):
         assert (cap < 1) == any(
             "the cap stopped the search first" in c.reason for c in plan.candidates
         )
-    # A tiny cap still times full vmap and the model's choice (here, full vmap).
+    # A tiny cap still times full vmap, the model's choice and, the while loop
+    # running in lockstep, a block of one element.
     model = explain(_wrapper(Planner(cache_dir=False)), rate, y).chosen
-    assert counts[1e-6] == 1 + bool(model.scan) < counts[1e6]
+    one = ((("T", None), ("F", None)), ())
+    assert counts[1e-6] == len({((), ("T", "F")), model.key, one}) < counts[1e6]
 
 
 def test_a_quick_call_is_timed_whole_a_long_one_on_slices(monkeypatch):
     # Each timed program keeps its candidate's block: a slice cuts loop trips.
     x = jax.random.normal(jax.random.key(0), (256, 8, 16))
-    seen = _first_arguments_run(monkeypatch, lambda a: a.shape[:2])
+    # The forward programs' `x` (the derivative's first argument is a list).
+    spied = _first_arguments_run(monkeypatch, lambda a: a.shape[:2] * (a.ndim == 3))
+    seen = _Forward(spied)
     for target, what in ((1e9, "each whole"), (1e-9, "on a slice of")):
         monkeypatch.setattr(measure, "TARGET", target)
         monkeypatch.setattr(measure, "CACHES", 0)  # this machine's caches ignored
@@ -199,8 +204,6 @@ def test_a_quick_call_is_timed_whole_a_long_one_on_slices(monkeypatch):
         assert seen[0] == (256, 8)  # full vmap: whole
         assert all(s == (256, 8) for s in seen) == (target > 1)
         cut = [c for c in plan.candidates if c.measured is not None and c.scan]
-        if target < 1:  # the vmapped dim B is never cut
-            assert all(s[1] == 8 for s in seen)
         assert cut
         np.testing.assert_allclose(
             f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
@@ -214,7 +217,9 @@ def test_tune_times_again_on_new_data_and_replaces_the_plan():
     first = tune(f, rate, y)
     n = planner.n_plans
     second = tune(f, rate * 0 + 1.0, y)  # the same signature, new data
-    assert planner.n_plans == n + 1 and second.basis == "arguments"
+    # Planned again, and its derivative's nest tried (a while loop: JAX's reverse
+    # mode raises).
+    assert planner.n_plans == n + 2 and second.basis == "arguments"
     assert "planned now" in second.cache
     assert explain(f, rate, y).chosen.key == second.chosen.key
     assert first.chosen.measured is not None
@@ -240,6 +245,22 @@ def test_measured_mode_runs_nothing_over_the_budget(monkeypatch):
     np.testing.assert_allclose(
         f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
     )
+
+
+class _Forward:
+    """The non-empty entries of a spy's list."""
+
+    def __init__(self, spied):
+        self.spied = spied
+
+    def clear(self):
+        self.spied.clear()
+
+    def __iter__(self):
+        return iter([s for s in self.spied if s])
+
+    def __getitem__(self, i):
+        return list(self)[i]
 
 
 def _outer_tanh(x):

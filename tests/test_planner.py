@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eqx_multimap import (
+    _progress_bar as _progress,
     explain,
     filter_multi_vmap,
     Plan,
@@ -20,17 +21,16 @@ from eqx_multimap import (
     TimeModel,
     tune,
 )
+from eqx_multimap._blocks import NestSpec
+from eqx_multimap._nest import Build, run
 from eqx_multimap._planner import (
     cost as _costing,
-    cost as _progress,
     plan as _plan,
     search as _candidates,
 )
-from eqx_multimap._blocks import NestSpec
-from eqx_multimap._nest import Build, run
 from eqx_multimap._planner.cache import DiskCache
-from eqx_multimap._resolve import Call, resolve
 from eqx_multimap._planner.measure import calibrate
+from eqx_multimap._resolve import Call, resolve
 from eqx_multimap._text import fmt_bytes
 
 

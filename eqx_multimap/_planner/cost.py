@@ -4,9 +4,7 @@ planning's progress."""
 
 import dataclasses
 import functools as ft
-import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +15,6 @@ from .._blocks import blocks, NestSpec
 from .._body import struct
 from .._jaxpr import op_bytes
 from .._nest import Build, build_levels, loop_body_inputs, run
-from .._progress_bar import tqdm_installed
 from .._resolve import Call
 from .model import PARALLEL_BYTES, TimeModel
 from .plan import PlanCandidate, ScanNest
@@ -119,42 +116,6 @@ class Reference:
         inputs = sum(self._bytes(c.scan, x) for x in self.inputs)
         outputs = sum(self._bytes(c.scan, y) for y in self.outputs)
         return int(self._body(c) + inputs + outputs)
-
-
-logger = logging.getLogger("eqx_multimap")
-
-
-class Progress:
-    """Reports a planning run once it has taken `after` seconds: each step logged at
-    INFO level on the `"eqx_multimap"` logger and, with `verbose`, on a `tqdm` bar."""
-
-    def __init__(self, what: str, verbose: bool, after: float = 1.0):
-        self.what, self.verbose, self.after = what, verbose, after
-        self.start, self.n = time.perf_counter(), 0
-        self.bar, self.reported = None, False
-
-    def step(self, doing: str) -> None:
-        self.n += 1
-        elapsed = time.perf_counter() - self.start
-        if elapsed < self.after:
-            return
-        self.reported = True
-        what, n = self.what, self.n
-        logger.info("%s: %s (step %d, %.1f s so far)", what, doing, n, elapsed)
-        if self.verbose and self.bar is None and tqdm_installed():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(desc=self.what, initial=self.n - 1, leave=False)
-        if self.bar is not None:
-            self.bar.set_postfix_str(doing, refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.reported:
-            seconds = time.perf_counter() - self.start
-            logger.info("%s: planned in %.1f s (%d steps)", self.what, seconds, self.n)
 
 
 # XLA options for programs that are analysed, never run; on CPU, with `CPU_ONLY`.

@@ -294,8 +294,8 @@ class Tuner:
             self.timed[k].rounds = ts
 
     def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):
-        """Time full vmap (if it fits) and the model's choice, then search each
-        ladder that fits the budget: along the fastest's ladder by halving the gap
+        """Time full vmap (if it fits), the model's choice and, in lockstep, a block
+        of one element, then search each ladder that fits the budget: along the fastest's ladder by halving the gap
         beside it, then each other order's block nearest the fastest's, searched
         along in turn if faster. The fastest timed that fits, and those timed."""
         search, budget = self.search, self.search.budget
@@ -303,7 +303,10 @@ class Tuner:
         full_fits = bool(search.known[full.key].fits)
         lines = [[full] * full_fits + [c for c in s if fits(s, c)] for s in ladders]
         lines = [ln for ln in lines if len(ln) > 1] or [[full] * full_fits]
-        for c in [full] * full_fits + [model]:
+        # In lockstep, a block of one element runs a while loop unbatched: a program
+        # of another kind, which no larger block predicts.
+        one = [min(ln, key=lambda c: c.block) for ln in lines[:1] if search.lockstep]
+        for c in [full] * full_fits + [model] + one:
             self.time(c)
         first = next((ln for ln in lines if model in ln[1:]), lines[0])
         done = [first]
@@ -315,7 +318,8 @@ class Tuner:
                 continue
             best = min(self.timed, key=self.seconds)
             block = next(c.block for c in search.considered.values() if c.key == best)
-            near = min(line, key=lambda c: abs(math.log(c.block / block)))
+            rungs = [c for c in line if c.key != full.key]  # its own
+            near = min(rungs, key=lambda c: abs(math.log(c.block / block)))
             if near.key in self.timed:
                 continue
             if self.due():

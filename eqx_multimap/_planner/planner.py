@@ -16,6 +16,7 @@ import jax
 from .._blocks import known, plural
 from .._body import data_dependent
 from .._errors import SpecError
+from .._progress_bar import Progress
 from .._resolve import Call
 from .cache import (
     calibration_key,
@@ -27,7 +28,7 @@ from .cache import (
     plan_json,
     plan_key,
 )
-from .cost import Compiler, Progress
+from .cost import Compiler
 from .measure import calibrate, measured
 from .model import TimeModel
 from .plan import Plan
@@ -95,8 +96,8 @@ class Planner:
     **Arguments:**
 
     - `measure`: `False` (the default) ranks the candidates that fit the budget by
-        the time model's estimate. `True` also times blocks around its choice and
-        takes the fastest: an un-jitted call on its own arguments, as
+        the time model's estimate. `True` times them and takes the fastest, within
+        a cap of 8x a compile: an un-jitted call on its own arguments, as
         [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
         unless the body's cost depends on its data (see
         [Measured mode](../planner.md#measured-mode)).

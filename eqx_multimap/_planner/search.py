@@ -15,9 +15,10 @@ import jax
 
 from .._errors import SpecError
 from .._jaxpr import lockstep
+from .._progress_bar import Progress
 from .._resolve import Call
 from .._text import fmt_bytes
-from .cost import Compiler, Progress, Reference
+from .cost import Compiler, Reference
 from .model import TimeModel
 from .plan import (
     Choice,
@@ -246,6 +247,11 @@ def summary(
         ws, top = fmt_bytes(full.working_set or 0), fmt_bytes(fast)
         why += f" but its working set ({ws}) is past the fastest {top} of memory"
     how = why_chosen(chosen, timed, len(compared))
+    if not timed and len(compared) <= 1 and chosen.key == full.key:
+        how = (
+            f"no other block predicted to fit is est. {MATERIAL - 1:.0%} faster by "
+            "the time model, so none was compiled"
+        )
     if chosen.predicted:
         how += ", its temporaries predicted far within the budget"
     note = f" ({measure_note})" if measure_note else ""  # could not measure
@@ -440,7 +446,7 @@ class Search:
 
     def skipped(self, steps: Steps) -> str | None:
         """Why a ladder is not searched (`None` if it is): past `MAX_COMPILES`, or
-        no block is est. `MATERIAL`ly faster than the best (unless measuring)."""
+        no block is est. `MATERIAL`ly faster than the best."""
         if self.compiler.n_compiled >= MAX_COMPILES:
             return f"not compiled: beyond the compile cap ({MAX_COMPILES} compiles)"
         costed = [c for c in self.known.values() if c.fits and c.seconds]
