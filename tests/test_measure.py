@@ -192,7 +192,7 @@ def test_a_quick_call_is_timed_whole_a_long_one_on_slices(monkeypatch):
     # The forward programs' `x` (the derivative's first argument is a list).
     spied = _first_arguments_run(monkeypatch, lambda a: a.shape[:2] * (a.ndim == 3))
     seen = _Forward(spied)
-    for target, what in ((1e9, "each whole"), (1e-9, "on a slice of")):
+    for target, what in ((1e9, "each on the whole call"), (1e-9, "on a slice of")):
         monkeypatch.setattr(measure, "TARGET", target)
         monkeypatch.setattr(measure, "CACHES", 0)  # this machine's caches ignored
         seen.clear()

@@ -295,9 +295,9 @@ class Tuner:
 
     def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):
         """Time full vmap (if it fits), the model's choice and, in lockstep, a block
-        of one element, then search each ladder that fits the budget: along the fastest's ladder by halving the gap
-        beside it, then each other order's block nearest the fastest's, searched
-        along in turn if faster. The fastest timed that fits, and those timed."""
+        of one element; then search each ladder that fits the budget: along the
+        fastest's (`along`), then each other order's rung nearest the fastest's
+        block, and along that ladder if faster. The fastest timed that fits."""
         search, budget = self.search, self.search.budget
         fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
         full_fits = bool(search.known[full.key].fits)
@@ -380,43 +380,34 @@ class Tuner:
         compared = [search.known.get(k, considered[k]) for k in timed]
         return Choice(chosen or search.pick().chosen, compared, timed)
 
-    def describe(self, what: str) -> str:
+    def describe(self, values: bool) -> str:
         """What was timed, on what, and whether the cap stopped the search."""
-        n = len([t for t in self.timed.values() if t.rounds])
-        cut = [t for t in self.timed.values() if t.slice and t.rounds]
-        how = "each whole"
-        if cut:
-            how = (
-                f"{len(cut)} of them on a slice of their loop trips (their blocks "
-                "kept), scaled to the whole call, the others whole"
-                if len(cut) < n
-                else "each on a slice of its loop trips (its block kept), scaled to "
-                "the whole call"
-            )
+        ran = [t for t in self.timed.values() if t.rounds]
+        cut = sum(bool(t.slice) for t in ran)
+        how = f"{cut} on a slice of its loop trips (its block kept), scaled" * bool(cut)
+        how = how or "each on the whole call"
+        what = "the call's arguments" if values else "made-up inputs of its shapes"
         compiles = statistics.median(t.compile for t in self.timed.values())
         cap = f"{self.cap:g}x the median compile, {fmt_seconds(self.cap * compiles)}"
         stop = "stopped the search" if self.capped else "was not reached"
         return (
-            f" Timed on {what}: {plural(n, 'candidate')}, {how}; the fastest again "
-            f"side by side with those within {CLOSE:g}x of it. The cap ({cap}) "
-            f"{stop}."
+            f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}; those within "
+            f"{CLOSE:g}x of the fastest again side by side. The cap ({cap}) {stop}."
         )
 
 
-def measured(search: Search, full, ladders, model: PlanCandidate) -> tuple[Choice, str]:
+def measured(
+    search: Search, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate
+) -> tuple[Choice, str]:
+    """`Tuner.run`'s choice, and what it timed; the model's if timing fails."""
     tuner = Tuner(search, search.request.values)
-    what = (
-        "the call's arguments"
-        if search.request.values
-        else "made-up inputs of its shapes"
-    )
     try:
         choice = tuner.run(full, ladders, model)
     except Exception as e:  # e.g. inputs of a dtype that cannot be made up
         note = f"could not measure ({type(e).__name__}: {e}), so estimated"
         return Choice(model, [model], {}, note), ""
     search.notes.update(tuner.why)
-    return choice, tuner.describe(what)
+    return choice, tuner.describe(search.request.values)
 
 
 #
