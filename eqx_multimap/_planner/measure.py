@@ -301,11 +301,16 @@ class Tuner:
         search, budget = self.search, self.search.budget
         fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
         full_fits = bool(search.known[full.key].fits)
-        lines = [[full] * full_fits + [c for c in s if fits(s, c)] for s in ladders]
-        lines = [ln for ln in lines if len(ln) > 1] or [[full] * full_fits]
         # In lockstep, a block of one element runs a while loop unbatched: a program
-        # of another kind, which no larger block predicts.
-        one = [min(ln, key=lambda c: c.block) for ln in lines[:1] if search.lockstep]
+        # of another kind, which no larger block predicts. It is timed on its own,
+        # and the ladders searched without it.
+        alone = lambda c: search.lockstep and c.block == 1 and not c.vmap  # noqa: E731
+        one = [c for s in ladders for c in s if alone(c) and fits(s, c)][:1]
+        lines = [
+            [full] * full_fits + [c for c in s if fits(s, c) and not alone(c)]
+            for s in ladders
+        ]
+        lines = [ln for ln in lines if len(ln) > 1] or [[full] * full_fits]
         for c in [full] * full_fits + [model] + one:
             self.time(c)
         first = next((ln for ln in lines if model in ln[1:]), lines[0])
@@ -344,12 +349,15 @@ class Tuner:
     def along(self, line: list[PlanCandidate]) -> None:
         """Search `line` (largest block first): time the middle of the larger
         untimed gap beside its fastest, until both its neighbours are timed."""
-        while True:
+        while line:
             t = {
                 i: self.seconds(c.key)
                 for i, c in enumerate(line)
                 if c.key in self.timed
             }
+            if not t:  # none timed yet: start in its middle
+                self.time(line[len(line) // 2])
+                continue
             b = min(t, key=t.get)
             lo = max((i for i in t if i < b), default=-1)
             hi = min((i for i in t if i > b), default=len(line))
