@@ -362,23 +362,6 @@ print(plan.basis, plan.chosen.scan, plan.chosen.vmap, *counts)
 """
 
 
-_SCRIPT = """
-import jax.numpy as jnp, sys
-sys.path.insert(0, {tests!r})
-from test_measure import _args, _wrapper
-from eqx_multimap import Planner, explain, tune
-planner = Planner(cache_dir={cache!r})
-f = _wrapper(planner)
-if sys.argv[1] == "tune":
-    tune(f, *_args())
-else:
-    f(*_args())  # planned as usual: the tuned plan, from disk
-counts = planner.n_compiles, planner.n_disk_hits
-plan = explain(f, *_args())
-print(plan.basis, plan.chosen.scan, plan.chosen.vmap, *counts)
-"""
-
-
 def test_a_tuned_plan_is_reused_by_a_new_process(tmp_path):
     script = tmp_path / "run.py"
     tests = os.path.dirname(os.path.abspath(__file__))
