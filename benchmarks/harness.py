@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from eqx_multimap._text import fmt_bytes as fmt_bytes, fmt_seconds as fmt_seconds
 
 
 Clock = Callable[[], float]
@@ -192,22 +193,6 @@ def fmt_ratios(ratios: Sequence[float]) -> str:
     """`1.02 (0.99 to 1.05)`: the median and the interquartile range."""
     q1, q2, q3 = quartiles(ratios)
     return f"{q2:.2f} ({q1:.2f} to {q3:.2f})"
-
-
-def fmt_bytes(n: int | float) -> str:
-    """`512 B`, `1.5 KiB`, `2.0 GiB`."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def fmt_seconds(s: float) -> str:
-    """`3.1 ms`, `250 us`, `1.20 s`."""
-    if s >= 1.0:
-        return f"{s:.2f} s"
-    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
 _NOISE = re.compile(r"(metadata=\{[^}]*\}|HloModule \S+|, entry_computation_layout=.*)")
