@@ -418,15 +418,17 @@ class _Nest:
             # leading); a scan inside another scans `xs` as `lax.map` does (a copy
             # of its part of the iteration outside, or one XLA hoists out of it).
             # A symbolic length (`jax.export`) is given by the `xs`: no slicing.
+            # Each chunk keeps its place in the leaf, so that an iteration's block
+            # needs no transpose: the chunks' axis alone is moved to the front.
             xs = {}
             for i in mapped:
-                x = _move_axis(values[i], axes[i][name], 0)
+                x, ax = values[i], axes[i][name]
                 if length and j == 0 and known(length):
-                    if axes[i][name] != 0 or x.shape[0] != length * k:
+                    if ax != 0 or x.shape[0] != length * k:
                         continue
-                if length and x.shape[0] != length * k:
-                    x = lax.slice_in_dim(x, 0, length * k)
-                xs[i] = _split_axis(x, 0, (length, k))
+                if length and x.shape[ax] != length * k:
+                    x = lax.slice_in_dim(x, 0, length * k, axis=ax)
+                xs[i] = _move_axis(_split_axis(x, ax, (length, k)), ax, 0)
             inner_axes = [_rename(a, name, chunk_key(name)) for a in axes]
             inner_pending = pending + (Level(chunk_key(name), name, "vmap", k, False),)
         sliced = [i for i in mapped if i not in xs]
@@ -437,8 +439,8 @@ class _Nest:
 
         def take(index: Any, x: Leaves) -> Leaves:
             current = list(values)
-            for i, xi in zip(xs, x):  # a chunk's axis back in its place
-                current[i] = xi if k is None else _move_axis(xi, 0, axes[i][name])
+            for i, xi in zip(xs, x):
+                current[i] = xi
             for i in sliced:
                 ax = axes[i][name]
                 current[i] = lax.dynamic_slice_in_dim(values[i], index * k, k, ax)
