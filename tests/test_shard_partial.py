@@ -190,8 +190,9 @@ def test_collective_over_a_mesh_axis_left_to_the_compiler(kind):
             wrapped(jnp.arange(8.0))
 
 
-def test_argument_split_over_a_shard_axis_along_another_dim():
-    mesh = make_mesh("explicit")
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_argument_split_over_a_shard_axis_along_another_dim(kind):
+    mesh = make_mesh(kind)
     x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P(None, "f")))
     wrapped = filter_multi_vmap(
         lambda x: x * 2, in_dims="F K", out_dims="F K", shard={"F": "f"}
@@ -201,5 +202,11 @@ def test_argument_split_over_a_shard_axis_along_another_dim():
         re.escape("float32[8,4] is already split over 'f' along its axis 1"),
         "jax.sharding.reshard",
     ]:
+        # Called eagerly, the sharding of `x` is known on `Auto` axes too.
         with jax.set_mesh(mesh), pytest.raises(SpecError, match=match):
             wrapped(x)
+    if kind == "auto":  # under `jax.jit` it is not: JAX reshards `x` on the way in
+        with jax.set_mesh(mesh):
+            out = jax.jit(wrapped)(x)
+        assert out.shape == (8, 4) and out.dtype == jnp.float32
+        np.testing.assert_array_equal(out, 2 * np.ones((8, 4), np.float32))
