@@ -14,6 +14,7 @@ from ._errors import SpecError
 from ._multi_vmap import _has_tracer, _MultiVmapWrapper, _tune
 from ._planner import describe_fixed, Plan
 from ._resolve import fun_name_of, resolve
+from ._shard import shardings_seen
 
 
 def _unwrap(fn: Callable, caller: str) -> tuple[_MultiVmapWrapper, tuple]:
@@ -69,19 +70,22 @@ def explain(fn: Callable, /, *args, **kwargs) -> Plan:
         ```
     """
     wrapper, bound_args = _unwrap(fn, "explain")
+    shard = wrapper._options.shard  # the arrays' shardings, as a call sees them
+    seen = shard.seen(jtu.tree_leaves((bound_args + args, kwargs))) if shard else ()
 
     def resolve_and_plan(args: tuple, kwargs: dict) -> Plan:
-        call = resolve(wrapper._fun, wrapper._options, args, kwargs)
-        if call.options.plan is None:
-            return describe_fixed(call)
-        planner = call.options.plan.planner
-        plan = planner.plan(call)
-        try:
-            gradient: Plan | str = planner.plan(call, backward=True)
-        except SpecError as e:  # only differentiating the map would raise it
-            gradient = str(e)
-        except Exception as e:  # a body JAX cannot differentiate (a while loop)
-            gradient = f"Not differentiable: {type(e).__name__}: {e}"
+        with shardings_seen(jtu.tree_leaves((args, kwargs)), seen):
+            call = resolve(wrapper._fun, wrapper._options, args, kwargs)
+            if call.options.plan is None:
+                return describe_fixed(call)
+            planner = call.options.plan.planner
+            plan = planner.plan(call)
+            try:
+                gradient: Plan | str = planner.plan(call, backward=True)
+            except SpecError as e:  # only differentiating the map would raise it
+                gradient = str(e)
+            except Exception as e:  # a body JAX cannot differentiate (a while loop)
+                gradient = f"Not differentiable: {type(e).__name__}: {e}"
         return dataclasses.replace(plan, gradient=gradient)
 
     # A `Plan` is not an array: `filter_eval_shape` returns it as it is.

@@ -32,7 +32,7 @@ from ._planner import plan_options, PlanMode, Planner
 from ._progress_bar import make_meter
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
-from ._shard import parse_shard, shard_repr, ShardPlan, ShardSpec
+from ._shard import parse_shard, shard_repr, shardings_seen, ShardPlan, ShardSpec
 
 
 traceback_util.register_exclusion(__file__)
@@ -207,13 +207,14 @@ class _EagerRunner:
 
         def run(dynamic: tuple, static: tuple) -> tuple[Any, _Static]:
             dynamic_fun, dynamic_args = dynamic
-            static_fun, options, leaves, treedef = static
+            static_fun, options, leaves, treedef, seen = static
             if fun_ref is not None:
                 static_fun = eqx.filter(fun_ref(), eqx.is_array, inverse=True)
             traced_fun = eqx.combine(dynamic_fun, static_fun)
             static_args = jtu.tree_unflatten(treedef, leaves)
             args, kwargs = eqx.combine(dynamic_args, static_args)
-            out = run_call(resolve(traced_fun, options, args, kwargs))
+            with shardings_seen(jtu.tree_leaves(dynamic), seen):
+                out = run_call(resolve(traced_fun, options, args, kwargs))
             dynamic_out, static_out = eqx.partition(out, eqx.is_array)
             out_leaves, out_treedef = jtu.tree_flatten(static_out)
             return dynamic_out, _Static(tuple(out_leaves), out_treedef)
@@ -226,8 +227,11 @@ class _EagerRunner:
         dynamic_fun, static_fun = eqx.partition(fun, eqx.is_array)
         dynamic_args, static_args = eqx.partition((args, kwargs), eqx.is_array)
         leaves, treedef = jtu.tree_flatten(static_args)
+        dynamic = (dynamic_fun, dynamic_args)
+        # With `shard=`, the arrays' shardings: a trace shows `Explicit` axes only.
+        seen = options.shard.seen(jtu.tree_leaves(dynamic)) if options.shard else ()
         static = (None if self._own else static_fun, options, tuple(leaves), treedef)
-        dynamic_out, static_out = self._jitted((dynamic_fun, dynamic_args), static)
+        dynamic_out, static_out = self._jitted(dynamic, (*static, seen))
         return eqx.combine(dynamic_out, static_out.value)
 
 

@@ -18,9 +18,11 @@ dims of each output array) is known by then, since the body was traced once, on
 *one element*, when the call was resolved (`_body.trace_body`).
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,13 +30,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import traceback_util
-from jax.sharding import (
-    AbstractMesh,
-    AxisType,
-    Mesh,
-    NamedSharding,
-    PartitionSpec,
-)
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._blocks import plural
 from ._check import describe, InputCheck, Seen
@@ -75,6 +71,8 @@ def describe_split(
 AnyMesh = Mesh | AbstractMesh
 Leaves = list[Any]
 AxesEnv = list[tuple[str, int]]
+# The shardings of the tracers of one call, as seen before its trace (`shardings_seen`).
+_SEEN = contextvars.ContextVar[dict[int, NamedSharding]]("_SEEN", default={})
 
 
 def shard_repr(dims: Sequence[tuple[str, tuple[str, ...]]]) -> str:
@@ -109,6 +107,12 @@ class ShardOptions:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.dims)
+
+    def seen(self, leaves: Sequence[Any]) -> tuple[NamedSharding | None, ...]:
+        """Each array's `NamedSharding` (`None` if none): a trace shows `Explicit` axes
+        only. (`leaves`: arrays, `ShapeDtypeStruct`s, others; not tracers.)"""
+        shardings = [getattr(x, "sharding", None) for x in leaves]
+        return tuple(s if isinstance(s, NamedSharding) else None for s in shardings)
 
     def plan(self, fun_name: str, check: InputCheck) -> "ShardPlan":
         """Resolve the mesh and the local sizes for one call (at trace time)."""
@@ -288,6 +292,16 @@ def _reshard(
     return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*entries)))
 
 
+@contextlib.contextmanager
+def shardings_seen(tracers: Sequence[Any], seen: Sequence[Any]) -> Iterator[None]:
+    """While tracing `tracers`: their shardings as `ShardOptions.seen` saw them."""
+    token = _SEEN.set({id(t): s for t, s in zip(tracers, seen) if s is not None})
+    try:
+        yield
+    finally:
+        _SEEN.reset(token)
+
+
 def _retyped(mesh: AnyMesh, types: dict[str, AxisType]) -> AnyMesh:
     """`mesh` with the axis types `types` on its axes named there."""
     if not types or isinstance(mesh, AbstractMesh):
@@ -370,13 +384,21 @@ class ShardPlan:
                         f"compiler partitions over {a!r} itself."
                     )
 
+    def known_spec(self, x: Any) -> list[Any] | None:
+        """The entries of `x`'s sharding on this mesh: a concrete array's, a tracer's
+        `shardings_seen` or its type's (`Explicit` axes only); `None` if unknown."""
+        tracer = isinstance(x, jax.core.Tracer)
+        s = _SEEN.get().get(id(x)) if tracer else getattr(x, "sharding", None)
+        s = jax.typeof(x).sharding if tracer and s is None else s
+        if not isinstance(s, NamedSharding) or s.mesh.shape != self.mesh.shape:
+            return None
+        return _padded_spec(s.spec, np.ndim(x))
+
     def _check_split(self, x: Any, spec: PartitionSpec) -> None:
         """`x` is not split over a manual axis along another dim than `spec` puts
-        there. (Its type shows its `Explicit` axes; on `Auto` ones, the compiler
-        reshards it.)"""
-        have = jax.typeof(x).sharding.spec
+        there, as far as `known_spec` knows (else, on `Auto` axes, JAX reshards it)."""
         owner = {a: name for name, axes in self.dims for a in axes}
-        for i, (h, w) in enumerate(zip(_padded_spec(have, np.ndim(x)), spec)):
+        for i, (h, w) in enumerate(zip(self.known_spec(x) or [], spec)):
             for a in set(_names(h)) & set(owner) - set(_names(w)):
                 raise SpecError(
                     f"`{self.fun_name}`: `shard={shard_repr(self.dims)}` maps dim "

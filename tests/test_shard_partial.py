@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqx_multimap import filter_multi_vmap, SpecError
+from eqx_multimap import explain, filter_multi_vmap, Planner, SpecError, TimeModel
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
@@ -190,8 +190,9 @@ def test_collective_over_a_mesh_axis_left_to_the_compiler(kind):
             wrapped(jnp.arange(8.0))
 
 
-def test_argument_split_over_a_shard_axis_along_another_dim():
-    mesh = make_mesh("explicit")
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_argument_split_over_a_shard_axis_along_another_dim(kind):
+    mesh = make_mesh(kind)
     x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P(None, "f")))
     wrapped = filter_multi_vmap(
         lambda x: x * 2, in_dims="F K", out_dims="F K", shard={"F": "f"}
@@ -201,5 +202,67 @@ def test_argument_split_over_a_shard_axis_along_another_dim():
         re.escape("float32[8,4] is already split over 'f' along its axis 1"),
         "jax.sharding.reshard",
     ]:
+        # Called eagerly, the sharding of `x` is known on `Auto` axes too.
         with jax.set_mesh(mesh), pytest.raises(SpecError, match=match):
             wrapped(x)
+    if kind == "auto":  # under `jax.jit` it is not: JAX reshards `x` on the way in
+        with jax.set_mesh(mesh):
+            out = jax.jit(wrapped)(x)
+        assert out.shape == (8, 4) and out.dtype == jnp.float32
+        np.testing.assert_array_equal(out, 2 * np.ones((8, 4), np.float32))
+
+
+# The planner: one device's share of an argument split over another axis -----------
+
+
+def _explained(mesh, w, x, jit=False):
+    """The plan of `ours` for `w` and `x`, from `explain` (under `jax.jit` with
+    `jit`), with a planner of its own (no disk cache, the default time model)."""
+    f = ours(mesh, plan=Planner(cache_dir=False, time_model=TimeModel()))
+    plans = []
+
+    def g(w, x):
+        plans.append(explain(f, w, x))
+        return x
+
+    with jax.set_mesh(mesh):
+        (jax.jit(g) if jit else g)(w, x)
+    return plans[0]
+
+
+LOCAL = (
+    "per device, in bytes and work set: `w` counted at 1/4, split over mesh axis 'm'"
+)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_planner_counts_an_argument_split_over_another_axis_at_its_local_size(kind):
+    mesh = make_mesh(kind)
+    w, x = data(mesh)  # `w` split over "m": a quarter on each device
+    whole = jax.device_put(w, NamedSharding(mesh, P()))
+    split, replicated = _explained(mesh, w, x), _explained(mesh, whole, x)
+    assert LOCAL in str(split) and "per device:" not in str(replicated)
+    a, b = split.chosen, replicated.chosen
+    assert a.key == b.key and a.temp_bytes == b.temp_bytes  # temporaries: compiled
+    elsewhere = w.nbytes * 3 // 4  # the pieces of `w` on the 3 other devices of "m"
+    assert a.working_set is not None and b.working_set is not None
+    assert b.working_set - a.working_set == elsewhere
+    assert a.working_set < 0.3 * b.working_set  # `w` is most of it
+    assert b.bytes_accessed - a.bytes_accessed == elsewhere
+    # Under `jax.jit`, the type of `w` shows its split on `Explicit` axes only; on
+    # `Auto` ones it is not known, and `w` is counted whole.
+    traced = _explained(mesh, w, x, jit=True)
+    assert (LOCAL in str(traced)) == (kind == "explicit")
+    assert traced.chosen.working_set == (a if kind == "explicit" else b).working_set
+
+
+def test_planner_sees_the_split_of_an_eager_call():
+    mesh = make_mesh("auto")
+    w, x = data(mesh)
+    f = ours(mesh, plan=Planner(cache_dir=False, time_model=TimeModel()))
+    with jax.set_mesh(mesh):
+        out = f(w, x)  # planned with `w` split: the same plan as `explain`'s
+        plan = explain(f, w, x)
+    assert plan.cache.startswith("from this process's cache") and LOCAL in str(plan)
+    assert out.shape == (F, M) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, reference(w, x), rtol=1e-5, atol=1e-5)

@@ -27,7 +27,7 @@ from .._body import struct
 from .._resolve import Call
 from .measure import CAP
 from .model import machine
-from .plan import Plan, PlanCandidate
+from .plan import Plan, PlanCandidate, split_leaves
 from .search import (
     auto_plan,
     block_and_trips,
@@ -146,6 +146,8 @@ def fingerprint(call: Call) -> str:
     leaves = [(str(struct(v)), sorted(a.items())) for v, a in axes]
     text = str(call.body.jaxpr.jaxpr) + repr(leaves)
     text += repr([str(d) for d in call.out.dims])
+    shares = split_leaves(call)[0]  # an input split over mesh axes: one piece here
+    text += repr(shares) if max(shares, default=1) > 1 else ""
     text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -17,7 +17,7 @@ from .._jaxpr import op_bytes
 from .._nest import Build, build_levels, loop_body_inputs, run
 from .._resolve import Call
 from .model import PARALLEL_BYTES, TimeModel
-from .plan import PlanCandidate, ScanNest
+from .plan import PlanCandidate, ScanNest, split_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +28,10 @@ class Leaf:
     axes: dict[str, int]
 
 
-def leaf(s: Any, axes: dict[str, int]) -> Leaf:
+def leaf(s: Any, axes: dict[str, int], shares: int = 1) -> Leaf:
+    """`s` as a `Leaf`; its bytes those of one device's piece of `shares`."""
     # `itemsize`, not `np.dtype(dtype)`: typed PRNG keys' dtypes are JAX's own.
-    nbytes = math.prod(s.shape) * int(getattr(s.dtype, "itemsize", 0) or 0)
+    nbytes = math.prod(s.shape) * int(getattr(s.dtype, "itemsize", 0) or 0) // shares
     return Leaf(nbytes, dict(sorted(axes.items(), key=lambda kv: kv[1])))
 
 
@@ -162,6 +163,7 @@ class Compiler:
             for name, ax in axes.items():
                 shape[ax] = sizes[name]
             self.specs.append(struct(v, tuple(shape)))
+        self.shares = split_leaves(call)[0]  # the input leaves split over other axes
         self.n_compiled = 0
         self.programs: dict[NestSpec, Any] = {}  # by nest: those `memory` compiled
         self.jaxprs: dict[NestSpec, Any] = {}  # and their jaxprs
@@ -229,7 +231,7 @@ class Compiler:
             compiled = self.compile(*self._program(full.spec, True), what)
         flops, trans, nbytes, _ = self.corrected_cost(compiled, full)
         outs = self._outs if self.backward else enumerate(compiled.out_info)
-        inputs = tuple(map(leaf, self.specs, self.problem.leaf_axes))
+        inputs = tuple(map(leaf, self.specs, self.problem.leaf_axes, self.shares))
         outputs = []
         for i, s in outs:  # an output's mapped dims in order: their axes, roughly
             mapped = [n for n in self.problem.out_dims[i].names if n in self.sizes]
@@ -267,6 +269,7 @@ class Compiler:
         assert not self.backward
         compiled = self.programs[cand.spec]
         io = sum(leaf(s, {}).nbytes for s in [*self.specs, *compiled.out_info])
+        io -= self.elsewhere(self.specs)
         one = serial(op_bytes(self.jaxprs[cand.spec]), 1.0)
         return self._with_costs(cand, self.corrected_cost(compiled, cand), one, io)
 
@@ -277,18 +280,28 @@ class Compiler:
         XLA counts a while loop's body once, so each block's loop body (the vmaps
         inside its scans) is compiled on its own and its cost added `trips - 1` more
         times. The working set: the largest footprint of one body, or of the whole
-        candidate when nothing loops."""
+        candidate when nothing loops. Both without the inputs' pieces held elsewhere,
+        each counted as read once."""
         total, ws = list(xla_costs(compiled)), 0
+        total[2] -= self.elsewhere(self.specs)
         what = f"costing the loop body of {cand.nest(self.sizes)}"
         looping = [b for b in blocks(cand.spec, self.problem.sizes) if b.trips > 1]
         for block in looping:
             specs, axes = loop_body_inputs(self.specs, self.problem.leaf_axes, block)
             nest = build_levels(self.problem.body, block.vmaps, axes)
             body = self.compile(nest, specs, what)
-            n = block.trips - 1
+            n, away = block.trips - 1, self.elsewhere(specs)
             total = [t + n * b for t, b in zip(total, xla_costs(body))]
-            ws = max(ws, _footprint(body))
-        return total[0], total[1], total[2], ws if looping else _footprint(compiled)
+            total[2] -= n * away
+            ws = max(ws, _footprint(body) - away)
+        whole = _footprint(compiled) - self.elsewhere(self.specs)
+        return total[0], total[1], max(total[2], 0.0), ws if looping else whole
+
+    def elsewhere(self, specs: Sequence[Any]) -> int:
+        """The bytes of the input leaves `specs` that other devices hold: their pieces
+        on the mesh axes that `shard=` leaves to the compiler."""
+        pieces = zip(specs, self.shares)
+        return sum(leaf(s, {}).nbytes - leaf(s, {}, k).nbytes for s, k in pieces)
 
 
 def serial(ops: Sequence[int], scale: float) -> float:

@@ -2,12 +2,15 @@
 (prose wrapped at `PROSE` columns, nests broken before their arrows at `WIDTH`)."""
 
 import dataclasses
+import math
 import textwrap
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 from .._blocks import describe_nest, NestSpec, plural, wrap_nest
-from .._shard import describe_split
+from .._check import describe
+from .._resolve import Call
+from .._shard import _names, axes_str, describe_split
 from .._text import fmt_bytes, fmt_seconds
 from .model import TimeModel
 
@@ -48,6 +51,44 @@ class ShardDim:
     mesh_axes: tuple[str, ...]
     shards: int
     local_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalArg:
+    """An input leaf that its sharding splits over mesh axes that `shard=` leaves to
+    the compiler (`mesh_axes`, into `shards` pieces): one device holds a piece, and
+    the planner counts that in bytes accessed and working sets (its temporaries are
+    compiled with the whole leaf)."""
+
+    path: str
+    shards: int
+    mesh_axes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        which = "axis" if len(self.mesh_axes) == 1 else "axes"
+        axes = f"mesh {which} {axes_str(self.mesh_axes)}"
+        return f"`{self.path}` counted at 1/{self.shards}, split over {axes}"
+
+
+def split_leaves(call: Call) -> tuple[tuple[int, ...], tuple[LocalArg, ...]]:
+    """For each input leaf of `call`, the pieces its known sharding splits it into
+    over the mesh axes that `shard=` does not make manual (`1`: none, or not known:
+    the leaf is counted whole); and the leaves so split."""
+    sp = call.shard
+    if sp is None:
+        return (1,) * len(call.values), ()
+    bound = [x for x, a in zip(call.bound.leaves, call.check.axes) if a is not None]
+    leaves = [(x.path, x.value if x.shown is None else x.shown) for x in bound]
+    hoisted = call.values[len(bound) :]
+    leaves += [(f"an array the body closes over, {describe(v)}", v) for v in hoisted]
+    shares, split = [], []
+    for path, x in leaves:
+        names = (a for e in sp.known_spec(x) or [] for a in _names(e))
+        axes = tuple(a for a in names if a not in sp.manual)
+        shares.append(math.prod(sp.mesh.shape[a] for a in axes))
+        if axes:
+            split.append(LocalArg(path, shares[-1], axes))
+    return tuple(shares), tuple(split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +140,8 @@ class Plan:
     call's own; `"inputs"`, on made-up ones; or `"model"`); `given` (dims whose
     strategy was given) and `collective` (dims used in collectives, never scanned);
     `cache` and `cache_path` (where the plan came from); `shard` (a `ShardDim` per
-    dim of `shard=`: sizes and budget are then per device); `backward` and
+    dim of `shard=`: sizes and budget are then per device) and `local` (a
+    `LocalArg` per input leaf split over other mesh axes); `backward` and
     `checkpoint` (the plan under differentiation); from `explain`, `gradient` (that
     plan, or the error differentiating would raise); `time_model`. `scan` and
     `vmap` are the chosen strategies, as `filter_multi_vmap` takes them.
@@ -115,6 +157,7 @@ class Plan:
     n_compiled: int
     seconds: float
     shard: tuple[ShardDim, ...] = ()
+    local: tuple[LocalArg, ...] = ()
     backward: bool = False
     checkpoint: bool = False
     gradient: "Plan | str | None" = None
@@ -192,6 +235,9 @@ class Plan:
             split = (describe_split(*dataclasses.astuple(d)) for d in self.shard)
             nest = f"shard_map({'; '.join(split)}) -> {nest}"
             lines.append("sharded: sizes, candidates and the budget are per device")
+        if self.local:
+            local = "; ".join(map(str, self.local))
+            lines.append(_prose(f"per device, in bytes and work set: {local}"))
         lines.append(wrap_nest(f"nest: {nest}", WIDTH))
         if self.auto and self.given:
             planned = [d.name for d in self.dims if d.name not in self.given]

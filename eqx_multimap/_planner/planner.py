@@ -309,7 +309,10 @@ class Planner:
         progress = Progress(what, call.options.plan.verbose)
         search = Search(request, progress)
         try:
-            plan = search.run(measured if request.measure else None)
+            # One device's nest, compiled on its own: not on the mesh of a
+            # `shard_map` that the call may be traced in (its axes `Manual`).
+            with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+                plan = search.run(measured if request.measure else None)
         except NoFit as e:
             if disk is not None:
                 no_fit = {"smallest": cand_json(e.smallest), "n": e.n}

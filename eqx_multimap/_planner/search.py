@@ -26,6 +26,7 @@ from .plan import (
     PlanCandidate,
     ScanNest,
     ShardDim,
+    split_leaves,
     why_chosen,
     with_reason,
 )
@@ -207,6 +208,7 @@ def plan_for(
 ) -> Plan:
     """The `Plan` of `call` at its mapped `sizes` (as one device sees them)."""
     every = tuple({**call.sizes, **sizes}.items())
+    fields.update(local=split_leaves(call)[1])  # inputs split over other mesh axes
     return Plan(call.fun_name, sizes=every, chosen=chosen, candidates=cands, **fields)
 
 
