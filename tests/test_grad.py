@@ -55,6 +55,9 @@ def _hand(body, strategy: str, k: int = 3):
             return jnp.concatenate([ys, jax.vmap(row)(xs[n * k :])]) if rest else ys
 
         return chunked
+    if strategy == "chunk2":  # chunks of `k` rows, each of chunks of 2 columns
+        inner = lambda x: lax.map(body, x, batch_size=2)  # noqa: E731
+        return lambda xs: lax.map(inner, xs, batch_size=k)
     return jax.vmap(row)
 
 
@@ -64,6 +67,8 @@ def _ours(body, strategy: str, k: int = 3):
         return filter_multi_vmap(body, scan="T", **kw)
     if strategy == "chunk":
         return filter_multi_vmap(body, scan={"T": k}, **kw)
+    if strategy == "chunk2":
+        return filter_multi_vmap(body, scan={"T": k, "B": 2}, **kw)
     return filter_multi_vmap(body, **kw)
 
 
@@ -109,13 +114,14 @@ def test_gradient_against_a_loop():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", ["scan", "chunk", "vmap"])
+@pytest.mark.parametrize("strategy", ["scan", "chunk", "chunk2", "vmap"])
 def test_gradient_hlo_is_the_hand_nest(strategy):
     # A body that is not isolated: forward and backward are the hand nest, HLO for
     # HLO (fresh functions for every program compiled, so no cache is reused). The
     # chunks divide the rows: with a remainder, ours slices each chunk inside its
     # iteration where `lax.map` copies the chunks out first (`test_nest_memory`).
-    xs = _rand((9 if strategy == "chunk" else 10, 4, 8), seed=4)
+    # Two chunked levels: no iteration of the inner one transposes its block.
+    xs = _rand((9 if strategy.startswith("chunk") else 10, 4, 8), seed=4)
     ours = _ours(_cheap, strategy)
     hand = _hand(_cheap, strategy)
     assert _hlo(ours, xs) == _hlo(hand, xs)
