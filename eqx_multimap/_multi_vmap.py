@@ -22,7 +22,7 @@ import jax.tree_util as jtu
 from jax._src import traceback_util
 from jaxtyping import PyTree
 
-from ._args import check_in_dims_keys
+from ._args import check_in_dims_keys, is_array
 from ._blocks import describe_nest, NestSpec, wrap_nest
 from ._body import struct
 from ._errors import SpecError
@@ -106,6 +106,7 @@ def run_call(call: Call) -> Any:
             ndims,
             _across_devices(call, local, ndims),
             prepadded=range(len(call.values), len(values)),
+            in_dims=[x.spec.dims for x in call.bound.leaves if is_array(x.value)],
         )
     if reduction is not None:
         outs = [reduction.finalize(i, out) for i, out in enumerate(outs)]

@@ -34,9 +34,9 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from ._blocks import plural
 from ._check import describe, InputCheck, Seen
-from ._dims import unstarred
+from ._dims import Dims, unstarred
 from ._errors import ShapeError, SpecError
-from ._nest import final_axis
+from ._nest import present_axes
 
 
 traceback_util.register_exclusion(__file__)
@@ -255,7 +255,8 @@ def _spec(dim_axes: Mapping[str, int], dims: dict, ndim: int) -> PartitionSpec:
     """The `PartitionSpec` of an array whose dim `name` is at `dim_axes[name]`."""
     entries: list[Any] = [None] * ndim
     for name, axes in dims.items():
-        if name in dim_axes:
+        used = {a for e in entries for a in _names(e)}  # a mesh axis splits one dim
+        if name in dim_axes and not used & set(axes):
             entries[dim_axes[name]] = _entry(axes)
     return PartitionSpec(*entries)
 
@@ -409,6 +410,20 @@ class ShardPlan:
                     "axis."
                 )
 
+    def kept_splits(self, values: Leaves, in_dims: Sequence[Dims | None]) -> dict:
+        """Each dim's axis of `others` (`{"M": ("m",)}`): the one axis splitting it in
+        every input of `values` (dims `in_dims`) that splits it, if it divides it."""
+        found: dict[str, set[str]] = {}
+        for v, dims in zip(values, in_dims):
+            spec = self.known_spec(v) or [None] * np.ndim(v)
+            for name, i in present_axes(dims, (), np.ndim(v)).items() if dims else ():
+                split = set(_names(spec[i])) & set(self.others)
+                found.setdefault(name, set()).update(split)
+        kept = {n: s.pop() for n, s in found.items() if len(s) == 1 and n in self.sizes}
+        return {
+            n: (a,) for n, a in kept.items() if not self.sizes[n] % self.mesh.shape[a]
+        }
+
     def run(
         self,
         values: Leaves,
@@ -417,14 +432,15 @@ class ShardPlan:
         out_ndims: Sequence[int],
         local: Callable[[Leaves], Leaves],
         prepadded: Sequence[int] = (),
+        in_dims: Sequence[Dims | None] = (),
     ) -> Leaves:
         """`local` (the nest of one device's block, at the local sizes) inside
         `jax.shard_map`, on the input leaves `values`; the outputs, sharded.
 
         The leaves numbered in `prepadded` already have the padded sizes. An output
         without a sharded dim (reduced by `local`) is replicated over its mesh
-        axes."""
-        dims = dict(self.dims)
+        axes; on `others`, see `kept_splits` (`in_dims`: the first leaves' dims)."""
+        dims, kept = dict(self.dims), self.kept_splits(values, in_dims)
         values = list(values)
         for name, n_pad in self.padded.items():
             for i, axes in enumerate(leaf_axes):
@@ -438,10 +454,7 @@ class ShardPlan:
         values = [
             _reshard(v, s, self.mesh, self.manual) for v, s in zip(values, in_specs)
         ]
-        out_axes = [
-            {k: final_axis(d, k, n) for k in dims if k in d.names}
-            for d, n in zip(out_dims, out_ndims)
-        ]
+        out_axes = [present_axes(d, (), n) for d, n in zip(out_dims, out_ndims)]
         out_specs = [_spec(a, dims, n) for a, n in zip(out_axes, out_ndims)]
         # Under `jax.jit` even when called eagerly: the body's jaxpr was traced with
         # the mesh's axes manual, as in a traced `shard_map`.
@@ -460,10 +473,11 @@ class ShardPlan:
         if self.others:
             # jax-ml/jax#29162: on `Explicit` axes that are not manual, `shard_map`
             # gathers its inputs; on `Auto` ones the compiler keeps them split.
+            specs = [_spec(a, kept | dims, n) for a, n in zip(out_axes, out_ndims)]
             mapped = jax.sharding.auto_axes(
                 mapped,
                 axes=self.others,
-                out_sharding=[NamedSharding(self.mesh, s) for s in out_specs],
+                out_sharding=[NamedSharding(self.mesh, s) for s in specs],
             )
         outs = jax.jit(mapped)(*values)
         if self.padded:

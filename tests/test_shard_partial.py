@@ -39,7 +39,7 @@ def body(w, x):
 
 
 def ours(mesh=None, **kw):
-    kw = dict(out_dims="F M", core="M", **kw)
+    kw = {"out_dims": "F M", "core": "M"} | kw
     return filter_multi_vmap(
         body, in_dims={"w": "M K", "x": "F K"}, shard={"F": "f"}, mesh=mesh, **kw
     )
@@ -85,10 +85,8 @@ def test_weights_split_over_other_axis_stay_split(kind):
     assert ours_temp <= hand_temp + MiB, (ours_temp, hand_temp)
     assert ours_temp < MiB  # not all of W (4 MiB), nor its 1 MiB block twice
     np.testing.assert_allclose(out, reference(w, x), rtol=1e-5, atol=1e-5)
-    spec = tuple(out.sharding.spec) + (None,) * 2
-    assert spec[0] == "f"
-    if kind == "auto":
-        assert spec[1] == "m"
+    # The output stays split over "m" as `w`'s dim 'M' is, on both axis types.
+    assert (tuple(out.sharding.spec) + (None,) * 2)[:2] == ("f", "m")
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
@@ -113,10 +111,25 @@ def test_values_and_grads_against_full_vmap_and_hand(kind, ambient):
         ]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, want_hand, rtol=1e-5, atol=1e-5)
+    assert (tuple(got.sharding.spec) + (None,) * 2)[:2] == ("f", "m")
     for got_g, want_g, hand_g in zip(*grads):
         np.testing.assert_allclose(got_g, want_g, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(got_g, hand_g, rtol=1e-4, atol=1e-4)
     assert tuple(grads[0][0].sharding.spec)[:1] == ("m",)  # W's cotangent too
+
+
+@pytest.mark.parametrize("split, out_dims", [(False, "F M"), (True, "F _")])
+def test_output_dim_no_input_splits_comes_back_whole_on_explicit_axes(split, out_dims):
+    """The output's dim is split over "m" only where an input splits the same named
+    dim: here `w` is whole, or the output's dim has no name."""
+    mesh = make_mesh("explicit")
+    w, x = data(mesh)
+    w = w if split else jax.device_put(w, NamedSharding(mesh, P()))
+    wrapped = ours(mesh, out_dims=out_dims, core=None if "_" in out_dims else "M")
+    with jax.set_mesh(mesh):
+        out = jax.jit(wrapped)(w, x)
+    assert tuple(out.sharding.spec) in {("f",), ("f", None)}
+    np.testing.assert_allclose(out, reference(w, x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
