@@ -50,10 +50,11 @@ from ._args import (
     LeafSpec,
 )
 from ._blocks import NestSpec
-from ._body import Body, collectives, inputs_to_isolate, struct, trace_body
+from ._body import Body, struct, trace_body
 from ._check import check_inputs, check_output, describe, InputCheck
 from ._dims import Dims, parse_dims
 from ._errors import ShapeError, SpecError, typo_hint, wrap
+from ._jaxpr import collectives, inputs_to_isolate
 from ._nest import Axes, Problem
 from ._options import (
     check_out_leaf,
@@ -154,7 +155,7 @@ class Call:
     @property
     def isolate(self) -> frozenset[int]:
         """The input leaves that scans slice apart from the body's kernels."""
-        return inputs_to_isolate(self.body)
+        return inputs_to_isolate(self.body.jaxpr)
 
     @property
     def mapped_sizes(self) -> dict[str, int]:

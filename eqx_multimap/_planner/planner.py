@@ -14,8 +14,8 @@ from typing import Any, Literal
 import jax
 
 from .._blocks import known, plural
-from .._body import data_dependent
 from .._errors import SpecError
+from .._jaxpr import data_dependent
 from .._progress_bar import Progress
 from .._resolve import Call
 from .cache import (
