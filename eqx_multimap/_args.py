@@ -12,7 +12,8 @@ from jax._src import traceback_util
 from jax._src.tree_util import prefix_errors
 
 from ._dims import Dims, parse_dims
-from ._errors import did_you_mean, ShapeError, SpecError, wrap
+from ._errors import did_you_mean, ShapeError, SpecError
+from ._text import describe, plural, wrap
 
 
 traceback_util.register_exclusion(__file__)
@@ -286,16 +287,9 @@ def _specs(
     )
 
 
-def _plural(n: int, noun: str) -> str:
-    if n == 1:
-        return f"1 {noun}"
-    return f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
-
-
 def _leaf_kind(leaf: Any) -> str:
     if is_array(leaf):
-        shape = ",".join(str(s) for s in np.shape(leaf))
-        return f"{getattr(leaf.dtype, 'name', leaf.dtype)}[{shape}] array"
+        return f"{describe(leaf)} array"
     return type(leaf).__name__
 
 
@@ -306,7 +300,7 @@ def describe_value(value: Any) -> str:
     for leaf in leaves:
         kind = _leaf_kind(leaf)
         counts[kind] = counts.get(kind, 0) + 1
-    what = " and ".join(_plural(n, kind) for kind, n in counts.items())
+    what = " and ".join(plural(n, kind) for kind, n in counts.items())
     treedef = jtu.tree_structure(value)
     flat = all(jtu.treedef_is_leaf(c) for c in treedef.children())
     type_name = type(value).__name__

@@ -20,13 +20,13 @@ divides the size whatever it is.
 import dataclasses
 import itertools as it
 import math
-import re
 from typing import Literal
 
 import jax
 from jax._src import traceback_util
 
 from ._errors import SpecError
+from ._text import plural
 
 
 traceback_util.register_exclusion(__file__)
@@ -216,11 +216,6 @@ def blocks(spec: NestSpec, sizes: dict[str, int]) -> tuple[Block, ...]:
     return tuple(out)
 
 
-def plural(n: int, word: str) -> str:
-    """`"1 chunk"`, `"3 chunks"`."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def describe_nest(spec: NestSpec, sizes: dict[str, int]) -> str:
     """The nest as text, e.g. `scan(T=10) -> vmap(F=4) -> body`."""
     parts = []
@@ -233,23 +228,3 @@ def describe_nest(spec: NestSpec, sizes: dict[str, int]) -> str:
             parts.append(f"scan({name}: {plural(n_full, 'chunk')} of {chunk}){extra}")
     parts.extend(f"vmap({name}={sizes[name]})" for name in spec.vmap)
     return " -> ".join(parts + ["body"])
-
-
-def wrap_nest(line: str, width: int = 100, indent: str = "    ") -> str:
-    """A line holding a nest, broken where it is longer than `width` columns: before
-    an arrow (the next line starts `indent` and `-> `), else after a `;`, or after
-    the line's title (`f: `)."""
-    parts = re.split(r"( -> |; )", line)
-    lines = [parts[0]]
-    if len(parts[0]) > width and ": " in parts[0]:
-        title, first = parts[0].split(": ", 1)
-        lines = [f"{title}:", f"{indent}   {first}"]
-    for sep, piece in zip(parts[1::2], parts[2::2]):
-        if len(lines[-1]) + len(sep) + len(piece) <= width:
-            lines[-1] += sep + piece
-        elif sep == "; ":
-            lines[-1] += ";"
-            lines.append(f"{indent}   {piece}")
-        else:
-            lines.append(f"{indent}-> {piece}")
-    return "\n".join(lines)

@@ -37,7 +37,7 @@ from jax._src import traceback_util
 from jax.custom_derivatives import SymbolicZero
 
 from ._blocks import Block, chunk_key, known, Level, NestSpec, runs_on_slice, split
-from ._dims import axes_of, Dims, EllipsisDim, NamedDim
+from ._dims import Dims, EllipsisDim, final_axis, NamedDim
 from ._errors import SpecError
 from ._progress_bar import Meter, report_for, Report
 from ._reduce import Reduction
@@ -286,16 +286,6 @@ def _to_dims_order(out: Any, dims: Dims, block: Block, mapped: set[str]) -> Any:
     return out
 
 
-def final_axis(dims: Dims, name: str, ndim: int) -> int:
-    """The axis of the named dim `name` in an array of rank `ndim` with `dims`."""
-    token_axes = axes_of(dims, ndim)
-    assert not isinstance(token_axes, str)
-    for t, ax in zip(dims.tokens, token_axes):
-        if isinstance(t, NamedDim) and t.name == name:
-            return ax
-    raise AssertionError(name)
-
-
 def mapped_axes(dims: Dims, names: Sequence[str], ndim: int) -> list[int]:
     """The axes of the named dims `names` (those `dims` has) in an array of rank
     `ndim` with `dims`, in increasing order."""
@@ -320,7 +310,7 @@ def _move_axis(x: Any, source: int, destination: int) -> Any:
     """`jnp.moveaxis`, as a reshape when the axes it moves past have size 1 (a
     transpose there may take a layout that XLA copies `x` to)."""
     lo, hi = sorted((source, destination))
-    others = x.shape[lo:hi + 1]
+    others = x.shape[lo : hi + 1]
     if math.prod(others) == x.shape[source]:
         order = list(range(x.ndim))
         order.insert(destination, order.pop(source))

@@ -51,9 +51,9 @@ from ._args import (
 )
 from ._blocks import NestSpec
 from ._body import Body, struct, trace_body
-from ._check import check_inputs, check_output, describe, InputCheck
+from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims
-from ._errors import ShapeError, SpecError, typo_hint, wrap
+from ._errors import ShapeError, SpecError, typo_hint
 from ._jaxpr import collectives, inputs_to_isolate
 from ._nest import Axes, Problem
 from ._options import (
@@ -66,6 +66,7 @@ from ._options import (
 )
 from ._reduce import check_reduce_sizes, make_reduction, Reduction
 from ._shard import ShardPlan
+from ._text import describe, wrap
 from ._variadic import Expand, rewrite_inputs, rewrite_output
 
 

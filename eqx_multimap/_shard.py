@@ -36,11 +36,10 @@ from jax.sharding import (
     PartitionSpec,
 )
 
-from ._blocks import plural
-from ._check import describe, InputCheck, Seen
-from ._dims import unstarred
+from ._check import InputCheck, Seen
+from ._dims import final_axis, unstarred
 from ._errors import ShapeError, SpecError
-from ._nest import final_axis
+from ._text import describe, plural
 
 
 traceback_util.register_exclusion(__file__)
