@@ -42,7 +42,6 @@ import jaxtyping
 import numpy as np
 from jax._src import traceback_util
 
-from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
 from ._args import (
     bind_call,
     BoundCall,
@@ -67,6 +66,7 @@ from ._options import (
 from ._reduce import check_reduce_sizes, make_reduction, Reduction
 from ._shard import ShardPlan
 from ._text import describe, wrap
+from ._typed import fun_annotations, FunAnnotations, OutAnnotation
 from ._variadic import Expand, rewrite_inputs, rewrite_output
 
 
