@@ -179,7 +179,10 @@ def runs_on_slice(
     return True
 
 
-def _parts(dim: str, n: int, chunk: int) -> list[Part]:
+def parts(dim: str, n: int, chunk: int) -> list[Part]:
+    """The parts of a dim of `n` elements chunked by `chunk`: its whole chunks (if
+    any, or if `n` is 0), then its remainder (if any). `_Nest.level` runs them, and
+    `blocks` combines them."""
     n_full, rest = split(dim, n, chunk)
     parts = []
     if n_full != 0 or n == 0:
@@ -196,7 +199,7 @@ def blocks(spec: NestSpec, sizes: dict[str, int]) -> tuple[Block, ...]:
     remainder when the chunk does not divide the size), one `Block`, in the order
     that `itertools.product` gives (main before remainder, first chunked dim major).
     """
-    choices = [_parts(name, sizes[name], chunk) for name, chunk in spec.chunked]
+    choices = [parts(name, sizes[name], chunk) for name, chunk in spec.chunked]
     out = []
     for parts in it.product(*choices):
         by_dim = {p.dim: p for p in parts}
