@@ -462,7 +462,8 @@ def filter_multi_vmap(
     - `verbose`: print the nest whenever the function is traced.
     - `progress`: `True` (`tqdm` if installed, else text), `"tqdm"` or `"text"`: a bar
         over the outermost scan's iterations, one per call, forward pass only; about
-        5 to 10 ms a call; off, none ([more](../strategies.md#progress-on-long-scans)).
+        5 to 10 ms a call; off, none. See
+        [Progress on long scans](../strategies.md#progress-on-long-scans).
 
     **Returns:**
 
