@@ -487,7 +487,8 @@ def _checked_class_note(e: Exception) -> str:
         f"while the body builds `{cls}` from one element. Build it outside: return "
         f"its fields (say as a `NamedTuple` with the same annotations) and call "
         f"`{cls}(...)` on the mapped result; or drop `@jaxtyped` from `{cls}`: "
-        "`filter_multi_vmap` checks the dims of a returned Module's fields itself."
+        f"with the return annotation `-> {cls}`, `filter_multi_vmap` checks the "
+        "dims of its fields itself."
     )
 
 
