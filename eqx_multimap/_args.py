@@ -13,7 +13,7 @@ from jax._src.tree_util import prefix_errors
 
 from ._dims import Dims, parse_dims
 from ._errors import did_you_mean, ShapeError, SpecError
-from ._text import describe, plural, wrap
+from ._text import describe, names_str, plural, wrap
 
 
 traceback_util.register_exclusion(__file__)
@@ -327,13 +327,6 @@ def no_array_in(value: Any) -> str:
     return "with no array in it"
 
 
-def names_str(dims: Dims) -> str:
-    """`dim 'F'`, `dims 'T', 'F'`: the named dims of `dims`, for errors."""
-    names = list(dict.fromkeys(dims.names))
-    quoted = ", ".join(repr(n) for n in names)
-    return f"dim {quoted}" if len(names) == 1 else f"dims {quoted}"
-
-
 def holds_no_array(value: Any) -> bool:
     """Whether `value` is a pytree (not a single leaf) with leaves but no array of
     rank one or more: dims that name a dim would describe nothing in it. (Under
@@ -356,7 +349,7 @@ def _check_some_array(fun_name: str, path: str, value: Any, spec: Any) -> None:
         raise ShapeError(
             f"`{fun_name}`: argument `{where}` is {describe_value(sub)}, "
             f"{no_array_in(sub)}, but its dims {dims.source!r} name "
-            f"{names_str(dims)}. Only array leaves are mapped and checked (other "
+            f"{names_str(dims.names)}. Only array leaves are mapped and checked (other "
             "leaves pass through whole), so these dims would describe nothing. "
             f"{pass_an_array(sub, where)}, or give it `None` dims to pass it "
             "through unchanged."

@@ -126,13 +126,8 @@ class _Sharded:
         return [n for n in names if n in self.dims]
 
     def touches(self, eqn: Any) -> bool:
-        if self._named(axis_names(eqn)):
-            return True
-        return any(
-            self._named(names)
-            for sub in sub_jaxprs(eqn)
-            for _, names in collectives(sub)
-        )
+        inner = (names for sub in sub_jaxprs(eqn) for _, names in collectives(sub))
+        return any(map(self._named, [axis_names(eqn), *inner]))
 
     def _error(self, prim: str, name: str, why: str) -> SpecError:
         return SpecError(

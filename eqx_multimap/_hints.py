@@ -98,9 +98,7 @@ def fun_hints(fun: Any) -> tuple[dict[str, Any], bool]:
     return hints, not any(isinstance(h, Unresolved) for h in hints.values())
 
 
-_class_cache: "weakref.WeakKeyDictionary[type, dict[str, Any]]" = (
-    weakref.WeakKeyDictionary()
-)
+_class_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def class_hints(cls: type) -> dict[str, Any]:

@@ -1,18 +1,12 @@
 """Reading jaxprs: the one module that reads a jaxpr's equations and their
-parameters, so that what a JAX upgrade changes is written once.
-
-- [`eqns`][] walks a jaxpr's equations, those of its sub-jaxprs included;
-- the tables of primitives the library cares about: collectives, the loops and
-    branches whose cost depends on the data, checks, calls;
-- [`collectives`][], [`has_checks`][], [`data_dependent`][] and [`lockstep`][]
-    (does the cost depend on the data), [`op_bytes`][], [`inputs_to_isolate`][];
-- [`rebind`][], which evaluates a jaxpr with its equations bound afresh.
+parameters (one iterator over them, the tables of the primitives we care about, and
+every question asked of a body's jaxpr), so that what a JAX upgrade changes is
+written once.
 
 Every reading handles any jaxpr JAX makes (`Literal`s and `DropVar`s anywhere, the
 jaxprs of calls, control flow and custom rules). Where it cannot know, it takes the
 safe side: a primitive it does not know that names a dim in an axis-name parameter is
-a collective over it, and the planner's readings give their cautious answer rather
-than raise.
+a collective over it, and the planner's readings give their cautious answer.
 """
 
 from collections.abc import Iterator
@@ -37,16 +31,9 @@ _CHECKS = frozenset({"check"})
 # flow (`cond`, `while`, `scan`: a scan's outputs are stacked, a loop's carried),
 # `shard_map` (its jaxpr sees blocks), and primitives we do not know.
 _CALLS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "call": "call_jaxpr",
-    "checkpoint": "jaxpr",
-    "remat": "jaxpr",
-    "remat2": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
+    **dict.fromkeys("jit pjit checkpoint remat remat2".split(), "jaxpr"),
+    **dict.fromkeys("closed_call core_call call".split(), "call_jaxpr"),
+    **dict.fromkeys(["custom_jvp_call", "custom_vjp_call"], "call_jaxpr"),
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
 # Of those, the calls that can be inlined (a sharded dim's collectives are rewritten

@@ -43,6 +43,13 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
 
 
+def names_str(names: Any) -> str:
+    """`dim 'F'`, `dims 'T', 'F'`: named dims, for errors."""
+    names = list(dict.fromkeys(names))
+    quoted = ", ".join(repr(n) for n in names)
+    return f"dim {quoted}" if len(names) == 1 else f"dims {quoted}"
+
+
 def describe(x: Any) -> str:
     """`float32[3,4]`, the way JAX names an array in its own errors."""
     shape = ",".join(str(s) for s in np.shape(x))

@@ -36,7 +36,6 @@ from ._args import (
     holds_no_array,
     is_array,
     LeafSpec,
-    names_str,
     no_array_in,
     pass_an_array,
 )
@@ -56,6 +55,7 @@ from ._hints import (
     union_members,
     Unresolved,
 )
+from ._text import names_str
 
 
 traceback_util.register_exclusion(__file__)
@@ -185,7 +185,7 @@ class Context:
         return ShapeError(
             f"`{self.fun_name}`: {self.label(path)} is annotated `{_type_name(ann)}`, "
             f"but was given {describe_value(value)}, {no_array_in(value)}: the "
-            f"annotation is not met, and its {names_str(dims)} would describe "
+            f"annotation is not met, and its {names_str(dims.names)} would describe "
             f"nothing (only array leaves are mapped). {pass_an_array(value, path)}; "
             "or override the annotation with "
             f"{self.override} (`None` passes it through unchanged)."
@@ -500,13 +500,12 @@ class FunAnnotations:
         dropped = [n for n in mapped if n in names]
         if self.checker is None or not dropped:
             return
-        what = "dim" if len(dropped) == 1 else "dims"
         raise SpecError(
             MSG_CHECKER_INSIDE.format(
                 fun_name=fun_name,
                 checker=self.checker,
                 label=label,
-                dropped=f"{what} " + ", ".join(repr(n) for n in dropped),
+                dropped=names_str(dropped),
             )
         )
 
