@@ -42,6 +42,13 @@ class Signature(inspect.Signature):
         super().__init__(*args, **kw)
         self._names = names or {}
 
+    def replace(
+        self, **changes: Any
+    ) -> "Signature":  # (as `inspect` does for a partial)
+        out = super().replace(**changes)
+        out._names = getattr(self, "_names", {})
+        return out
+
     def _shown(self, annotation: Any) -> Any:
         for name, alias in getattr(self, "_names", {}).items():
             try:
