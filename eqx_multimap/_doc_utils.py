@@ -42,9 +42,8 @@ class Signature(inspect.Signature):
         super().__init__(*args, **kw)
         self._names = names or {}
 
-    def replace(
-        self, **changes: Any
-    ) -> "Signature":  # (as `inspect` does for a partial)
+    def replace(self, **changes: Any) -> "Signature":
+        """A copy with `changes`, printed alike (`inspect` replaces for a partial)."""
         out = super().replace(**changes)
         out._names = getattr(self, "_names", {})
         return out
