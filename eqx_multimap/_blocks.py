@@ -201,8 +201,8 @@ def blocks(spec: NestSpec, sizes: dict[str, int]) -> tuple[Block, ...]:
     """
     choices = [parts(name, sizes[name], chunk) for name, chunk in spec.chunked]
     out = []
-    for parts in it.product(*choices):
-        by_dim = {p.dim: p for p in parts}
+    for combo in it.product(*choices):
+        by_dim = {p.dim: p for p in combo}
         scans: list[Level] = []
         vmaps: list[Level] = []
         for name, chunk in spec.scan:
@@ -215,7 +215,7 @@ def blocks(spec: NestSpec, sizes: dict[str, int]) -> tuple[Block, ...]:
             else:
                 vmaps.append(Level(name, name, "vmap", part.stop - part.start, False))
         vmaps.extend(Level(name, name, "vmap", sizes[name], True) for name in spec.vmap)
-        out.append(Block(tuple(parts), tuple(scans + vmaps)))
+        out.append(Block(tuple(combo), tuple(scans + vmaps)))
     return tuple(out)
 
 
