@@ -1,15 +1,14 @@
 """Map one per-element function over several named dims: scan outside, vmap inside."""
 
-import importlib.metadata
 import os as _os
 from collections.abc import Sequence as _Sequence
+from importlib.metadata import version as _version
 
 import jax as _jax
-
 from jax._src import traceback_util as _traceback_util
 
-from ._doc_utils import for_help as _for_help
 from ._dims import Dims as Dims, parse_dims as parse_dims
+from ._doc_utils import for_help as _for_help
 from ._errors import ShapeError as ShapeError, SpecError as SpecError
 from ._explain import explain as explain, tune as tune
 from ._multi_vmap import (
@@ -37,7 +36,8 @@ _traceback_util.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)))
 
 _Names = str | _Sequence[str] | None
 _Mesh = _jax.sharding.Mesh | None
-# `help()` reads `__doc__` and the signature; the API reference reads the source.
+# `help()` reads `__doc__` and prints the signature; the API reference reads the
+# source.
 _for_help(
     {k: v for k, v in globals().items() if not k.startswith("_")},
     {
@@ -51,4 +51,4 @@ _for_help(
     },
 )
 
-__version__ = importlib.metadata.version("eqx_multimap")
+__version__ = _version("eqx_multimap")

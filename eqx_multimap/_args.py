@@ -12,7 +12,8 @@ from jax._src import traceback_util
 from jax._src.tree_util import prefix_errors
 
 from ._dims import Dims, parse_dims
-from ._errors import did_you_mean, ShapeError, SpecError, wrap
+from ._errors import did_you_mean, ShapeError, SpecError
+from ._text import describe, names_str, plural, wrap
 
 
 traceback_util.register_exclusion(__file__)
@@ -286,16 +287,9 @@ def _specs(
     )
 
 
-def _plural(n: int, noun: str) -> str:
-    if n == 1:
-        return f"1 {noun}"
-    return f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
-
-
 def _leaf_kind(leaf: Any) -> str:
     if is_array(leaf):
-        shape = ",".join(str(s) for s in np.shape(leaf))
-        return f"{getattr(leaf.dtype, 'name', leaf.dtype)}[{shape}] array"
+        return f"{describe(leaf)} array"
     return type(leaf).__name__
 
 
@@ -306,7 +300,7 @@ def describe_value(value: Any) -> str:
     for leaf in leaves:
         kind = _leaf_kind(leaf)
         counts[kind] = counts.get(kind, 0) + 1
-    what = " and ".join(_plural(n, kind) for kind, n in counts.items())
+    what = " and ".join(plural(n, kind) for kind, n in counts.items())
     treedef = jtu.tree_structure(value)
     flat = all(jtu.treedef_is_leaf(c) for c in treedef.children())
     type_name = type(value).__name__
@@ -333,13 +327,6 @@ def no_array_in(value: Any) -> str:
     return "with no array in it"
 
 
-def names_str(dims: Dims) -> str:
-    """`dim 'F'`, `dims 'T', 'F'`: the named dims of `dims`, for errors."""
-    names = list(dict.fromkeys(dims.names))
-    quoted = ", ".join(repr(n) for n in names)
-    return f"dim {quoted}" if len(names) == 1 else f"dims {quoted}"
-
-
 def holds_no_array(value: Any) -> bool:
     """Whether `value` is a pytree (not a single leaf) with leaves but no array of
     rank one or more: dims that name a dim would describe nothing in it. (Under
@@ -362,7 +349,7 @@ def _check_some_array(fun_name: str, path: str, value: Any, spec: Any) -> None:
         raise ShapeError(
             f"`{fun_name}`: argument `{where}` is {describe_value(sub)}, "
             f"{no_array_in(sub)}, but its dims {dims.source!r} name "
-            f"{names_str(dims)}. Only array leaves are mapped and checked (other "
+            f"{names_str(dims.names)}. Only array leaves are mapped and checked (other "
             "leaves pass through whole), so these dims would describe nothing. "
             f"{pass_an_array(sub, where)}, or give it `None` dims to pass it "
             "through unchanged."

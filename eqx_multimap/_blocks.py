@@ -20,13 +20,13 @@ divides the size whatever it is.
 import dataclasses
 import itertools as it
 import math
-import re
 from typing import Literal
 
 import jax
 from jax._src import traceback_util
 
 from ._errors import SpecError
+from ._text import plural
 
 
 traceback_util.register_exclusion(__file__)
@@ -179,7 +179,10 @@ def runs_on_slice(
     return True
 
 
-def _parts(dim: str, n: int, chunk: int) -> list[Part]:
+def parts(dim: str, n: int, chunk: int) -> list[Part]:
+    """The parts of a dim of `n` elements chunked by `chunk`: its whole chunks (if
+    any, or if `n` is 0), then its remainder (if any). `_Nest.level` runs them, and
+    `blocks` combines them."""
     n_full, rest = split(dim, n, chunk)
     parts = []
     if n_full != 0 or n == 0:
@@ -196,10 +199,10 @@ def blocks(spec: NestSpec, sizes: dict[str, int]) -> tuple[Block, ...]:
     remainder when the chunk does not divide the size), one `Block`, in the order
     that `itertools.product` gives (main before remainder, first chunked dim major).
     """
-    choices = [_parts(name, sizes[name], chunk) for name, chunk in spec.chunked]
+    choices = [parts(name, sizes[name], chunk) for name, chunk in spec.chunked]
     out = []
-    for parts in it.product(*choices):
-        by_dim = {p.dim: p for p in parts}
+    for combo in it.product(*choices):
+        by_dim = {p.dim: p for p in combo}
         scans: list[Level] = []
         vmaps: list[Level] = []
         for name, chunk in spec.scan:
@@ -212,13 +215,8 @@ def blocks(spec: NestSpec, sizes: dict[str, int]) -> tuple[Block, ...]:
             else:
                 vmaps.append(Level(name, name, "vmap", part.stop - part.start, False))
         vmaps.extend(Level(name, name, "vmap", sizes[name], True) for name in spec.vmap)
-        out.append(Block(tuple(parts), tuple(scans + vmaps)))
+        out.append(Block(tuple(combo), tuple(scans + vmaps)))
     return tuple(out)
-
-
-def plural(n: int, word: str) -> str:
-    """`"1 chunk"`, `"3 chunks"`."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def describe_nest(spec: NestSpec, sizes: dict[str, int]) -> str:
@@ -233,23 +231,3 @@ def describe_nest(spec: NestSpec, sizes: dict[str, int]) -> str:
             parts.append(f"scan({name}: {plural(n_full, 'chunk')} of {chunk}){extra}")
     parts.extend(f"vmap({name}={sizes[name]})" for name in spec.vmap)
     return " -> ".join(parts + ["body"])
-
-
-def wrap_nest(line: str, width: int = 100, indent: str = "    ") -> str:
-    """A line holding a nest, broken where it is longer than `width` columns: before
-    an arrow (the next line starts `indent` and `-> `), else after a `;`, or after
-    the line's title (`f: `)."""
-    parts = re.split(r"( -> |; )", line)
-    lines = [parts[0]]
-    if len(parts[0]) > width and ": " in parts[0]:
-        title, first = parts[0].split(": ", 1)
-        lines = [f"{title}:", f"{indent}   {first}"]
-    for sep, piece in zip(parts[1::2], parts[2::2]):
-        if len(lines[-1]) + len(sep) + len(piece) <= width:
-            lines[-1] += sep + piece
-        elif sep == "; ":
-            lines[-1] += ";"
-            lines.append(f"{indent}   {piece}")
-        else:
-            lines.append(f"{indent}-> {piece}")
-    return "\n".join(lines)

@@ -13,17 +13,10 @@ from jax._src import traceback_util
 from ._args import InLeaf, is_array
 from ._dims import AnonDim, axes_of, Dims, EllipsisDim, FixedDim, NamedDim
 from ._errors import ShapeError, SpecError
+from ._text import describe
 
 
 traceback_util.register_exclusion(__file__)
-
-
-def describe(x: Any) -> str:
-    """`float32[3,4]`, the way JAX names an array in its own errors."""
-    shape = ",".join(str(s) for s in np.shape(x))
-    dtype = getattr(x, "dtype", None)
-    name = getattr(dtype, "name", str(dtype))
-    return f"{name}[{shape}]"
 
 
 def dtype_matches(x: Any, dims: Dims) -> bool:

@@ -287,6 +287,16 @@ def variadic_axes(dims: Dims, ndim: int) -> tuple[int, int]:
     return start, ndim - n_fixed
 
 
+def final_axis(dims: Dims, name: str, ndim: int) -> int:
+    """The axis of the named dim `name` in an array of rank `ndim` with `dims`."""
+    token_axes = axes_of(dims, ndim)
+    assert not isinstance(token_axes, str)
+    for t, ax in zip(dims.tokens, token_axes):
+        if isinstance(t, NamedDim) and t.name == name:
+            return ax
+    raise AssertionError(name)
+
+
 def parse_names(value, argname: str) -> tuple[str, ...]:
     """Parse a strategy's dim names: `"T F"`, `("T", "F")` or `None`."""
     if value is None:

@@ -9,100 +9,16 @@ They deliberately do not share a base class other than `Exception`, so that code
 catching one never swallows the other (as in jaxtyping, where `AnnotationError` does
 not inherit from `TypeCheckError`).
 
-Both print their message wrapped, so that it reads in a terminal or on a docs page.
-A line longer than `_LONG` columns (counting, on the first line, the
-`eqx_multimap.ShapeError: ` that Python prints before it) is broken into lines of at
-most `_LONG`, each break as late as fits, of the best kind there is: after a
-sentence; else after a `;` or `:`; else after a comma that ends a clause; else after
-the message's subject (`` `filter_multi_vmap(f)`: ``); else between words, outside
-brackets if it can be. A `backticked` or 'quoted' name is never broken. So a phrase
-that a test or a search looks for is rarely split (a test can match any whitespace
-where a message may break). The message as raised, one line per thought, stays in
-`error.args[0]`. `wrap` wraps the message of an error that is not ours (a
-`TypeError` for bad call arguments, as Python raises it) and the note added to an
-error the body raises.
+Both print their message wrapped by `_text.wrap` (counting, on the first line, the
+`eqx_multimap.ShapeError: ` that Python prints before it), so that it reads in a
+terminal or on a docs page. The message as raised, one line per thought, stays in
+`error.args[0]`.
 """
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
-
-_LONG = 100
-
-# Spans never broken: `code`, and 'quoted' or "quoted" names (an apostrophe inside a
-# word, as in "function's", opens no quote).
-_UNBREAKABLE = re.compile(r"`[^`\n]*`|(?<!\w)'[^'\n]*'(?!\w)|(?<!\w)\"[^\"\n]*\"(?!\w)")
-_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)[.?!]$")
-_CLAUSE_WORD = re.compile(r"[a-z]{2,}\b")  # a comma before one may end a clause
-_SUBJECT = re.compile(r"^ *(`[^`\n]*`:? ?)+:$")  # "`filter_multi_vmap(f)`:"
-
-# Kinds of break, best first.
-_SENTENCE, _CLAUSE, _COMMA, _SUBJECT_END, _WORD, _BRACKETED = 5, 4, 3, 2, 1, 0
-
-
-def _breaks(line: str) -> list[tuple[int, int]]:
-    """`(index of a space, kind of break there)` for every space after the line's
-    indent and outside an unbreakable span."""
-    protected = set()
-    for m in _UNBREAKABLE.finditer(line):
-        protected.update(range(m.start(), m.end()))
-    start = len(line) - len(line.lstrip(" "))
-    out = []
-    depth = 0
-    for i in range(start, len(line) - 1):
-        if i in protected:
-            continue
-        c = line[i]
-        depth += (c in "([{") - (c in ")]}")
-        if c != " " or line[i - 1] == " " or line[i + 1] == " ":
-            continue
-        before = line[:i]
-        if depth > 0:
-            kind = _BRACKETED
-        elif _SUBJECT.match(before):
-            kind = _SUBJECT_END
-        elif _SENTENCE_END.search(before):
-            kind = _SENTENCE
-        elif before.endswith((":", ";")):
-            kind = _CLAUSE
-        elif before.endswith(",") and _CLAUSE_WORD.match(line, i + 1):
-            kind = _COMMA
-        else:
-            kind = _WORD
-        out.append((i, kind))
-    return out
-
-
-def _break_at(line: str, offset: int) -> int | None:
-    """Where to break a line that starts `offset` columns in: at the latest break of
-    the best kind that fits in `_LONG` columns, or at the first break if none fits."""
-    breaks = _breaks(line)
-    fit = [(kind, i) for i, kind in breaks if offset + i <= _LONG]
-    if fit:
-        return max(fit)[1]
-    return breaks[0][0] if breaks else None
-
-
-def wrap(message: str, prefix: int = 0) -> str:
-    """`message` with each line longer than `_LONG` columns broken (its first line
-    starting `prefix` columns in). A continuation is indented as its line, or under
-    its bullet."""
-    lines = []
-    for k, line in enumerate(message.split("\n")):
-        indent = len(line) - len(line.lstrip(" "))
-        if line[indent:].startswith(("* ", "- ")):
-            indent += 2
-        offset = prefix if k == 0 else 0
-        while offset + len(line) > _LONG:
-            i = _break_at(line, offset)
-            if i is None:
-                break
-            lines.append(line[:i])
-            line = " " * indent + line[i + 1 :]
-            offset = 0
-        lines.append(line)
-    return "\n".join(lines)
+from ._text import wrap
 
 
 def did_you_mean(unknown: Sequence[Any], names: Sequence[str]) -> str:

@@ -1,24 +1,27 @@
-"""Reading the type hints of a function or a class, for `_annotations`.
+"""Reading the type hints of a function or a class, for `_typed`.
 
 Hints are read with `typing.get_type_hints(..., include_extras=True)` (lazily, at the
 first call, so that forward references and `from __future__ import annotations`
 work), falling back to evaluating each string annotation on its own, in the
 function's globals and closure or the class's module and namespace. A string that
-cannot be evaluated becomes an `Unresolved`, which `_annotations` reports only if
+cannot be evaluated becomes an `Unresolved`, which `_typed` reports only if
 the parameter or field it annotates is mapped.
 
 It also tells typed containers apart (`eqx.Module`s, dataclasses, `NamedTuple`s,
-`TypedDict`s), whose fields' annotations give the dims of their children.
+`TypedDict`s), whose fields' annotations give the dims of their children, and reads
+typing forms: `Annotated[X, ...]`, unions, and the annotation of each element of a
+`tuple[...]`, `list[...]` or `dict[str, ...]`.
 """
 
 import dataclasses
 import functools as ft
 import inspect
 import sys
+import types
 import typing
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, get_args, get_origin
 
 from jax._src import traceback_util
 
@@ -95,9 +98,7 @@ def fun_hints(fun: Any) -> tuple[dict[str, Any], bool]:
     return hints, not any(isinstance(h, Unresolved) for h in hints.values())
 
 
-_class_cache: "weakref.WeakKeyDictionary[type, dict[str, Any]]" = (
-    weakref.WeakKeyDictionary()
-)
+_class_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def class_hints(cls: type) -> dict[str, Any]:
@@ -172,7 +173,51 @@ def field_names(cls: type) -> list[str]:
     if is_typeddict(cls):
         return list(class_hints(cls))
     return [
-        f.name
-        for f in dataclasses.fields(cls)
-        if not f.metadata.get("static", False)
+        f.name for f in dataclasses.fields(cls) if not f.metadata.get("static", False)
     ]
+
+
+#
+# Typing forms.
+#
+
+_UNION_TYPES: tuple[Any, ...] = (typing.Union, types.UnionType)
+
+
+def strip(ann: Any) -> Any:
+    """`Annotated[X, ...]` -> `X`."""
+    while get_origin(ann) is typing.Annotated:
+        ann = get_args(ann)[0]
+    return ann
+
+
+def union_members(ann: Any) -> list[Any] | None:
+    """The members of a union but `None`, or `None` if `ann` is not a union."""
+    if get_origin(ann) in _UNION_TYPES:
+        return [strip(m) for m in get_args(ann) if m is not type(None)]
+    return None
+
+
+def fits_type(ann: Any, value: Any) -> bool:
+    """Whether `value` is an instance of `ann` (of its origin, if generic)."""
+    if is_typeddict(ann):
+        return isinstance(value, dict)
+    origin = get_origin(ann) or ann
+    return isinstance(origin, type) and isinstance(value, origin)
+
+
+def element_annotation(ann: Any, value: Any) -> Callable[[Any], Any]:
+    """The annotation of each child of a tuple, list or dict, by its key."""
+    origin = get_origin(ann)
+    args = get_args(ann)
+    if isinstance(value, tuple) and origin is tuple and args:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return lambda key: args[0]
+        if len(args) == len(value):
+            return lambda key: args[key.idx]
+    elif isinstance(value, (tuple, list)) and origin in (list, Sequence):
+        if len(args) == 1:
+            return lambda key: args[0]
+    elif isinstance(value, dict) and origin in (dict, Mapping) and len(args) == 2:
+        return lambda key: args[1]
+    return lambda key: None

@@ -23,7 +23,7 @@ from jax._src import traceback_util
 from jaxtyping import PyTree
 
 from ._args import check_in_dims_keys, is_array
-from ._blocks import describe_nest, NestSpec, wrap_nest
+from ._blocks import describe_nest, NestSpec
 from ._body import struct
 from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
@@ -33,6 +33,7 @@ from ._progress_bar import make_meter
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
 from ._shard import parse_shard, shard_repr, shardings_seen, ShardPlan, ShardSpec
+from ._text import wrap_nest
 
 
 traceback_util.register_exclusion(__file__)
@@ -466,7 +467,8 @@ def filter_multi_vmap(
     - `verbose`: print the nest whenever the function is traced.
     - `progress`: `True` (`tqdm` if installed, else text), `"tqdm"` or `"text"`: a bar
         over the outermost scan's iterations, one per call, forward pass only; about
-        5 to 10 ms a call; off, none ([more](../strategies.md#progress-on-long-scans)).
+        5 to 10 ms a call; off, none. See
+        [Progress on long scans](../strategies.md#progress-on-long-scans).
 
     **Returns:**
 

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax._src import traceback_util
 from jax.custom_derivatives import SymbolicZero
 
-from ._blocks import Block, chunk_key, known, Level, NestSpec, runs_on_slice, split
-from ._dims import axes_of, Dims, EllipsisDim, NamedDim
+from ._blocks import Block, chunk_key, known, Level, NestSpec, parts, runs_on_slice
+from ._dims import Dims, EllipsisDim, final_axis, NamedDim
 from ._errors import SpecError
 from ._progress_bar import Meter, report_for, Report
 from ._reduce import Reduction
@@ -286,16 +286,6 @@ def _to_dims_order(out: Any, dims: Dims, block: Block, mapped: set[str]) -> Any:
     return out
 
 
-def final_axis(dims: Dims, name: str, ndim: int) -> int:
-    """The axis of the named dim `name` in an array of rank `ndim` with `dims`."""
-    token_axes = axes_of(dims, ndim)
-    assert not isinstance(token_axes, str)
-    for t, ax in zip(dims.tokens, token_axes):
-        if isinstance(t, NamedDim) and t.name == name:
-            return ax
-    raise AssertionError(name)
-
-
 def mapped_axes(dims: Dims, names: Sequence[str], ndim: int) -> list[int]:
     """The axes of the named dims `names` (those `dims` has) in an array of rank
     `ndim` with `dims`, in increasing order."""
@@ -320,7 +310,7 @@ def _move_axis(x: Any, source: int, destination: int) -> Any:
     """`jnp.moveaxis`, as a reshape when the axes it moves past have size 1 (a
     transpose there may take a layout that XLA copies `x` to)."""
     lo, hi = sorted((source, destination))
-    others = x.shape[lo:hi + 1]
+    others = x.shape[lo : hi + 1]
     if math.prod(others) == x.shape[source]:
         order = list(range(x.ndim))
         order.insert(destination, order.pop(source))
@@ -371,17 +361,20 @@ class _Nest:
         if chunk in (None, 1):  # chunks of 1 are the elements: the plain scan
             ys = self.loop(j, values, axes, pending, None)
             return self.placed(j, pending, ys, chunked=False)
-        n_full, rest = split(name, n, chunk)
         main = rem = None
-        if n_full != 0 or rest == 0:
-            ys = self.loop(j, values, axes, pending, chunk)
-            main = self.placed(j, pending, ys, chunked=True)
-        if rest != 0:  # the remainder: `name` vmapped inside, over its last elements
+        for part in parts(name, n, chunk):
+            if part.is_main:
+                ys = self.loop(j, values, axes, pending, chunk)
+                main = self.placed(j, pending, ys, chunked=True)
+                continue
+            # The remainder: `name` vmapped inside, over its last elements.
             cut = [
-                lax.slice_in_dim(x, n_full * chunk, n, axis=a[name]) if name in a else x
+                lax.slice_in_dim(x, part.start, part.stop, axis=a[name])
+                if name in a
+                else x
                 for x, a in zip(values, axes)
             ]
-            vmapped = Level(name, name, "vmap", rest, False)
+            vmapped = Level(name, name, "vmap", part.stop - part.start, False)
             rem = self.level(j + 1, cut, axes, pending + (vmapped,))
         return self.join(j, pending, main, rem)
 

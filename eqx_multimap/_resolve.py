@@ -42,7 +42,6 @@ import jaxtyping
 import numpy as np
 from jax._src import traceback_util
 
-from ._annotations import fun_annotations, FunAnnotations, OutAnnotation
 from ._args import (
     bind_call,
     BoundCall,
@@ -50,10 +49,11 @@ from ._args import (
     LeafSpec,
 )
 from ._blocks import NestSpec
-from ._body import Body, collectives, inputs_to_isolate, struct, trace_body
-from ._check import check_inputs, check_output, describe, InputCheck
+from ._body import Body, struct, trace_body
+from ._check import check_inputs, check_output, InputCheck
 from ._dims import Dims, parse_dims
-from ._errors import ShapeError, SpecError, typo_hint, wrap
+from ._errors import ShapeError, SpecError, typo_hint
+from ._jaxpr import collectives, inputs_to_isolate
 from ._nest import Axes, Problem
 from ._options import (
     check_out_leaf,
@@ -65,6 +65,8 @@ from ._options import (
 )
 from ._reduce import check_reduce_sizes, make_reduction, Reduction
 from ._shard import ShardPlan
+from ._text import describe, wrap
+from ._typed import fun_annotations, FunAnnotations, OutAnnotation
 from ._variadic import Expand, rewrite_inputs, rewrite_output
 
 
@@ -154,7 +156,7 @@ class Call:
     @property
     def isolate(self) -> frozenset[int]:
         """The input leaves that scans slice apart from the body's kernels."""
-        return inputs_to_isolate(self.body)
+        return inputs_to_isolate(self.body.jaxpr)
 
     @property
     def mapped_sizes(self) -> dict[str, int]:
@@ -485,7 +487,8 @@ def _checked_class_note(e: Exception) -> str:
         f"while the body builds `{cls}` from one element. Build it outside: return "
         f"its fields (say as a `NamedTuple` with the same annotations) and call "
         f"`{cls}(...)` on the mapped result; or drop `@jaxtyped` from `{cls}`: "
-        "`filter_multi_vmap` checks the dims of a returned Module's fields itself."
+        f"with the return annotation `-> {cls}`, `filter_multi_vmap` checks the "
+        "dims of its fields itself."
     )
 
 

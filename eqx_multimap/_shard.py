@@ -32,11 +32,11 @@ import numpy as np
 from jax._src import traceback_util
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._blocks import plural
-from ._check import describe, InputCheck, Seen
+from ._check import InputCheck, Seen
 from ._dims import Dims, unstarred
 from ._errors import ShapeError, SpecError
 from ._nest import present_axes
+from ._text import describe, plural
 
 
 traceback_util.register_exclusion(__file__)

@@ -12,6 +12,7 @@ from jax._src import traceback_util
 from ._dims import is_dim_name
 from ._errors import SpecError
 from ._multi_vmap import filter_multi_vmap
+from ._text import plural
 
 
 traceback_util.register_exclusion(__file__)
@@ -31,10 +32,6 @@ _DSA_AUTO_KWARGS = {
     "compute_bound": "the planner estimates time from both flops and bytes",
     "max_scan_dims": "the planner considers scanning any number of the mapped dims",
 }
-
-
-def _groups_str(n: int) -> str:
-    return "1 group" if n == 1 else f"{n} groups"
 
 
 def _is_number(label: str) -> bool:
@@ -175,8 +172,8 @@ def _parameters(f: Callable, ins: Groups, fun_name: str) -> tuple[str, ...] | No
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return None
     raise SpecError(
-        f"`{fun_name}`: `in_mapping` has {_groups_str(len(ins))}, one per positional "
-        f"argument, but `f` takes {len(positional)} positional parameters "
+        f"`{fun_name}`: `in_mapping` has {plural(len(ins), 'group')}, one per "
+        f"positional argument, but `f` takes {len(positional)} positional parameters "
         f"{tuple(positional)}."
     )
 
@@ -216,7 +213,7 @@ class _Outputs(eqx.Module):
             raise SpecError(
                 f"`{self._shim_name}`: the function returned {what}, but "
                 f"`out_mapping={self._out_mapping!r}` has "
-                f"{_groups_str(self._n_out)}; the number of outputs must match "
+                f"{plural(self._n_out, 'group')}; the number of outputs must match "
                 "output mapping, one group per element of the returned tuple."
             )
         if is_tuple and n == 1:
@@ -256,10 +253,10 @@ class _MultiVmapShim(eqx.Module):
                 )
             if len(args) != n:
                 raise SpecError(
-                    f"`{self._shim_name}` was called with {len(args)} positional "
-                    f"argument{'' if len(args) == 1 else 's'}, but "
-                    f"`in_mapping={self._in_mapping!r}` has {_groups_str(n)}, one per "
-                    "argument (`[]` for one that is not mapped)."
+                    f"`{self._shim_name}` was called with "
+                    f"{plural(len(args), 'positional argument')}, but "
+                    f"`in_mapping={self._in_mapping!r}` has {plural(n, 'group')}, "
+                    "one per argument (`[]` for one that is not mapped)."
                 )
             return dict(enumerate(args))
         values = dict(enumerate(args[:n]))
@@ -277,7 +274,7 @@ class _MultiVmapShim(eqx.Module):
         if extra:
             raise SpecError(
                 f"`{self._shim_name}` was called with {' and '.join(extra)}, but "
-                f"`in_mapping={self._in_mapping!r}` has {_groups_str(n)}, for the "
+                f"`in_mapping={self._in_mapping!r}` has {plural(n, 'group')}, for the "
                 f"parameters {self._params} in order. Give every argument a group "
                 "(`[]` for one that is not mapped)."
             )

@@ -1,21 +1,27 @@
-"""Spec trees from jaxtyping annotations: arrays, unions and typed containers.
+"""Dims from jaxtyping annotations: parameters, return values and typed containers.
 
-An annotation such as `Float[Array, "T F"]` gives the `Dims` of one array. A typed
-container gives the dims of its children from its field annotations, at any depth:
-an `eqx.Module`, a dataclass, a `NamedTuple` or a `TypedDict` (as parameters, and in
-returns). Their core dims are scoped to the instance (`Dims.scope`), as jaxtyping
-checks a dataclass's fields in its own `__init__`. `tuple[...]`, `list[...]`,
-`dict[str, ...]` and `PyTree[...]` annotate their elements in the function's scope.
+An annotation such as `Float[Array, "T F"]` describes the *whole* (batched) shape
+that the caller passes, exactly as a dims string does, plus a dtype constraint. A
+typed container gives the dims of its children from its field annotations, at any
+depth: an `eqx.Module`, a dataclass, a `NamedTuple` or a `TypedDict` (as parameters,
+and in returns). Their core dims are scoped to the instance (`Dims.scope`), as
+jaxtyping checks a dataclass's fields in its own `__init__`. `tuple[...]`,
+`list[...]`, `dict[str, ...]` and `PyTree[...]` annotate their elements in the
+function's scope.
 
-A value whose fields cannot be read (a pytree class of another kind, or a dataclass
-that is no pytree) but whose class annotates a mapped dim raises a `SpecError` saying
-what to write instead; unannotated fields are passed whole.
+[`fun_annotations`][] gives, for each parameter, a spec built from its annotation
+*and* its value at call time ([`spec`][]), and for the return value an
+[`OutAnnotation`][] that builds the `out_dims` from the body's output while it is
+traced. A value whose fields cannot be read (a pytree class of another kind, or a
+dataclass that is no pytree) but whose class annotates a mapped dim raises a
+`SpecError` saying what to write instead; unannotated fields are passed whole. The
+hints themselves are read by `_hints`.
 """
 
 import dataclasses
 import functools as ft
 import types
-import typing
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, get_args, get_origin
 
@@ -25,29 +31,34 @@ from jax._src import traceback_util
 from jaxtyping import AbstractArray, PyTree
 
 from ._args import (
+    broadcast_spec,
     describe_value,
     holds_no_array,
     is_array,
-    names_str,
+    LeafSpec,
     no_array_in,
     pass_an_array,
 )
-from ._check import fits_dims
+from ._check import dtype_matches, fits_dims
 from ._dims import Dims, parse_dims
 from ._errors import ShapeError, SpecError
 from ._hints import (
+    checker_inside,
     class_hints,
+    element_annotation,
     field_names,
+    fits_type,
+    fun_hints,
     has_fields,
     is_typeddict,
+    strip,
+    union_members,
     Unresolved,
 )
+from ._text import names_str
 
 
 traceback_util.register_exclusion(__file__)
-
-
-_UNION_TYPES: tuple[Any, ...] = (typing.Union, types.UnionType)
 
 
 def _is_array_type(ann: Any) -> bool:
@@ -56,19 +67,6 @@ def _is_array_type(ann: Any) -> bool:
 
 def _is_pytree_type(ann: Any) -> bool:
     return isinstance(ann, type) and issubclass(ann, PyTree) and ann is not PyTree
-
-
-def _strip(ann: Any) -> Any:
-    """`Annotated[X, ...]` -> `X`."""
-    while get_origin(ann) is typing.Annotated:
-        ann = get_args(ann)[0]
-    return ann
-
-
-def _union_members(ann: Any) -> list[Any] | None:
-    if get_origin(ann) in _UNION_TYPES:
-        return [_strip(m) for m in get_args(ann) if m is not type(None)]
-    return None
 
 
 #
@@ -187,7 +185,7 @@ class Context:
         return ShapeError(
             f"`{self.fun_name}`: {self.label(path)} is annotated `{_type_name(ann)}`, "
             f"but was given {describe_value(value)}, {no_array_in(value)}: the "
-            f"annotation is not met, and its {names_str(dims)} would describe "
+            f"annotation is not met, and its {names_str(dims.names)} would describe "
             f"nothing (only array leaves are mapped). {pass_an_array(value, path)}; "
             "or override the annotation with "
             f"{self.override} (`None` passes it through unchanged)."
@@ -211,22 +209,22 @@ def spec(
     """
     if value is None:
         return None
-    ann = _strip(ann)
+    ann = strip(ann)
     if isinstance(ann, Unresolved):
         raise ctx.unresolved(ann, path)
-    members = _union_members(ann)
+    members = union_members(ann)
     if members is not None:
         arrays = [m for m in members if _is_array_type(m)]
         others = [m for m in members if not _is_array_type(m)]
         if arrays and (is_arrayish(value) or not others):
             return _value_dims(arrays, ann, value, path, ctx, scope)
-        fitting = [m for m in others if _fits(m, value)]
+        fitting = [m for m in others if fits_type(m, value)]
         ann = fitting[0] if fitting else None
     if _is_array_type(ann):
         return _value_dims([ann], ann, value, path, ctx, scope)
     if _is_pytree_type(ann):
-        leaf = _strip(getattr(ann, "leaftype", None))
-        leaf_members = _union_members(leaf)
+        leaf = strip(getattr(ann, "leaftype", None))
+        leaf_members = union_members(leaf)
         if leaf_members is None:
             leaf_members = [leaf]
         arrays = [m for m in leaf_members if _is_array_type(m)]
@@ -237,17 +235,10 @@ def spec(
     if fields is not None:
         return _children_spec(value, fields, path, ctx, path)
     if isinstance(value, (tuple, list, dict)):
-        elements = _element_annotation(ann, value)
+        elements = element_annotation(ann, value)
         return _children_spec(value, elements, path, ctx, scope)
     _check_readable(value, path, ctx)
     return None
-
-
-def _fits(ann: Any, value: Any) -> bool:
-    if is_typeddict(ann):
-        return isinstance(value, dict)
-    origin = get_origin(ann) or ann
-    return isinstance(origin, type) and isinstance(value, origin)
 
 
 def _field_annotation(ann: Any, value: Any) -> Callable[[Any], Any] | None:
@@ -269,23 +260,6 @@ def _field_annotation(ann: Any, value: Any) -> Callable[[Any], Any] | None:
 
 def _is_leaf(value: Any) -> bool:
     return jtu.treedef_is_leaf(jtu.tree_structure(value))
-
-
-def _element_annotation(ann: Any, value: Any) -> Callable[[Any], Any]:
-    """The annotation of each child of a tuple, list or dict, by its key."""
-    origin = get_origin(ann)
-    args = get_args(ann)
-    if isinstance(value, tuple) and origin is tuple and args:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return lambda key: args[0]
-        if len(args) == len(value):
-            return lambda key: args[key.idx]
-    elif isinstance(value, (tuple, list)) and origin in (list, Sequence):
-        if len(args) == 1:
-            return lambda key: args[0]
-    elif isinstance(value, dict) and origin in (dict, Mapping) and len(args) == 2:
-        return lambda key: args[1]
-    return lambda key: None
 
 
 def _children_spec(
@@ -416,12 +390,12 @@ def annotation_dims(
     """The dims of every array type in a (return) annotation, without a value:
     `(path, dims, certain)`, where `certain` is `False` for a member of a union
     (which may not be the type of the value)."""
-    ann = _strip(ann)
+    ann = strip(ann)
     if depth > 20:
         return []
     if isinstance(ann, Unresolved):
         raise ctx.unresolved(ann, path)
-    members = _union_members(ann)
+    members = union_members(ann)
     if members is not None:
         return [
             (p, d, False)
@@ -459,3 +433,153 @@ def annotation_dims(
         ]
     return []
 
+
+#
+# The annotations of one function.
+#
+
+
+@dataclasses.dataclass
+class FunAnnotations:
+    """The resolved annotations of a mapped function."""
+
+    hints: dict[str, Any]
+    checker: str | None
+
+    @property
+    def has_return(self) -> bool:
+        return "return" in self.hints
+
+    def _out_ctx(self, fun_name: str, mapped: tuple[str, ...] = ()) -> Context:
+        return Context(
+            fun_name, "`out_dims=...`", "the return value", "output", mapped, True
+        )
+
+    def in_dims_hook(
+        self, fun_name: str, mapped: tuple[str, ...]
+    ) -> Callable[[str, Any, str], Any]:
+        """The `default_dims(param_name, value, path)` hook of `bind_call`."""
+
+        def default_dims(name: str, value: Any, path: str) -> Any:
+            label = f"parameter `{name}`" if path == name else f"`{path}`"
+            override = f"`in_dims={{{name!r}: ...}}`"
+            ctx = Context(fun_name, override, label, path, mapped)
+            out = spec(self.hints.get(name), value, path, ctx)
+            self._no_checker_inside(fun_name, label, spec_names(out), mapped)
+            return out
+
+        return default_dims
+
+    def out_leaf_dims(self, fun_name: str) -> list[tuple[str, Dims, bool]]:
+        """The dims of every array type in the return annotation, by output path
+        (see `annotation_dims`)."""
+        if not self.has_return:
+            return []
+        return annotation_dims(self.hints["return"], self._out_ctx(fun_name), "output")
+
+    def out_names(self, fun_name: str) -> tuple[str, ...]:
+        """The dim names of the return annotation, in order."""
+        names = (n for _, dims, _ in self.out_leaf_dims(fun_name) for n in dims.names)
+        return tuple(dict.fromkeys(names))
+
+    def out_dims(
+        self, fun_name: str, mapped: tuple[str, ...]
+    ) -> "OutAnnotation | None":
+        """The `out_dims` from the return annotation, if there is one."""
+        if not self.has_return:
+            return None
+        names = self.out_names(fun_name)
+        self._no_checker_inside(fun_name, "the return value", names, mapped)
+        ctx = self._out_ctx(fun_name, mapped)
+        return OutAnnotation(self.hints["return"], ctx, mapped)
+
+    def _no_checker_inside(
+        self, fun_name: str, label: str, names: Any, mapped: tuple[str, ...]
+    ) -> None:
+        """A type checker inside would check batched annotations on one element."""
+        dropped = [n for n in mapped if n in names]
+        if self.checker is None or not dropped:
+            return
+        raise SpecError(
+            MSG_CHECKER_INSIDE.format(
+                fun_name=fun_name,
+                checker=self.checker,
+                label=label,
+                dropped=names_str(dropped),
+            )
+        )
+
+
+MSG_CHECKER_INSIDE = """`{fun_name}`: the function is wrapped in `@{checker}` inside \
+`@filter_multi_vmap`, but the annotation of {label} names the mapped \
+{dropped}. Annotations describe the full, batched shapes that the caller passes, \
+while the function body only sees one element, without the mapped dims, so the type \
+checker would reject every call. Put the type checker outside (above) \
+`@filter_multi_vmap`:
+
+    @jaxtyped(typechecker=beartype)
+    @filter_multi_vmap(...)
+    def f(...): ...
+
+or, to check per-element annotations inside, give every mapped argument and the \
+output explicit `in_dims` and `out_dims`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OutAnnotation:
+    """`out_dims` from a return annotation, built from the body's output when traced.
+
+    Array outputs that the annotation gives no dims get the default `out_dims` (the
+    mapped dims, then `...`).
+    """
+
+    hint: Any
+    ctx: Context
+    mapped: tuple[str, ...]
+
+    def resolve(self, out: Any, default_out: Dims) -> Any:
+        """A spec tree (of `LeafSpec`s) for the body's per-element output `out`."""
+        ctx = self.ctx
+        tree = spec(self.hint, out, "output", ctx)
+        leaf_specs = broadcast_spec(
+            tree, out, f"`{ctx.fun_name}`: the return annotation"
+        )
+        paths_and_leaves, treedef = jtu.tree_flatten_with_path(out)
+        full = []
+        for (path, leaf), leaf_spec in zip(paths_and_leaves, leaf_specs):
+            dims = leaf_spec.dims
+            if is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
+                where = "output" + jtu.keystr(path)
+                if dims is None:
+                    leaf_spec = LeafSpec(default_out)
+                else:
+                    self._check_leaf(where, leaf, dims)
+            full.append(leaf_spec)
+        return jtu.tree_unflatten(treedef, full)
+
+    def _check_leaf(self, where: str, leaf: Any, dims: Dims) -> None:
+        if not dtype_matches(leaf, dims):
+            raise ShapeError(
+                f"`{self.ctx.fun_name}`: the function body returned `{where}` with "
+                f"dtype {leaf.dtype}, but the return annotation asks for "
+                f"{dims.dtype_desc}[..., {dims.source!r}]."
+            )
+
+
+_fun_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fun_annotations(fun: Callable) -> FunAnnotations:
+    """The annotations of `fun`, resolved at the first call.
+
+    Cached for plain functions, which hash by identity. (A callable `eqx.Module` hashes
+    by its fields, which may be unhashable or traced, so it is not cached.)
+    """
+    cacheable = isinstance(fun, types.FunctionType)
+    if cacheable and fun in _fun_cache:
+        return _fun_cache[fun]
+    hints, complete = fun_hints(fun)
+    out = FunAnnotations(hints, checker_inside(fun))
+    if cacheable and complete:
+        _fun_cache[fun] = out
+    return out

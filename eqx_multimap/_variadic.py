@@ -26,12 +26,13 @@ from jax._src import traceback_util
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from ._args import BoundCall, InLeaf, is_array, LeafSpec
-from ._check import check_leaf_shape, describe
+from ._check import check_leaf_shape
 from ._dims import (
     AnonDim,
     axes_of,
     Dims,
     EllipsisDim,
+    final_axis,
     FixedDim,
     NamedDim,
     Token,
@@ -39,6 +40,7 @@ from ._dims import (
     variadic_axes,
 )
 from ._errors import ShapeError
+from ._text import describe
 
 
 traceback_util.register_exclusion(__file__)
@@ -216,13 +218,7 @@ class Expand:
     shape: tuple[int, ...]
 
     def __call__(self, out: Any) -> Any:
-        token_axes = axes_of(self.dims, np.ndim(out))
-        assert not isinstance(token_axes, str)
-        ax = next(
-            a
-            for t, a in zip(self.dims.tokens, token_axes)
-            if isinstance(t, NamedDim) and t.name == self.name
-        )
+        ax = final_axis(self.dims, self.name, np.ndim(out))
         shape = np.shape(out)
         new_shape = shape[:ax] + self.shape + shape[ax + 1 :]
         sharding = _explicit_sharding(out)

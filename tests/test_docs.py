@@ -10,6 +10,7 @@ import concurrent.futures
 import functools as ft
 import html
 import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -17,6 +18,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import typing
 
 import pytest
 
@@ -309,6 +311,44 @@ def test_example_help_is_complete(example):
         assert alone is None, f"{example}: {entry.strip()} has no help"
 
 
+def _public_functions():
+    import eqx_multimap
+
+    for name in dir(eqx_multimap):
+        obj = getattr(eqx_multimap, name)
+        if not name.startswith("_") and inspect.isfunction(obj):
+            yield name, obj
+
+
+def _signature_lines(text: str) -> list[str]:
+    """The signature of `pydoc.render_doc`'s text: its third line, or, printed one
+    parameter a line, the lines to the closing parenthesis."""
+    lines = text.splitlines()[2:]
+    end = next(i for i, line in enumerate(lines) if not line.startswith(" ")) + 1
+    if lines[0].endswith("("):
+        end = next(i for i, line in enumerate(lines) if line.startswith(")")) + 1
+    return lines[:end]
+
+
+def test_signatures_are_true():
+    # `inspect.signature` and `typing.get_type_hints` give the real annotations:
+    # types and typing forms, never an object of ours standing in for one.
+    for name, fn in _public_functions():
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn)
+        annotations = {p.name: p.annotation for p in sig.parameters.values()}
+        annotations["return"] = sig.return_annotation
+        for key, ann in annotations.items():
+            if ann is inspect.Parameter.empty:
+                assert key not in hints, (name, key)
+                continue
+            assert not type(ann).__module__.startswith("eqx_multimap"), (name, key)
+            assert hints[key] == ann, (name, key)
+    import eqx_multimap
+
+    assert "importlib" not in dir(eqx_multimap)
+
+
 def test_help_is_plain():
     # `help()` shows the signature with the type aliases by name, and the docstrings
     # without MkDocs markup (the API page, built from the source, keeps its links:
@@ -318,16 +358,25 @@ def test_help_is_plain():
     import eqx_multimap
 
     text = pydoc.render_doc(eqx_multimap.filter_multi_vmap, renderer=pydoc.plaintext)
-    signature = text.splitlines()[2]
+    signature = "\n".join(_signature_lines(text))
     for alias in ["InDims", "OutDims", "ScanSpec", "ReduceSpec", "ShardSpec"]:
         assert f": {alias} = None" in signature, signature
-    assert len(signature) < 450, signature  # 1,000 with the aliases spelled out
-    for name in eqx_multimap.__all__ if hasattr(eqx_multimap, "__all__") else dir(
-        eqx_multimap
+    one_line = re.sub(r"\(\n +", "(", re.sub(r",\n +", ", ", signature))
+    one_line = one_line.replace(",\n)", ")").replace("\n)", ")")
+    assert len(one_line) < 450, one_line  # 1,000 with the aliases spelled out
+    for name, fn in _public_functions():
+        doc = pydoc.render_doc(fn, renderer=pydoc.plaintext)
+        lines = _signature_lines(doc)
+        assert all(len(line) <= 200 for line in lines), (name, lines)
+        assert "eqx_multimap." not in "".join(lines), (name, lines)  # by name
+    for name in (
+        eqx_multimap.__all__ if hasattr(eqx_multimap, "__all__") else dir(eqx_multimap)
     ):
         obj = getattr(eqx_multimap, name)
         if name.startswith("_") or not callable(obj):
             continue
         doc = pydoc.render_doc(obj, renderer=pydoc.plaintext)
         assert not re.search(r"\]\[|\]\([^)]*\.md|^\s*[!?]{3}", doc, re.M), name
+        assert "(more)" not in doc, name  # a link keeps its text
+    assert "See Progress on long scans." in " ".join(text.split())
     assert "Example:" in text and "See Sharding." in text

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from eqx_multimap import explain, filter_multi_vmap, Plan, Planner, SpecError, TimeModel
-from eqx_multimap._blocks import wrap_nest
+from eqx_multimap._text import wrap_nest
 
 from .helpers import clean_env
 

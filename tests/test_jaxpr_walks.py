@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eqx_multimap import filter_multi_vmap
-from eqx_multimap._body import _reads, _rebind, Body, collectives, inputs_to_isolate
+from eqx_multimap._jaxpr import _reads, collectives, inputs_to_isolate, rebind
 from hypothesis import given, HealthCheck, note, settings
 from jax._src.interpreters import partial_eval as pe
 from jax.sharding import AxisType
@@ -73,9 +73,9 @@ def _walk(closed, axis_env=()):
     found = collectives(jaxpr)
     for v in jaxpr.invars:  # the analysis itself, without `inputs_to_isolate`'s guard
         _reads(jaxpr, {v: frozenset({()})})
-    isolated = inputs_to_isolate(Body(closed, (), len(jaxpr.invars)))
+    isolated = inputs_to_isolate(closed)
     rebound = jax.make_jaxpr(
-        lambda *xs: _rebind(jaxpr, closed.consts, list(xs)), axis_env=list(axis_env)
+        lambda *xs: rebind(jaxpr, closed.consts, list(xs)), axis_env=list(axis_env)
     )(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars])
     assert [v.aval.shape for v in rebound.jaxpr.outvars] == [
         v.aval.shape for v in jaxpr.outvars
@@ -91,7 +91,7 @@ def _walk(closed, axis_env=()):
 
 def _isolated(fun, *specs):
     closed = jax.make_jaxpr(fun)(*specs)
-    return inputs_to_isolate(Body(closed, (), len(closed.jaxpr.invars)))
+    return inputs_to_isolate(closed)
 
 
 def outer(x):
@@ -332,9 +332,7 @@ def _has(program, kind):
     )
 
 
-@settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=_programs())
 def test_walks_of_random_bodies(program):
     note(repr(program))

@@ -11,6 +11,7 @@ does), and our values with a plain loop reference.
 
 import contextlib
 import dataclasses
+import re
 import types
 import typing
 from typing import Any, NamedTuple, TypedDict
@@ -316,20 +317,53 @@ def _copy(fun):
     return out
 
 
-def test_returned_class_with_its_own_check_names_the_class_and_fix():
+def _checked_module():
     @jaxtyped(typechecker=beartype)
     class Checked(eqx.Module):
         a: Float[Array, "T F"]
 
-    @filter_multi_vmap
-    def f(x: Float[Array, "T F"]) -> Checked:
+    return Checked
+
+
+def _checked_dataclass():
+    @jaxtyped(typechecker=beartype)
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Checked:
+        a: Float[Array, "T F"]
+
+    return Checked
+
+
+@pytest.mark.parametrize("how", ["annotated", "out_dims", "jit"])
+@pytest.mark.parametrize("make", [_checked_module, _checked_dataclass])
+def test_returned_class_with_its_own_check_names_the_class_and_fix(make, how):
+    # jaxtyping checks a class decorated `@jaxtyped` when it is built: the body,
+    # building it on one element, fails with jaxtyping's own error, which keeps its
+    # message and gets a note naming the class and the fix.
+    Checked = make()
+
+    def body(x: Float[Array, "T F"]) -> Checked:
         return Checked(2 * x)
 
-    with pytest.raises(TypeCheckError) as info:
-        f(jnp.ones((3, 4)))
-    note = "\n".join(info.value.__notes__)
-    assert "`Checked` checks its fields when it is built" in note
-    assert "drop `@jaxtyped` from `Checked`" in note
+    if how == "out_dims":
+        f = filter_multi_vmap(body, in_dims="T F", out_dims="T F")
+    else:
+        f = filter_multi_vmap(body)
+    if how == "jit":
+        f = jax.jit(f)
+    matches = [
+        "Type-check error whilst checking the parameters of",  # jaxtyping's own
+        "`Checked` checks its fields when it is built (it is decorated `@jaxtyped`)",
+        "the body builds `Checked` from one element",
+        "Build it outside: return its fields",
+        "drop `@jaxtyped` from `Checked`: with the return annotation `-> Checked`, "
+        "`filter_multi_vmap` checks the dims of its fields itself",
+    ]
+    matches = [r"\s+".join(map(re.escape, m.split())) for m in matches]
+    for match in matches:
+        with pytest.raises(TypeCheckError, match=match):
+            f(jnp.ones((3, 4)))
 
 
 @pytest.mark.parametrize("explicit", [False, True])

@@ -18,7 +18,7 @@ from eqx_multimap import (
     TimeModel,
     tune,
 )
-from eqx_multimap._body import data_dependent
+from eqx_multimap._jaxpr import data_dependent
 from eqx_multimap._planner import cost, measure
 from eqx_multimap._planner.plan import PlanCandidate
 

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._blocks import NestSpec, plural
+from .._blocks import NestSpec
 from .._resolve import Call
-from .._text import fmt_bytes, fmt_seconds
+from .._text import fmt_bytes, fmt_seconds, plural
 from .cost import Compiler
 from .model import machine, SLICE, TimeModel
 from .plan import Choice, PlanCandidate

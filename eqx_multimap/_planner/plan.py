@@ -3,15 +3,13 @@
 
 import dataclasses
 import math
-import textwrap
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
-from .._blocks import describe_nest, NestSpec, plural, wrap_nest
-from .._check import describe
+from .._blocks import describe_nest, NestSpec
 from .._resolve import Call
 from .._shard import _names, axes_str, describe_split
-from .._text import fmt_bytes, fmt_seconds
+from .._text import describe, fill, fmt_bytes, fmt_seconds, plural, wrap_nest
 from .model import TimeModel
 
 
@@ -207,16 +205,18 @@ class Plan:
             )
         if full and self.auto and self.time_model is not None:
             model = self.time_model.describe().splitlines()
-            lines += ["", *(_prose(ln) if len(ln) > WIDTH else ln for ln in model)]
+            lines += ["", *(fill(ln, PROSE) if len(ln) > WIDTH else ln for ln in model)]
         g = self.gradient
         if isinstance(g, str):
-            lines += ["", _prose(g)]  # the error differentiating would raise
+            lines += ["", fill(g, PROSE)]  # the error differentiating would raise
         elif g and (gradient or gradient is None and (g.spec != self.spec or full)):
             lines += ["", g.describe(full)]
         elif g:
             ckpt = ", its scan bodies checkpointed" if g.checkpoint else ""
             same = f"under differentiation: the same nest{ckpt} "
-            lines.append(_prose(same + "(`plan.describe(gradient=True)` shows it)"))
+            lines.append(
+                fill(same + "(`plan.describe(gradient=True)` shows it)", PROSE)
+            )
         return "\n".join(lines)
 
     __str__ = describe
@@ -225,11 +225,11 @@ class Plan:
         auto = "plan='auto'" + (", measured" if self.measured else "")
         back = ", under differentiation (reverse mode)" if self.backward else ""
         head = f"{self.fun_name}: {auto if self.auto else 'fixed nest'}{back}"
-        lines = [head, _prose(self.summary)]
+        lines = [head, fill(self.summary, PROSE)]
         if self.budget_bytes is not None:
             what = "of the derivative" if self.backward else "of temporary memory"
             budget = f"{fmt_bytes(self.budget_bytes)} {what} ({self.budget_source})"
-            lines.append(_prose(f"memory budget: {budget}"))
+            lines.append(fill(f"memory budget: {budget}", PROSE))
         nest = self.chosen.nest(dict(self.sizes))
         if self.shard:
             split = (describe_split(*dataclasses.astuple(d)) for d in self.shard)
@@ -237,7 +237,7 @@ class Plan:
             lines.append("sharded: sizes, candidates and the budget are per device")
         if self.local:
             local = "; ".join(map(str, self.local))
-            lines.append(_prose(f"per device, in bytes and work set: {local}"))
+            lines.append(fill(f"per device, in bytes and work set: {local}"))
         lines.append(wrap_nest(f"nest: {nest}", WIDTH))
         if self.auto and self.given:
             planned = [d.name for d in self.dims if d.name not in self.given]
@@ -249,7 +249,7 @@ class Plan:
             used = ", ".join(self.collective)
             lines.append(f"used in collectives, never scanned: {used}")
         if self.cache:
-            lines.append(_prose(f"this plan: {self.cache}"))
+            lines.append(fill(f"this plan: {self.cache}", PROSE))
         return lines
 
     def table(self, all: bool = False) -> str:
@@ -271,7 +271,7 @@ class Plan:
         lines = [
             f"candidates: {len(cands)} considered, {len(compiled)} compiled{timed} "
             f"({plural(self.n_compiled, 'compile')}, {self.seconds:.2f} s)",
-            *_prose(_LEGEND, "  ").splitlines(),
+            *fill(_LEGEND, PROSE, "  ").splitlines(),
             *self._rows(shown),
         ]
         rest = [c for c in cands if c not in shown]
@@ -309,7 +309,7 @@ class Plan:
                 out.append(line.rstrip())  # the nest goes under the numbers
                 line = "     "
             out += wrap_nest(f"{line}  {nest}", WIDTH, "      ").splitlines()
-            out += _prose(c.reason, "      ").splitlines()
+            out += fill(c.reason, PROSE, "      ").splitlines()
         return out
 
 
@@ -319,13 +319,6 @@ def _relative(t: float, chosen: float | None) -> str:
 
 def _text(x: Any, fmt: Callable[[Any], str]) -> str:
     return "-" if x is None else fmt(x)
-
-
-def _prose(text: str, indent: str = "") -> str:
-    """`text` wrapped at `PROSE` columns, never inside a word."""
-    return textwrap.TextWrapper(
-        PROSE, indent, indent, break_long_words=False, break_on_hyphens=False
-    ).fill(text)
 
 
 class Choice(NamedTuple):

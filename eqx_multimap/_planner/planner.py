@@ -13,11 +13,12 @@ from typing import Any, Literal
 
 import jax
 
-from .._blocks import known, plural
-from .._body import data_dependent
+from .._blocks import known
 from .._errors import SpecError
+from .._jaxpr import data_dependent
 from .._progress_bar import Progress
 from .._resolve import Call
+from .._text import plural
 from .cache import (
     calibration_key,
     cand_json,
