@@ -237,7 +237,7 @@ class Plan:
             lines.append("sharded: sizes, candidates and the budget are per device")
         if self.local:
             local = "; ".join(map(str, self.local))
-            lines.append(fill(f"per device, in bytes and work set: {local}"))
+            lines.append(fill(f"per device, in bytes and work set: {local}", PROSE))
         lines.append(wrap_nest(f"nest: {nest}", WIDTH))
         if self.auto and self.given:
             planned = [d.name for d in self.dims if d.name not in self.given]
