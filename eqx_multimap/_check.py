@@ -188,9 +188,7 @@ def check_inputs(
                         )
                     leaf_axes[tok.name] = ax
         axes.append(leaf_axes)
-    sizes: dict[str, int] = {}
-    for name, ss in seen.items():
-        sizes[name] = ss[0].size
+    sizes = {name: ss[0].size for name, ss in seen.items()}
     shown: dict[str, Any] = {
         (f"*{k}" if k in (variadic or {}) else k): (variadic or {}).get(k, v)
         for k, v in sizes.items()
@@ -238,18 +236,10 @@ def check_output(
     annotation"). Updates `sizes`/`seen` with core dims that only the outputs bind.
     """
     mapped_set = set(mapped)
-    core = Dims(
-        tuple(
-            t
-            for t in dims.tokens
-            if not (isinstance(t, NamedDim) and t.name in mapped_set)
-        ),
-        " ".join(
-            str(t)
-            for t in dims.tokens
-            if not (isinstance(t, NamedDim) and t.name in mapped_set)
-        ),
-    )
+    core_tokens = [
+        t for t in dims.tokens if not (isinstance(t, NamedDim) and t.name in mapped_set)
+    ]
+    core = Dims(tuple(core_tokens), " ".join(str(t) for t in core_tokens))
     shape_desc = str(tuple(core_shape))
     token_axes = axes_of(core, len(core_shape))
     if isinstance(token_axes, str):
