@@ -379,15 +379,9 @@ def _check_monoid(
     where = f"`{fun_name}`: `reduce` over dim{'s' if len(ops) > 1 else ''} {dims}"
     elem = f"{s.dtype.name}{list(s.shape)}"
     out = jax.eval_shape(monoid.op, s, s)
-    if not isinstance(out, jax.ShapeDtypeStruct) or (out.shape, out.dtype) != (
-        s.shape,
-        s.dtype,
-    ):
-        got = (
-            f"{out.dtype.name}{list(out.shape)}"
-            if isinstance(out, jax.ShapeDtypeStruct)
-            else f"{type(out).__name__}"
-        )
+    is_array = isinstance(out, jax.ShapeDtypeStruct)
+    if not is_array or (out.shape, out.dtype) != (s.shape, s.dtype):
+        got = f"{out.dtype.name}{list(out.shape)}" if is_array else type(out).__name__
         raise SpecError(
             f"{where} with {monoid!r}: `op` must return an array of the shape and "
             f"dtype of its arguments (one element's output {i}, {elem}), but returned "
