@@ -93,8 +93,7 @@ def _array_dims(array_types: list[Any]) -> Dims | list[Dims] | str:
     if len(dim_strs) > 1:
         out = []
         for dim_str in dim_strs:
-            members = [t for t in array_types if t.dim_str == dim_str]
-            dims = _array_dims(members)
+            dims = _array_dims([t for t in array_types if t.dim_str == dim_str])
             if isinstance(dims, str):
                 return dims
             assert isinstance(dims, Dims)
@@ -103,31 +102,25 @@ def _array_dims(array_types: list[Any]) -> Dims | list[Dims] | str:
     dims = _translate(dim_strs[0])
     if isinstance(dims, str):
         return dims
-    dtypes: set[str] | None = set()
-    for t in array_types:
-        if not isinstance(t.dtypes, (tuple, list)) or not all(
-            isinstance(d, str) for d in t.dtypes
-        ):
-            # `Shaped` (any dtype), or a custom dtype given by a regex: not checked
-            # here (a type checker around the call still checks a regex).
-            dtypes = None
-            break
-        dtypes.update(t.dtypes)
-    if dtypes is None:
+    # `Shaped` (any dtype), or a custom dtype given by a regex: not checked here (a
+    # type checker around the call still checks a regex).
+    if not all(
+        isinstance(t.dtypes, (tuple, list))
+        and all(isinstance(d, str) for d in t.dtypes)
+        for t in array_types
+    ):
         return dims
+    dtypes = frozenset(d for t in array_types for d in t.dtypes)
     desc = " | ".join(dict.fromkeys(t.dtype.__name__ for t in array_types))
-    return dims.with_dtypes(frozenset(dtypes), desc)
+    return dims.with_dtypes(dtypes, desc)
 
 
 def _type_name(ann: Any) -> str:
     if _is_array_type(ann):
-        return f"{ann.dtype.__name__}[{_short_array_name(ann)}, {ann.dim_str!r}]"
+        array = getattr(ann.array_type, "__name__", None) or repr(ann.array_type)
+        array = array.rsplit(".", 1)[-1]  # `jax.Array.__name__` is "jaxlib._jax.Array"
+        return f"{ann.dtype.__name__}[{array}, {ann.dim_str!r}]"
     return getattr(ann, "__name__", None) or repr(ann)
-
-
-def _short_array_name(ann: Any) -> str:
-    name = getattr(ann.array_type, "__name__", None) or repr(ann.array_type)
-    return name.rsplit(".", 1)[-1]  # `jax.Array.__name__` is "jaxlib._jax.Array"
 
 
 #
@@ -547,13 +540,11 @@ class OutAnnotation:
         paths_and_leaves, treedef = jtu.tree_flatten_with_path(out)
         full = []
         for (path, leaf), leaf_spec in zip(paths_and_leaves, leaf_specs):
-            dims = leaf_spec.dims
-            if is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
-                where = "output" + jtu.keystr(path)
-                if dims is None:
+            if is_arrayish(leaf):
+                if leaf_spec.dims is None:
                     leaf_spec = LeafSpec(default_out)
                 else:
-                    self._check_leaf(where, leaf, dims)
+                    self._check_leaf("output" + jtu.keystr(path), leaf, leaf_spec.dims)
             full.append(leaf_spec)
         return jtu.tree_unflatten(treedef, full)
 
