@@ -149,17 +149,14 @@ def _rewrite(
         tokens.append(tok)
         new_shape.append(size)
         shown_axes.append(ax)
-    flat = dataclasses.replace(dims, tokens=tuple(tokens))
+    spec = LeafSpec(dataclasses.replace(dims, tokens=tuple(tokens)), leaf.spec.direct)
     if tuple(new_shape) == tuple(shape):
-        return InLeaf(leaf.path, leaf.value, LeafSpec(flat, leaf.spec.direct))
-    reshape = _sharded_reshape if sharded else _reshape
-    value = reshape(leaf.value, tuple(new_shape))
-    spec = LeafSpec(flat, leaf.spec.direct)
+        return InLeaf(leaf.path, leaf.value, spec)
+    if sharded:
+        value = _sharded_reshape(leaf.value, tuple(new_shape))
+    else:
+        value = leaf.value.reshape(tuple(new_shape))
     return InLeaf(leaf.path, value, spec, leaf.value, tuple(shown_axes))
-
-
-def _reshape(x: Any, shape: tuple[int, ...]) -> Any:
-    return x.reshape(shape)
 
 
 def _sharded_reshape(x: Any, shape: tuple[int, ...]) -> Any:
