@@ -116,8 +116,7 @@ class BoundCall:
     leaves: list[InLeaf]
 
     def rebuild(self, values: list[Any]) -> tuple[tuple, dict]:
-        args, kwargs = jtu.tree_unflatten(self.treedef, values)
-        return args, kwargs
+        return jtu.tree_unflatten(self.treedef, values)
 
 
 _UNSET: Any = object()  # no spec given: from the annotation, else `None`
@@ -287,18 +286,12 @@ def _specs(
     )
 
 
-def _leaf_kind(leaf: Any) -> str:
-    if is_array(leaf):
-        return f"{describe(leaf)} array"
-    return type(leaf).__name__
-
-
 def describe_value(value: Any) -> str:
     """A pytree as errors describe it: `a list of 4 floats ([0.0, ...])`."""
     leaves = jtu.tree_leaves(value)
     counts: dict[str, int] = {}
     for leaf in leaves:
-        kind = _leaf_kind(leaf)
+        kind = f"{describe(leaf)} array" if is_array(leaf) else type(leaf).__name__
         counts[kind] = counts.get(kind, 0) + 1
     what = " and ".join(plural(n, kind) for kind, n in counts.items())
     treedef = jtu.tree_structure(value)
