@@ -170,15 +170,18 @@ def out_leaf_dims(out_dims: Any) -> list[tuple[str, Dims]]:
 
 
 def mapped_dims(
-    names: Sequence[str],
-    core: Sequence[str],
-    where: str,
+    options: Options,
     fun_name: str,
-    reduce: Sequence[str] = (),
+    where: str,
+    leaves: Sequence[tuple[str, Dims, bool]],
 ) -> tuple[str, ...]:
-    """The one mapping rule: the mapped dims are the named dims of the output, in
-    their first order, except those declared `core`, then the reduced dims (which
-    the output does not name)."""
+    """The one mapping rule: the mapped dims are the named dims of the output (of
+    its dims `leaves`, `(path, dims, certain)`, from `where`), in their first order,
+    except those declared `core`, then the reduced dims (which the output does not
+    name). Checked: every certain leaf names each of them once (but the reduced
+    ones), and every strategy names mapped dims only."""
+    names = [n for _, dims, _ in leaves for n in dims.names]
+    core, reduce = options.core, options.reduce_names
     for name in core:
         if name not in names:
             raise SpecError(
@@ -193,8 +196,12 @@ def mapped_dims(
                 f"names. A reduced dim is combined away: the output has no '{name}' "
                 f"axis. Drop '{name}' from {where}, or from `reduce`."
             )
-    out = tuple(n for n in dict.fromkeys(names) if n not in core)
-    return out + tuple(reduce)
+    out_mapped = tuple(n for n in dict.fromkeys(names) if n not in core)
+    for path, dims, certain in leaves:
+        if certain:
+            check_out_leaf(fun_name, where, path, dims, out_mapped)
+    check_strategies(options, out_mapped + reduce, where, fun_name)
+    return out_mapped + reduce
 
 
 def check_strategies(
@@ -209,10 +216,8 @@ def check_strategies(
         for name in names:
             if name in mapped:
                 continue
-            if name in options.core:
-                why = "it is declared `core`"
-            else:
-                why = f"{where} does not name it"
+            core = name in options.core
+            why = "it is declared `core`" if core else f"{where} does not name it"
             reduced = options.reduce_names
             listed = ", ".join(repr(n) for n in mapped if n not in reduced) or "none"
             if reduced:
@@ -251,15 +256,8 @@ def explicit_mapped(options: Options, fun_name: str) -> tuple[str, ...] | None:
     else `None`."""
     if options.out_dims.value is None:
         return None
-    leaves = out_leaf_dims(options.out_dims.value)
-    names = [n for _, dims in leaves for n in dims.names]
-    reduced = options.reduce_names
-    mapped = mapped_dims(names, options.core, "`out_dims`", fun_name, reduced)
-    out_mapped = mapped[: len(mapped) - len(reduced)]
-    for where, dims in leaves:
-        check_out_leaf(fun_name, "`out_dims`", where, dims, out_mapped)
-    check_strategies(options, mapped, "`out_dims`", fun_name)
-    return mapped
+    leaves = [(where, d, True) for where, d in out_leaf_dims(options.out_dims.value)]
+    return mapped_dims(options, fun_name, "`out_dims`", leaves)
 
 
 def parse_options(

@@ -57,7 +57,6 @@ from ._jaxpr import collectives, inputs_to_isolate
 from ._nest import Axes, Problem
 from ._options import (
     check_out_leaf,
-    check_strategies,
     explicit_mapped,
     mapped_dims,
     Options,
@@ -222,8 +221,7 @@ def _out_spec(
             "mapped dims first here), or a jaxtyping return annotation."
         )
     leaves = annotations.out_leaf_dims(fun_name)
-    names = [n for _, dims, _ in leaves for n in dims.names]
-    if not names and not options.reduce:
+    if not any(dims.names for _, dims, _ in leaves) and not options.reduce:
         raise SpecError(
             f"`{fun_name}` has no `out_dims`, and its return annotation names no "
             "dims, so which dims are mapped is unknown: the mapped dims are the "
@@ -232,16 +230,10 @@ def _out_spec(
             "`-> Float[Array, 'T F']`."
         )
     source = "the return annotation"
-    reduced = options.reduce_names
-    mapped = mapped_dims(names, options.core, source, fun_name, reduced)
-    out_mapped = mapped[: len(mapped) - len(reduced)]
-    for where, dims, certain in leaves:
-        if certain:
-            check_out_leaf(fun_name, source, where, dims, out_mapped)
-    check_strategies(options, mapped, source, fun_name)
+    mapped = mapped_dims(options, fun_name, source, leaves)
     spec = annotations.out_dims(fun_name, mapped)
     written = _written([dims for _, dims, _ in leaves])
-    return _OutSpec(spec, "the return annotation", written), mapped
+    return _OutSpec(spec, source, written), mapped
 
 
 def _out_dims(
