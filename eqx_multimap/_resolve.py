@@ -336,7 +336,7 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         _check_sizes_known(fun_name, options, out_spec, mapped, check)
     dyn_index = [i for i, a in enumerate(check.axes) if a is not None]
     values = [bound.leaves[i].value for i in dyn_index]
-    leaf_axes = [check.axes[i] for i in dyn_index]
+    leaf_axes = [a for a in check.axes if a is not None]
     element_specs = [_element_spec(v, a) for v, a in zip(values, leaf_axes)]
     shard = None if options.shard is None else options.shard.plan(fun_name, check)
     axis_env = [(name, check.sizes[name]) for name in mapped]
@@ -366,16 +366,14 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
             fun_name, out_spec, out, out_mapped, check, reduced, variadic
         )
         reduction = make_reduction(fun_name, options.reduce, layout.shapes, check.sizes)
-    sizes = dict(check.sizes)
     return Call(
         fun_name=fun_name,
         options=options,
         mapped=mapped,
-        sizes=sizes,
+        sizes=dict(check.sizes),
         check=check,
         values=tuple(values) + body.hoisted,
-        leaf_axes=tuple(a for a in leaf_axes if a is not None)
-        + tuple({} for _ in body.hoisted),
+        leaf_axes=tuple(leaf_axes) + tuple({} for _ in body.hoisted),
         body=body,
         out=layout,
         bound=bound,
@@ -387,9 +385,7 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
 def _typos(bound: BoundCall, out_spec: _OutSpec, options: Options) -> str:
     """For a call that failed: the likely typos of its dims (`typo_hint`), from
     where each dim is written, the output first."""
-    places: dict[str, list[str]] = {name: [] for name in out_spec.written}
-    for name in out_spec.written:
-        places[name].append(out_spec.source)
+    places = {name: [out_spec.source] for name in out_spec.written}
     for name in options.reduce_names:
         places.setdefault(name, []).append("`reduce`")
     for leaf in bound.leaves:
@@ -452,9 +448,8 @@ def _check_sizes_known(
         )
 
 
-def _element_spec(value: Any, axes: dict | None) -> jax.ShapeDtypeStruct:
+def _element_spec(value: Any, axes: Axes) -> jax.ShapeDtypeStruct:
     """One element of a mapped argument: `value` without its mapped axes."""
-    assert axes is not None
     drop = set(axes.values())
     shape = tuple(s for i, s in enumerate(np.shape(value)) if i not in drop)
     return struct(value, shape)
