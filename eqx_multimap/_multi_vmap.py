@@ -75,25 +75,21 @@ def run_call(call: Call) -> Any:
             plan = planner.plan(call, backward=True)
             return plan.spec, dataclasses.replace(build, checkpoint=plan.checkpoint)
 
-    reduction = call.reduction
-    reduced = ""
-    if reduction is not None:
-        ops = ", ".join(f"{name!r}: {op_name(op)!r}" for name, op in reduction.ops)
-        reduced = f"; reduce={{{ops}}}"
-    if options.shard is None:
-        if options.verbose:
-            nest = describe_nest(spec, call.mapped_sizes)
-            print(wrap_nest(f"{call.fun_name}: {nest}{reduced}"))
-        fn = mapped_function(call.problem(), forward, build, diff)
-        outs = fn(list(call.values))
+    reduction, shard = call.reduction, call.shard
+    sizes = call.mapped_sizes
+    if shard is not None:
+        sizes = {name: shard.local_sizes[name] for name in call.mapped}
+    if options.verbose:
+        line = f"{call.fun_name}: {describe_nest(spec, sizes)}"
+        line = line if shard is None else shard.describe(line)
+        if reduction is not None:
+            ops = ", ".join(f"{name!r}: {op_name(op)!r}" for name, op in reduction.ops)
+            line += f"; reduce={{{ops}}}"
+        print(wrap_nest(line))
+    problem = call.problem(sizes)
+    if shard is None:
+        outs = mapped_function(problem, forward, build, diff)(list(call.values))
     else:
-        shard = call.shard
-        assert shard is not None
-        local_sizes = {name: shard.local_sizes[name] for name in call.mapped}
-        if options.verbose:
-            nest = describe_nest(spec, local_sizes)
-            print(wrap_nest(shard.describe(f"{call.fun_name}: {nest}") + reduced))
-        problem = call.problem(local_sizes)
         values, leaf_axes = list(call.values), list(call.leaf_axes)
         padded = [n for n in shard.padded if reduction and n in reduction.dims]
         if padded:
@@ -314,10 +310,6 @@ class _MultiVmapWrapper(eqx.Module):
         return _describe_wrapper(self._fun, self._options)
 
 
-def _axes_shape(mesh: jax.sharding.Mesh) -> str:
-    return ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
-
-
 def _describe_wrapper(fun: Callable, options: Options) -> str:
     parts = [fun_name_of(fun)[len("filter_multi_vmap(") : -1]]
     if options.in_dims.value is not None:
@@ -338,8 +330,9 @@ def _describe_wrapper(fun: Callable, options: Options) -> str:
         parts.append(f"reduce={{{ops}}}")
     if options.shard is not None:
         parts.append(f"shard={shard_repr(options.shard.dims)}")
-        if options.shard.mesh is not None:
-            parts.append(f"mesh=Mesh({_axes_shape(options.shard.mesh)})")
+        if (mesh := options.shard.mesh) is not None:
+            axes = ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
+            parts.append(f"mesh=Mesh({axes})")
         if options.shard.pad:
             parts.append("pad=True")
     if options.plan is not None:
