@@ -192,16 +192,13 @@ def has_checks(jaxpr: Any) -> bool:
 #
 
 
-def _data_dependent_eqns(jaxpr: Any) -> Iterator[Any]:
-    """The equations of `jaxpr` whose run time depends on their data."""
-    return (e for e in eqns(jaxpr) if e.primitive.name in _DATA_DEPENDENT)
-
-
 def data_dependent(jaxpr: Any) -> str | None:
     """What in `jaxpr` (or a jaxpr in it) makes its run time depend on its data
     (`"a while loop"`), or `None`. Total: a jaxpr it cannot read is data-dependent."""
     try:
-        eqn = next(_data_dependent_eqns(jaxpr), None)
+        eqn = next(
+            (e for e in eqns(jaxpr) if e.primitive.name in _DATA_DEPENDENT), None
+        )
     except Exception:  # an unfamiliar jaxpr: the conservative answer
         return "a body the planner cannot read"
     return None if eqn is None else _DATA_DEPENDENT[eqn.primitive.name]
@@ -212,7 +209,7 @@ def lockstep(jaxpr: Any) -> bool:
     batched (as is, or reduced by equinox's `unvmap_any`), so each block loops as
     long as its slowest element. A jaxpr it cannot read is taken to."""
     try:
-        for eqn in _data_dependent_eqns(jaxpr):
+        for eqn in eqns(jaxpr):
             if eqn.primitive.name == "while":
                 cond = eqn.params["cond_jaxpr"].jaxpr
                 if cond.outvars[0].aval.shape or any(map(_unvmapped, eqns(cond))):
