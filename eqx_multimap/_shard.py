@@ -47,9 +47,13 @@ ShardSpec = Mapping[str, str | tuple[str, ...]] | None
 `freq`), or `{"F": ("x", "y")}` (dim `F` over both axes, `x` major)."""
 
 
+def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    return axes[0] if len(axes) == 1 else axes
+
+
 def axes_str(axes: tuple[str, ...]) -> str:
     """The mesh axes of a sharded dim as descriptions show them: `'x'`, `('x', 'y')`."""
-    return repr(axes[0]) if len(axes) == 1 else repr(axes)
+    return repr(_entry(axes))
 
 
 def describe_split(
@@ -76,11 +80,7 @@ _SEEN = contextvars.ContextVar[dict[int, NamedSharding]]("_SEEN", default={})
 
 
 def shard_repr(dims: Sequence[tuple[str, tuple[str, ...]]]) -> str:
-    body = ", ".join(
-        f"{name!r}: {axes[0]!r}" if len(axes) == 1 else f"{name!r}: {axes!r}"
-        for name, axes in dims
-    )
-    return "{" + body + "}"
+    return "{" + ", ".join(f"{name!r}: {axes_str(axes)}" for name, axes in dims) + "}"
 
 
 def _axes_desc(axes: tuple[str, ...], mesh: AnyMesh) -> str:
@@ -245,10 +245,6 @@ def parse_shard(shard: Any, mesh: Any, pad: Any) -> ShardOptions | None:
     if mesh is not None:
         check_axes(dims, mesh, f"`filter_multi_vmap(..., shard={shard_repr(dims)})`")
     return ShardOptions(tuple(dims), mesh, pad)
-
-
-def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
-    return axes[0] if len(axes) == 1 else axes
 
 
 def _spec(dim_axes: Mapping[str, int], dims: dict, ndim: int) -> PartitionSpec:
