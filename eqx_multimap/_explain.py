@@ -22,25 +22,22 @@ def _unwrap(fn: Callable, caller: str) -> tuple[_MultiVmapWrapper, tuple]:
     methods), and the arguments a bound method adds."""
     wrapper: Any = fn
     # Decorators applied outside (`jaxtyped`, `beartype`, `filter_jit`,
-    # `functools.wraps`) expose what they wrap as `__wrapped__`.
-    for _ in range(32):
-        if isinstance(wrapper, _MultiVmapWrapper) or (
-            isinstance(wrapper, jtu.Partial)
-            and isinstance(wrapper.func, _MultiVmapWrapper)
+    # `functools.wraps`) expose what they wrap as `__wrapped__`: `fn` and up to 32
+    # of them are looked through.
+    for _ in range(33):
+        if isinstance(wrapper, _MultiVmapWrapper):
+            return wrapper, ()
+        if isinstance(wrapper, jtu.Partial) and isinstance(
+            wrapper.func, _MultiVmapWrapper
         ):
+            return wrapper.func, tuple(wrapper.args)
+        wrapper = getattr(wrapper, "__wrapped__", None)
+        if wrapper is None:
             break
-        inner = getattr(wrapper, "__wrapped__", None)
-        if inner is None:
-            break
-        wrapper = inner
-    if isinstance(wrapper, jtu.Partial) and isinstance(wrapper.func, _MultiVmapWrapper):
-        return wrapper.func, tuple(wrapper.args)
-    if not isinstance(wrapper, _MultiVmapWrapper):
-        raise SpecError(
-            f"`eqx_multimap.{caller}(fn, ...)`: `fn` must be a function returned by "
-            f"`filter_multi_vmap`, but got {fn!r} of type `{type(fn).__name__}`."
-        )
-    return wrapper, ()
+    raise SpecError(
+        f"`eqx_multimap.{caller}(fn, ...)`: `fn` must be a function returned by "
+        f"`filter_multi_vmap`, but got {fn!r} of type `{type(fn).__name__}`."
+    )
 
 
 @traceback_util.api_boundary
