@@ -216,9 +216,7 @@ class _Outputs(eqx.Module):
                 f"{plural(self._n_out, 'group')}; the number of outputs must match "
                 "output mapping, one group per element of the returned tuple."
             )
-        if is_tuple and n == 1:
-            return out[0]
-        return out
+        return out[0] if is_tuple and n == 1 else out
 
 
 class _MultiVmapShim(eqx.Module):
