@@ -103,10 +103,8 @@ _class_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def class_hints(cls: type) -> dict[str, Any]:
     """The resolved field annotations of a class, through its MRO."""
-    try:
+    if cls in _class_cache:
         return _class_cache[cls]
-    except KeyError:
-        pass
     complete = True
     try:
         hints = typing.get_type_hints(cls, include_extras=True)
