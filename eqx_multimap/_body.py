@@ -81,12 +81,12 @@ class Body:
 
     def __call__(self, leaves: list[Any]) -> list[Any]:
         closed = self.jaxpr
-        if not self.unchecked:
-            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
 
         def run(leaves: list[Any]) -> list[Any]:
             return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
 
+        if not self.unchecked:
+            return run(leaves)
         _, out = checkify.checkify(run, errors=checkify.user_checks)(leaves)
         return out
 
