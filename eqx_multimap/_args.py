@@ -69,12 +69,11 @@ def broadcast_spec(
         full = jtu.tree_map(_fill, spec, value, is_leaf=is_spec_leaf)
     except SpecError:
         raise
-    except (ValueError, TypeError):
+    except (ValueError, TypeError) as caught:
         # The first mismatch, with its key path (as `tree_map` raises it since JAX
-        # 0.10.2; before, its error named no key path).
+        # 0.10.2; before, its error named no key path); else `tree_map`'s own.
         errors = prefix_errors(spec, value, is_leaf=is_spec_leaf)
-        if errors:
-            e = errors[0]("tree_map tree")
+        e = errors[0]("tree_map tree") if errors else caught
         # JAX calls the root of the key path "tree_map tree"; use the user's name.
         detail = str(e).replace("the prefix pytree tree_map tree", "the spec")
         detail = detail.replace("the full pytree", f"`{name}`")
