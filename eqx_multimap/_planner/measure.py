@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._blocks import NestSpec, plural
+from .._blocks import plural
 from .._resolve import Call
 from .._text import fmt_bytes, fmt_seconds
 from .cost import Compiler
@@ -174,14 +174,13 @@ class Timed:
 class Tuner:
     """One measured search: times candidates (`time`), chooses which (`run`)."""
 
-    def __init__(self, search: Search, values: bool, cap: float | None = None):
-        self.search, self.call, self.values = search, search.call, values
-        self.sizes, self.cap = search.sizes, CAP if cap is None else cap
-        self.compiler = search.compiler
+    def __init__(self, search: Search):
+        self.search, self.call, self.sizes = search, search.call, search.sizes
+        self.values, self.cap = search.request.values, CAP
         self.start = time.perf_counter()
         self.timed: dict[tuple, Timed] = {}
         self.once = 0.0  # seconds: a call that does nothing
-        self.capped = False
+        self.capped = False  # the cap stopped the search
         self.probe = Probe()
         self.why: dict[tuple, str] = {}  # why one was not timed
 
@@ -195,14 +194,19 @@ class Tuner:
     def best(self) -> float:
         return min((self.seconds(k) for k in self.timed), default=math.inf)
 
+    def compiles(self) -> float:
+        """The median compile of the candidates timed."""
+        return statistics.median(t.compile for t in self.timed.values())
+
     def due(self) -> bool:
         """Whether the next candidate would take the search past `cap` times the
-        median compile (one kept for timing the fastest again)."""
+        median compile (one kept for timing the fastest again): then `capped`."""
         if not self.timed:
             return False
-        compiles = statistics.median(t.compile for t in self.timed.values())
-        per = (time.perf_counter() - self.start) / len(self.timed)
-        return time.perf_counter() - self.start + per > (self.cap - 1) * compiles
+        spent = time.perf_counter() - self.start
+        if spent + spent / len(self.timed) > (self.cap - 1) * self.compiles():
+            self.capped = True
+        return self.capped
 
     def keep(self, c: PlanCandidate) -> float:
         """The share of `c`'s loop trips it is timed on: about `TARGET` seconds'
@@ -226,26 +230,27 @@ class Tuner:
         whole, it is over the budget."""
         if c.key in self.timed:
             return self.seconds(c.key)
-        sizes, keep = self.sizes, self.keep(c)
-        index = trip_slice(c, sizes, keep) if keep < 1 else {}
-        sub = {**sizes, **{n: len(x) for n, x in index.items()}}
-        compiler = Compiler(self.call, sub, self.search.model, self.compiler.backward)
-        fn, specs = compiler._program(NestSpec(c.scan, c.vmap))
-        compiler.report = self.compiler.report
-        t0 = time.perf_counter()
-        program = compiler.compile(
-            fn, specs, f"compiling {c.nest(sub)} to time it", True
+        search, keep = self.search, self.keep(c)
+        index = trip_slice(c, self.sizes, keep) if keep < 1 else {}
+        sub = {**self.sizes, **{n: len(x) for n, x in index.items()}}
+        planning = search.compiler  # counts this compile, and reports it
+        compiler = Compiler(
+            self.call, sub, search.model, planning.backward, planning.report
         )
+        fn, specs = compiler._program(c.spec)
+        t0 = time.perf_counter()
+        what = f"compiling {c.nest(sub)} to time it"
+        program = compiler.compile(fn, specs, what, runs=True)
         compile_seconds = time.perf_counter() - t0
-        self.compiler.n_compiled += 1
-        scale = math.prod(sizes.values()) / max(math.prod(sub.values()), 1)
+        planning.n_compiled += 1
+        scale = math.prod(self.sizes.values()) / max(math.prod(sub.values()), 1)
         self.timed[c.key] = Timed(lambda: None, {}, scale, compile_seconds, [])
         if not index:  # compiled whole: its memory is known, and not run if over
             temp = int(program.memory_analysis().temp_size_in_bytes)
-            fits = temp <= self.search.budget
+            fits = temp <= search.budget
             exact = dataclasses.replace(c, temp_bytes=temp, fits=fits, predicted=False)
-            costed = self.search.compiler.predicted_costs(exact, self.search.ref)
-            self.search.known[c.key] = costed if fits else exact
+            costed = planning.predicted_costs(exact, search.ref)
+            search.known[c.key] = costed if fits else exact
             if not fits:
                 return math.inf
         if not self.values:
@@ -286,7 +291,7 @@ class Tuner:
         ]  # fmt: skip
         if len(close) < 2:
             return
-        compiles = statistics.median(t.compile for t in self.timed.values())
+        compiles = self.compiles()
         left = self.cap * compiles - (time.perf_counter() - self.start)
         spend = min(left, SPEND * compiles * len(close))
         runs = [self.timed[k].run for k in close]
@@ -300,18 +305,15 @@ class Tuner:
         block, and along that ladder if faster. The fastest timed that fits."""
         search, budget = self.search, self.search.budget
         fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
-        full_fits = bool(search.known[full.key].fits)
+        head = [full] * bool(search.known[full.key].fits)  # full vmap, if it fits
         # In lockstep, a block of one element runs a while loop unbatched: a program
         # of another kind, which no larger block predicts. It is timed on its own,
         # and the ladders searched without it.
         alone = lambda c: search.lockstep and c.block == 1 and not c.vmap  # noqa: E731
         one = [c for s in ladders for c in s if alone(c) and fits(s, c)][:1]
-        lines = [
-            [full] * full_fits + [c for c in s if fits(s, c) and not alone(c)]
-            for s in ladders
-        ]
-        lines = [ln for ln in lines if len(ln) > 1] or [[full] * full_fits]
-        for c in [full] * full_fits + [model] + one:
+        lines = [head + [c for c in s if fits(s, c) and not alone(c)] for s in ladders]
+        lines = [ln for ln in lines if len(ln) > 1] or [head]
+        for c in head + [model] + one:
             self.time(c)
         first = next((ln for ln in lines if model in ln[1:]), lines[0])
         done = [first]
@@ -322,13 +324,12 @@ class Tuner:
             if line in done or self.capped:
                 continue
             best = min(self.timed, key=self.seconds)
-            block = next(c.block for c in search.considered.values() if c.key == best)
+            block = search.considered[best].block
             rungs = [c for c in line if c.key != full.key]  # its own
             near = min(rungs, key=lambda c: abs(math.log(c.block / block)))
             if near.key in self.timed:
                 continue
             if self.due():
-                self.capped = True
                 break
             done.append(line)
             if self.time(near) < self.seconds(best):
@@ -350,11 +351,8 @@ class Tuner:
         """Search `line` (largest block first): time the middle of the larger
         untimed gap beside its fastest, until both its neighbours are timed."""
         while line:
-            t = {
-                i: self.seconds(c.key)
-                for i, c in enumerate(line)
-                if c.key in self.timed
-            }
+            ran = [i for i, c in enumerate(line) if c.key in self.timed]
+            t = {i: self.seconds(line[i].key) for i in ran}
             if not t:  # none timed yet: start in its middle
                 self.time(line[len(line) // 2])
                 continue
@@ -365,7 +363,6 @@ class Tuner:
             if not left and not right:
                 return
             if self.due():
-                self.capped = True
                 return
             lower_left = t.get(lo, math.inf) < t.get(hi, math.inf)
             go_left = left > right or left == right and lower_left
@@ -374,29 +371,22 @@ class Tuner:
     def choose(self) -> Choice:
         """The fastest timed that fits (its memory compiled, if only predicted)."""
         search = self.search
-        order = sorted(self.timed, key=self.seconds)
-        considered = search.considered
-        chosen = None
-        for k in order:
-            if self.seconds(k) == math.inf:
-                break
-            c = search.checked(search.known.get(k, considered[k]))
-            if c.fits:
-                chosen = c
-                break
+        known = lambda k: search.known.get(k, search.considered[k])  # noqa: E731
         timed = {k: self.seconds(k) for k in self.timed if self.timed[k].rounds}
-        compared = [search.known.get(k, considered[k]) for k in timed]
+        checked = (search.checked(known(k)) for k in sorted(timed, key=self.seconds))
+        chosen = next((c for c in checked if c.fits), None)  # fastest first, lazily
+        compared = [known(k) for k in timed]
         return Choice(chosen or search.pick().chosen, compared, timed)
 
-    def describe(self, values: bool) -> str:
+    def describe(self) -> str:
         """What was timed, on what, and whether the cap stopped the search."""
         ran = [t for t in self.timed.values() if t.rounds]
         cut = sum(bool(t.slice) for t in ran)
         how = f"{cut} on a slice of its loop trips (its block kept), scaled" * bool(cut)
         how = how or "each on the whole call"
-        what = "the call's arguments" if values else "made-up inputs of its shapes"
-        compiles = statistics.median(t.compile for t in self.timed.values())
-        cap = f"{self.cap:g}x the median compile, {fmt_seconds(self.cap * compiles)}"
+        what = "the call's arguments" if self.values else "made-up inputs of its shapes"
+        cap = fmt_seconds(self.cap * self.compiles())
+        cap = f"{self.cap:g}x the median compile, {cap}"
         stop = "stopped the search" if self.capped else "was not reached"
         return (
             f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}; those within "
@@ -408,14 +398,14 @@ def measured(
     search: Search, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate
 ) -> tuple[Choice, str]:
     """`Tuner.run`'s choice, and what it timed; the model's if timing fails."""
-    tuner = Tuner(search, search.request.values)
+    tuner = Tuner(search)
     try:
         choice = tuner.run(full, ladders, model)
     except Exception as e:  # e.g. inputs of a dtype that cannot be made up
         note = f"could not measure ({type(e).__name__}: {e}), so estimated"
         return Choice(model, [model], {}, note), ""
     search.notes.update(tuner.why)
-    return choice, tuner.describe(search.request.values)
+    return choice, tuner.describe()
 
 
 #
