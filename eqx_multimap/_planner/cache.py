@@ -30,7 +30,7 @@ from .model import machine
 from .plan import Plan, PlanCandidate
 from .search import (
     auto_plan,
-    block_and_trips,
+    candidate,
     collective_dims,
     given_dims,
     MAX_COMPILES,
@@ -230,11 +230,11 @@ def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
     _check(all(k is None or 1 <= k <= sizes[n] for n, k in scan), "a bad chunk")
     _check(scan[: len(call.options.scan)] == call.options.scan, "given scans lost")
     planned = {n for n, _ in scan[len(call.options.scan) :]}
-    frozen = set(given_dims(call)) | set(collective_dims(call))
+    frozen = set(given_dims(call) + collective_dims(call))
     _check(not planned & frozen, "a candidate scans a dim it must not")
-    block, trips = block_and_trips(scan, vmap, sizes)
-    nest = dict(scan=scan, vmap=vmap, block=block, trips=trips)
-    return PlanCandidate(**nest, **_typed(d, PlanCandidate, set(_FIELDS) - set(nest)))
+    fields = _typed(d, PlanCandidate, set(_FIELDS) - {"scan", "vmap", "block", "trips"})
+    nest = candidate(scan, vmap, sizes, fields.pop("source"))
+    return dataclasses.replace(nest, **fields)
 
 
 def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":

@@ -34,7 +34,6 @@ from .model import TimeModel
 from .plan import Plan
 from .search import (
     candidate,
-    check_budget,
     collective_dims,
     localize,
     MemoryBudget,
@@ -72,14 +71,25 @@ class PlanOptions:
 
 
 def plan_options(plan: Any, memory_budget: Any, verbose: bool) -> "PlanOptions | None":
-    """Validate `plan=` and `memory_budget=` at decoration time."""
+    """Validate `plan=` and `memory_budget=` (which needs `plan=`) when decorating."""
     if plan is not None and plan != "auto" and not isinstance(plan, Planner):
         raise SpecError(
             f"`filter_multi_vmap(..., plan=...)` must be 'auto', an "
             f"`eqx_multimap.Planner`, or `None`, but got {plan!r}."
         )
-    if memory_budget is not None:
-        check_budget(plan, memory_budget)
+    b = memory_budget
+    if b is not None and plan is None:
+        raise SpecError(
+            f"`filter_multi_vmap(..., memory_budget={b!r})` is only used by the "
+            "planner: pass `plan='auto'` too, or drop `memory_budget`."
+        )
+    is_bytes = isinstance(b, int) and not isinstance(b, bool) and b >= 1
+    if not (b is None or is_bytes or isinstance(b, float) and 0.0 < b <= 1.0):
+        raise SpecError(
+            "`filter_multi_vmap(..., memory_budget=...)` must be a positive `int` "
+            "(bytes) or a `float` in (0, 1] (a fraction of device memory), but got "
+            f"{b!r} of type `{type(b).__name__}`; e.g. `memory_budget=2**30` is 1 GiB."
+        )
     if plan is None:
         return None
     given = None if isinstance(plan, str) else plan
@@ -276,9 +286,8 @@ class Planner:
         request = Request(
             call, sizes, shard, budget, src, backward, model, measure, model_key, tune
         )
-        disk, disk_key, found = self._disk, None, None
-        if disk is not None:
-            disk_key = plan_key(request, body)
+        disk, found = self._disk, None
+        disk_key = None if disk is None else plan_key(request, body)
         if disk is not None and not again:
             path = disk.path("plans", disk_key)
             read = lambda stored: plan_from_json(stored, request, path)
@@ -321,17 +330,14 @@ class Planner:
                 self.n_plans += 1
                 self.n_compiles += search.compiler.n_compiled
             progress.close()
-        basis, why = "model", ""
-        if request.measure:
-            basis = "arguments" if request.values else "inputs"
-            why = search.measured_text
-        elif self.measure:  # and the body's cost depends on its data
+        why = ""
+        if self.measure and not request.measure:  # the body's cost depends on its data
             why = (
                 f" The body's cost depends on its data ({data}): planned by the "
                 "model; call `eqx_multimap.tune(f, *args)` with real arguments "
                 "to measure."
             )
-        plan = dataclasses.replace(plan, basis=basis, summary=note + plan.summary + why)
+        plan = dataclasses.replace(plan, summary=note + plan.summary + why)
         how = f"{plan.seconds:.2f} s, {plural(plan.n_compiled, 'compile')}"
         path, where = None, "no disk cache, kept in this process only"
         if disk is not None:

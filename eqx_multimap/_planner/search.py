@@ -41,23 +41,6 @@ DEFAULT_BUDGET_FRACTION = 0.5
 """The budget when `plan="auto"` is given without `memory_budget`."""
 
 
-def check_budget(plan: Any, memory_budget: Any) -> None:
-    """Check `memory_budget=` when decorating: it needs `plan=`; bytes or a fraction."""
-    b = memory_budget
-    if plan is None:
-        raise SpecError(
-            f"`filter_multi_vmap(..., memory_budget={b!r})` is only used by the "
-            "planner: pass `plan='auto'` too, or drop `memory_budget`."
-        )
-    is_bytes = isinstance(b, int) and not isinstance(b, bool) and b >= 1
-    if not (is_bytes or isinstance(b, float) and 0.0 < b <= 1.0):
-        raise SpecError(
-            "`filter_multi_vmap(..., memory_budget=...)` must be a positive `int` "
-            "(bytes) or a `float` in (0, 1] (a fraction of device memory), but got "
-            f"{b!r} of type `{type(b).__name__}`; e.g. `memory_budget=2**30` is 1 GiB."
-        )
-
-
 def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
     """The budget in bytes, and where it came from: as given, or a fraction of the
     first device's memory (of physical RAM where the device reports none)."""
@@ -81,9 +64,8 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
             "size of physical RAM; give the budget in bytes as an `int`."
         )
     given = "default " if memory_budget is None else ""
-    return int(total * fraction), (
-        f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
-    )
+    source = f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
+    return int(total * fraction), source
 
 
 def chunk_options(n: int) -> list[int | None]:
@@ -103,15 +85,11 @@ def chunk_options(n: int) -> list[int | None]:
     return [*dict.fromkeys(out), None]
 
 
-def block_and_trips(scan: ScanNest, vmap: Names, sizes: Sizes) -> tuple[int, int]:
-    """The elements of one loop iteration, and the number of iterations."""
+def candidate(scan: ScanNest, vmap: Names, sizes: Sizes, source: str) -> PlanCandidate:
+    """A nest, with the elements of one loop iteration and the number of iterations."""
     block = math.prod(sizes[n] for n in vmap) * math.prod(k or 1 for _, k in scan)
     trips = math.prod(max(1, sizes[n] // k) if k else sizes[n] for n, k in scan)
-    return block, trips
-
-
-def candidate(scan: ScanNest, vmap: Names, sizes: Sizes, source: str) -> PlanCandidate:
-    return PlanCandidate(scan, vmap, *block_and_trips(scan, vmap, sizes), source)
+    return PlanCandidate(scan, vmap, block, trips, source)
 
 
 def ladder(
@@ -312,14 +290,12 @@ class Search:
         self.notes: dict[tuple, str] = {}  # why one not compiled was not chosen
         self.lockstep = False  # a vmapped block runs a while loop in lockstep
         self.searched = False  # the model searched the ladders
-        self.measured_text = ""  # measured mode: what was timed, on what
 
     def memory(self, c: PlanCandidate) -> PlanCandidate:
         if c.key not in self.known:
             temp = self.compiler.memory(c)
-            self.known[c.key] = dataclasses.replace(
-                c, temp_bytes=temp, fits=temp <= self.budget
-            )
+            fits = temp <= self.budget
+            self.known[c.key] = dataclasses.replace(c, temp_bytes=temp, fits=fits)
         return self.known[c.key]
 
     def costed(self, c: PlanCandidate) -> PlanCandidate:
@@ -350,7 +326,6 @@ class Search:
         return max(self.prediction(steps, c), self.ref.temp_bytes(c))
 
     def seconds_at(self, c: PlanCandidate) -> float:
-        """The estimated time of `c`, its costs predicted from full vmap's."""
         return self.compiler.predicted_costs(c, self.ref).seconds or 0.0
 
     def taken(self, steps: Steps, c: PlanCandidate, why: str) -> None:
@@ -469,7 +444,7 @@ class Search:
         start = time.perf_counter()
         call, sizes = self.call, self.sizes
         fixed = call.options.scan  # the given scans, outermost, as given
-        frozen = frozenset(given_dims(call)) | frozenset(collective_dims(call))
+        frozen = frozenset(given_dims(call) + collective_dims(call))
         free = tuple(n for n in call.mapped if n not in frozen)
         # Vmapped: the dims of `vmap=` as given, then the others in the output's order.
         given = call.options.vmap + call.options.scan_names
@@ -491,26 +466,28 @@ class Search:
                 "runs and nothing was compiled."
             )
         else:
-            choice = self._choose(full, ladders)
+            choice, timed = self._choose(full, ladders), ""
             if measure is not None and free:  # every order of the dims
                 orders = dim_orders(call, sizes, free, every=True)
                 ladders = [ladder(o, layout, sizes, fixed, frozen) for o in orders]
                 for c in (c for steps in ladders for c in steps):
                     self.considered.setdefault(c.key, c)
-                choice, self.measured_text = measure(self, full, ladders, choice.chosen)
+                choice, timed = measure(self, full, ladders, choice.chosen)
             f = self.known[full.key]
-            text = summary(choice, f, self.searched, bool(free), self.request)
+            text = summary(choice, f, self.searched, bool(free), self.request) + timed
         candidates = tuple(
             with_reason(self.known.get(k, c), choice, self.notes.get(k), self.budget)
             for k, c in self.considered.items()
         )
         chosen = next(c for c in candidates if c.key == choice.chosen.key)
+        r = self.request  # timed on the call's own arguments, or on made-up inputs
+        basis = "model" if not r.measure else "arguments" if r.values else "inputs"
         return auto_plan(
             self.request, chosen, candidates,
             n_compiled=self.compiler.n_compiled,
             seconds=time.perf_counter() - start,
             checkpoint=self.compiler.build(chosen.spec).checkpoint,
-            time_model=self.model, summary=text, measured=self.measure,
+            time_model=self.model, summary=text, measured=self.measure, basis=basis,
         )  # fmt: skip
 
     def _choose(self, full: PlanCandidate, ladders: list[Steps]) -> Choice:
