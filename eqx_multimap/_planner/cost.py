@@ -1,6 +1,5 @@
 """Costing candidate nests: XLA's memory and cost analyses of compiled ones, the
-others predicted from full vmap's (`Reference`; see `docs/design.md`), and
-planning's progress."""
+others predicted from full vmap's (`Reference`; see `docs/design.md`)."""
 
 import dataclasses
 import functools as ft
@@ -176,7 +175,6 @@ class Compiler:
         return self._compiled(jax.jit(fn).trace(specs), what, runs)
 
     def _compiled(self, traced: Any, what: str, runs: bool = False) -> Any:
-        """A traced program compiled, as `compile` compiles it."""
         self.report(what)
         self.n_compiled += 1
         return traced.lower().compile() if runs else analysed(traced.lower())
@@ -193,8 +191,9 @@ class Compiler:
         if forward or not self.backward:
             return nest, self.specs
         outs = jax.eval_shape(nest, self.specs)
-        diff_in = [i for i, s in enumerate(self.specs) if _inexact(s)]
-        diff_out = [i for i, s in enumerate(outs) if _inexact(s)]
+        inexact = lambda s: jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)
+        diff_in = [i for i, s in enumerate(self.specs) if inexact(s)]
+        diff_out = [i for i, s in enumerate(outs) if inexact(s)]
         self._outs = [(i, outs[i]) for i in diff_out]
 
         def gradient(args: list) -> Any:
@@ -211,7 +210,6 @@ class Compiler:
         return gradient, [self.specs, [outs[i] for i in diff_out]]
 
     def memory(self, cand: PlanCandidate) -> int:
-        """Compile the candidate's program; its temporary memory."""
         fn, specs = self._program(cand.spec)
         traced = jax.jit(fn).trace(specs)
         compiled = self._compiled(traced, f"compiling {cand.nest(self.sizes)}")
@@ -296,10 +294,6 @@ def serial(ops: Sequence[int], scale: float) -> float:
     small for XLA to split over threads (`PARALLEL_BYTES`)."""
     small = sum(n for n in ops if n * scale < PARALLEL_BYTES)
     return small / max(sum(ops), 1)
-
-
-def _inexact(s: Any) -> bool:
-    return jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)
 
 
 def _footprint(compiled: Any) -> int:

@@ -110,24 +110,18 @@ def rounds(
 Index = dict[str, np.ndarray]  # the elements of some dims
 
 
-def spread(n: int, chunk: int, m: int) -> np.ndarray:
-    """`m` of the `n` whole chunks of `chunk` elements of a dim, spread evenly over
-    it (its first and last included)."""
-    starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * chunk
-    return (starts[:, None] + np.arange(chunk)).ravel()
-
-
 def trip_slice(c: PlanCandidate, sizes: dict[str, int], keep: float) -> Index:
     """The elements of the dims `c` scans that it is timed on: about `keep` of its
     loop trips, its block kept whole. Outer loops are cut first, each to whole
-    chunks spread evenly over its dim (a cost that depends on the data may vary
-    along it)."""
+    chunks spread evenly over its dim, its first and last included (a cost that
+    depends on the data may vary along it)."""
     out = {}
     for name, chunk in c.scan:
         k = chunk or 1
         n = sizes[name] // k
-        m = min(n, max(1, math.ceil(n * keep)))
-        out[name] = spread(n, k, m)
+        m = min(n, max(1, math.ceil(n * keep)))  # of its `n` chunks
+        starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * k
+        out[name] = (starts[:, None] + np.arange(k)).ravel()
         keep *= n / m
         if keep >= 1:
             break
@@ -338,9 +332,7 @@ class Tuner:
         pruned = "a block between it and the fastest, on its ladder or at the "
         pruned += "fastest's block, measured slower"
         in_lines = {c.key for line in lines for c in line}
-        for k in search.considered:
-            if k in self.timed:
-                continue
+        for k in search.considered.keys() - self.timed.keys():
             why = "its temporaries predicted over the budget"
             if k in in_lines:
                 why = "the cap stopped the search first" if self.capped else pruned

@@ -242,6 +242,8 @@ class Plan:
         head = ("", "temp", "flops", "bytes", "work set", "est.")
         head += ("measured",) if self.measured else ()
         rows = [head + ("fits",)]
+        chosen = self.chosen.seconds
+        relative = lambda t: f"{t / chosen:.2f}x" if chosen else "-"  # noqa: E731
         for c in cands:
             row = (
                 "*" if c == self.chosen else "",
@@ -249,7 +251,7 @@ class Plan:
                 _text(c.flops, "{:.3g}".format),
                 _text(c.bytes_accessed, "{:.3g}".format),
                 _text(c.working_set, fmt_bytes),
-                _text(c.seconds, lambda t: _relative(t, self.chosen.seconds)),
+                _text(c.seconds, relative),
             )
             if self.measured:
                 row += (_text(c.measured, fmt_seconds),)
@@ -265,10 +267,6 @@ class Plan:
             out += wrap_nest(f"{line}  {nest}", WIDTH, "      ").splitlines()
             out += _prose(c.reason, "      ").splitlines()
         return out
-
-
-def _relative(t: float, chosen: float | None) -> str:
-    return f"{t / chosen:.2f}x" if chosen else "-"
 
 
 def _text(x: Any, fmt: Callable[[Any], str]) -> str:
