@@ -20,8 +20,8 @@ from .._resolve import Call
 from .._text import fmt_bytes, fmt_seconds
 from .cost import Compiler
 from .model import machine, SLICE, TimeModel
-from .plan import Choice, PlanCandidate
-from .search import Search, Steps
+from .plan import PlanCandidate
+from .search import Choice, Search, Steps
 
 
 CAP = 8.0
@@ -38,9 +38,8 @@ DISTURBED = 1.5  # a round whose probe took this many times its best is dropped
 
 
 class Probe:
-    """A program whose op XLA spreads over its threads (a fraction of a ms), timed
-    before each round: a round in which it ran more than `DISTURBED` times its best
-    was disturbed (another job held a core)."""
+    """A program XLA spreads over its threads (a fraction of a ms), timed before each
+    round: a round it took over `DISTURBED` times its best for was disturbed."""
 
     def __init__(self, run: Callable[[], Any] | None = None):
         self.run, self.times = run or _probe_loop(), []
@@ -153,9 +152,8 @@ def _take(v: Any, index: np.ndarray, axis: int) -> Any:
 
 @dataclasses.dataclass
 class Timed:
-    """A candidate as timed: a thunk running it, what it ran on (`slice`: the elements
-    of each dim cut, by name), the factor from a run to the whole call, its
-    compile, and its rounds."""
+    """A candidate as timed: a thunk running it, the dims it cut (`slice`: their
+    elements, by name), the factor from a run to the whole call, compile, rounds."""
 
     run: Callable[[], Any]
     slice: dict[str, int]
@@ -203,11 +201,9 @@ class Tuner:
         return self.capped
 
     def keep(self, c: PlanCandidate) -> float:
-        """The share of `c`'s loop trips it is timed on: about `TARGET` seconds'
-        worth, judged from the fastest so far, and, if the call's inputs and
-        outputs do not fit the last cache level, `CACHES` times its worth of them
-        (else a slice would run from a cache the call misses); all if that is
-        `WHOLE` or more."""
+        """The share of `c`'s loop trips it is timed on (`TARGET`, `WHOLE`): if the
+        call's inputs and outputs do not fit the last cache level, at least `CACHES`
+        times its worth of them, else a slice would run from a cache the call misses."""
         if not c.scan:
             return 1.0
         # Before any is timed, judged from the time model's estimate.
@@ -227,23 +223,21 @@ class Tuner:
         search, keep = self.search, self.keep(c)
         index = trip_slice(c, self.sizes, keep) if keep < 1 else {}
         sub = {**self.sizes, **{n: len(x) for n, x in index.items()}}
-        planning = search.compiler  # counts this compile, and reports it
-        compiler = Compiler(
-            self.call, sub, search.model, planning.backward, planning.report
-        )
+        compiler = Compiler(self.call, sub, search.model, search.compiler.backward)
+        compiler.report = search.compiler.report  # planning's progress
         fn, specs = compiler._program(c.spec)
         t0 = time.perf_counter()
         what = f"compiling {c.nest(sub)} to time it"
         program = compiler.compile(fn, specs, what, runs=True)
         compile_seconds = time.perf_counter() - t0
-        planning.n_compiled += 1
+        search.compiler.n_compiled += 1
         scale = math.prod(self.sizes.values()) / max(math.prod(sub.values()), 1)
         self.timed[c.key] = Timed(lambda: None, {}, scale, compile_seconds, [])
         if not index:  # compiled whole: its memory is known, and not run if over
             temp = int(program.memory_analysis().temp_size_in_bytes)
             fits = temp <= search.budget
             exact = dataclasses.replace(c, temp_bytes=temp, fits=fits, predicted=False)
-            costed = planning.predicted_costs(exact, search.ref)
+            costed = search.compiler.predicted_costs(exact, search.ref)
             search.known[c.key] = costed if fits else exact
             if not fits:
                 return math.inf
@@ -274,9 +268,8 @@ class Tuner:
 
     def confirm(self) -> None:
         """Time again, side by side (three rounds at least, for up to `SPEND` of a
-        compile each, within the cap), those within `CLOSE` of the fastest and
-        those timed while another job held a core (the probe timed before them was
-        disturbed)."""
+        compile each, within the cap), those within `CLOSE` of the fastest and those
+        whose probe was disturbed (another job held a core)."""
         best, late = self.best(), self.probe.disturbed()
         close = [
             k for k, t in self.timed.items()
@@ -312,9 +305,8 @@ class Tuner:
         first = next((ln for ln in lines if model in ln[1:]), lines[0])
         done = [first]
         self.along(first)
-        for line in sorted(
-            lines, key=lambda ln: ln[1].scan[0][0] == first[1].scan[0][0]
-        ):
+        same = lambda ln: ln[1].scan[0][0] == first[1].scan[0][0]  # noqa: E731
+        for line in sorted(lines, key=same):  # other orders first
             if line in done or self.capped:
                 continue
             best = min(self.timed, key=self.seconds)
@@ -352,9 +344,7 @@ class Tuner:
             lo = max((i for i in t if i < b), default=-1)
             hi = min((i for i in t if i > b), default=len(line))
             left, right = b - lo - 1, hi - b - 1
-            if not left and not right:
-                return
-            if self.due():
+            if not (left or right) or self.due():
                 return
             lower_left = t.get(lo, math.inf) < t.get(hi, math.inf)
             go_left = left > right or left == right and lower_left

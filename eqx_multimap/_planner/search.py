@@ -9,7 +9,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -17,18 +17,10 @@ from .._errors import SpecError
 from .._jaxpr import lockstep
 from .._progress_bar import Progress
 from .._resolve import Call
-from .._text import fmt_bytes
+from .._text import fmt_bytes, fmt_seconds
 from .cost import Compiler, Reference
 from .model import TimeModel
-from .plan import (
-    Choice,
-    Plan,
-    PlanCandidate,
-    ScanNest,
-    ShardDim,
-    why_chosen,
-    with_reason,
-)
+from .plan import Plan, PlanCandidate, ScanNest, ShardDim
 
 
 Sizes = dict[str, int]
@@ -69,9 +61,8 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
 
 
 def chunk_options(n: int) -> list[int | None]:
-    """Chunk sizes for a dim of size `n`, largest first (`None`: one at a time):
-    `n / m` for `m = 2, 4, 8, ...`, moved to a divisor within `sqrt(2)` if any (no
-    remainder block)."""
+    """Chunk sizes for a dim of size `n`, largest first, then `None` (one at a time):
+    `n / 2, n / 4, ...`, each moved to a divisor within `sqrt(2)` (no remainder)."""
     pairs = [(d, n // d) for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     divisors = {x for pair in pairs for x in pair if 2 <= x <= n // 2}
     out: list[int] = []
@@ -199,6 +190,62 @@ def auto_plan(
     return plan_for(call, r.sizes, chosen, cands, **fields)
 
 
+class Choice(NamedTuple):
+    """What the search chose, those it compared, their measured times by key
+    (measured mode), and a note when timing was impossible."""
+
+    chosen: PlanCandidate
+    compared: list[PlanCandidate]
+    timed: dict[tuple, float]
+    note: str = ""
+
+
+def why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
+    """Why `c` was chosen: it measured fastest of those `timed`, or is est. fastest
+    of the `n` that fit."""
+    t = timed.get(c.key)
+    if t is not None:
+        rest = sorted(v for k, v in timed.items() if k != c.key)
+        nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
+        return f"the fastest of the {len(timed)} timed (measured {fmt_seconds(t)}{nxt})"
+    if c.temp_bytes is None:
+        return "nothing to compile"
+    if n <= 1:
+        return "the only candidate that fits and was costed"
+    return f"the fastest by the time model of the {n} that fit"
+
+
+def with_reason(
+    c: PlanCandidate, choice: Choice, note: str | None, budget: int
+) -> PlanCandidate:
+    """`c` with the reason it was, or was not, chosen (and its measured time)."""
+    chosen, compared, timed, _ = choice
+    t, mine = timed.get(c.key), timed.get(chosen.key)
+    if c.key == chosen.key:
+        why = "chosen: " + why_chosen(c, timed, len(compared))
+        if c.predicted:
+            far = note or "far within the budget"
+            why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
+    elif t is not None and mine is not None and c.fits is not False:
+        why = f"slower: measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
+        why += "; its memory not compiled" * (c.temp_bytes is None)
+    elif c.temp_bytes is None:
+        why = note or "not compiled"
+    elif not c.fits:
+        a, b = fmt_bytes(c.temp_bytes), fmt_bytes(budget)
+        if a == b:  # in bytes when the two would print alike
+            a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
+        why = f"over budget: {a} > {b}"
+    elif c.seconds is not None and chosen.seconds is not None:
+        est = c.seconds / chosen.seconds
+        why = f"slower (est. {est:.2f}x the chosen's, by the time model)"
+        if timed:  # measured mode
+            why = note or "not timed"
+    else:
+        why = note or "fits, not costed: smaller than the largest block that fits"
+    return dataclasses.replace(c, measured=t, reason=why)
+
+
 def summary(
     choice: Choice, full: PlanCandidate, searched: bool, free: bool, request: Request
 ) -> str:
@@ -237,8 +284,7 @@ def summary(
 
 
 class NoFit(Exception):
-    """No candidate fits the budget: the message, the smallest candidate compiled,
-    and how many were."""
+    """No candidate fits: the message, the smallest compiled, and how many were."""
 
     def __init__(self, message: str, smallest: PlanCandidate, n: int):
         super().__init__(message)
@@ -458,13 +504,11 @@ class Search:
         for c in sorted((c for s in ladders for c in s), key=lambda c: -c.block):
             self.considered.setdefault(c.key, c)
         if any(sizes[n] == 0 for n in call.mapped):  # nothing runs: nothing compiled
-            choice = Choice(full, [], {})
+            choice, empty = Choice(full, [], {}), "a mapped dim has size 0"
             for c in self.considered.values():
-                self.note(c, "not compiled: a mapped dim has size 0")
-            text = (
-                f"Chose {full.nest(sizes)}: a mapped dim has size 0, so nothing "
-                "runs and nothing was compiled."
-            )
+                self.note(c, f"not compiled: {empty}")
+            text = f"Chose {full.nest(sizes)}: {empty}, so nothing runs and nothing "
+            text += "was compiled."
         else:
             choice, timed = self._choose(full, ladders), ""
             if measure is not None and free:  # every order of the dims
