@@ -254,14 +254,6 @@ def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
     fits = (chosen.fits or empty) and (chosen.temp_bytes or 0) <= budget
     _check(bool(fits), "the chosen candidate does not fit the budget")
     how = f"{p['how']}, on {p['created']}"
-    return auto_plan(
-        request,
-        chosen,
-        candidates,
-        n_compiled=0,
-        seconds=0.0,
-        time_model=request.model,
-        cache=f"from the disk cache, {path} ({how}); nothing compiled now",
-        cache_path=path,
-        **_typed(p, Plan, _KEPT),
-    )
+    fields = dict(n_compiled=0, seconds=0.0, cache_path=path, **_typed(p, Plan, _KEPT))
+    fields["cache"] = f"from the disk cache, {path} ({how}); nothing compiled now"
+    return auto_plan(request, chosen, candidates, time_model=request.model, **fields)

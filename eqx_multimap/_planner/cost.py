@@ -283,8 +283,7 @@ class Compiler:
             specs, axes = loop_body_inputs(self.specs, self.problem.leaf_axes, block)
             nest = build_levels(self.problem.body, block.vmaps, axes)
             body = self.compile(nest, specs, what)
-            n = block.trips - 1
-            total = [t + n * b for t, b in zip(total, xla_costs(body))]
+            total = [t + (block.trips - 1) * b for t, b in zip(total, xla_costs(body))]
             ws = max(ws, _footprint(body))
         return total[0], total[1], total[2], ws if looping else _footprint(compiled)
 

@@ -427,19 +427,10 @@ def describe_fixed(call: Call) -> Plan:
     if all(sizes[n] > 0 for n in call.mapped):
         cand = compiler.evaluate(cand, None)
     cand = dataclasses.replace(cand, reason="the nest the strategies give")
-    return plan_for(
-        call,
-        sizes,
-        cand,
-        (cand,),
-        auto=False,
-        budget_bytes=None,
-        budget_source="",
-        n_compiled=compiler.n_compiled,
-        seconds=time.perf_counter() - start,
-        shard=shard,
-        summary=(
-            f"Fixed nest {cand.nest(sizes)}: the strategies given (`scan=`, `vmap=`, "
-            "`shard=`), not planned."
-        ),
+    summary = (
+        f"Fixed nest {cand.nest(sizes)}: the strategies given (`scan=`, `vmap=`, "
+        "`shard=`), not planned."
     )
+    fields: dict[str, Any] = dict(auto=False, budget_bytes=None, budget_source="")
+    fields.update(n_compiled=compiler.n_compiled, seconds=time.perf_counter() - start)
+    return plan_for(call, sizes, cand, (cand,), shard=shard, summary=summary, **fields)
