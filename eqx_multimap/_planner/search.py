@@ -121,8 +121,7 @@ def dim_orders(
     layout = tuple(first) + tuple(n for n in mapped if n not in first)
     inputs = tuple(n for n in call.check.seen if n in mapped)
     inputs += tuple(n for n in mapped if n not in inputs)
-    by_size = tuple(sorted(layout, key=lambda n: -sizes[n]))
-    orders = [layout, inputs, by_size]
+    orders = [layout, inputs, tuple(sorted(layout, key=lambda n: -sizes[n]))]
     if every:
         orders += it.islice(it.permutations(layout), MAX_ORDERS)
     return list(dict.fromkeys(orders))[: MAX_ORDERS if every else None]
@@ -201,8 +200,7 @@ class Choice(NamedTuple):
 
 
 def why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
-    """Why `c` was chosen: it measured fastest of those `timed`, or is est. fastest
-    of the `n` that fit."""
+    """Why `c` won: the fastest of those `timed`, or est. fastest of the `n` fitting."""
     t = timed.get(c.key)
     if t is not None:
         rest = sorted(v for k, v in timed.items() if k != c.key)
@@ -251,48 +249,43 @@ def summary(
 ) -> str:
     """One sentence: what was chosen, and why."""
     chosen, compared, timed, measure_note = choice
-    head = f"Chose {chosen.nest(request.sizes)}: "
     temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(request.budget)
     whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
+    why, how = f"{whole} fits ({temp} <= {b})", why_chosen(chosen, timed, len(compared))
     fast = request.model.fastest if request.model.levels else math.inf
     if not free:
-        return head + (
-            "every mapped dim has a strategy given, so there was nothing to plan; it "
-            f"needs {temp} of the {b} budget."
-        )
-    if not searched:
-        return (
-            f"{head}{whole} fits ({temp} <= {b}) and its working set is within the "
-            "fastest levels of memory; nothing else was compiled."
-        )
-    why = f"{whole} fits ({temp} <= {b})"
-    if not full.fits:
+        why = "every mapped dim has a strategy given, so there was nothing to plan"
+        how = f"it needs {temp} of the {b} budget"
+    elif not searched:
+        why += " and its working set is within the fastest levels of memory"
+        how = "nothing else was compiled"
+    elif not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
     elif not timed and (full.working_set or 0) > fast:
         ws, top = fmt_bytes(full.working_set or 0), fmt_bytes(fast)
         why += f" but its working set ({ws}) is past the fastest {top} of memory"
-    how = why_chosen(chosen, timed, len(compared))
-    if not timed and len(compared) <= 1 and chosen.key == full.key:
-        how = (
-            f"no other block predicted to fit is est. {MATERIAL - 1:.0%} faster by "
-            "the time model, so none was compiled"
-        )
-    if chosen.predicted:
-        how += ", its temporaries predicted far within the budget"
-    note = f" ({measure_note})" if measure_note else ""  # could not measure
-    return f"{head}{why}; {how}{note}."
+    if free and searched:
+        if not timed and len(compared) <= 1 and chosen.key == full.key:
+            how = (
+                f"no other block predicted to fit is est. {MATERIAL - 1:.0%} faster by "
+                "the time model, so none was compiled"
+            )
+        if chosen.predicted:
+            how += ", its temporaries predicted far within the budget"
+        if measure_note:  # could not measure
+            how += f" ({measure_note})"
+    return f"Chose {chosen.nest(request.sizes)}: {why}; {how}."
 
 
 class NoFit(Exception):
-    """No candidate fits: the message, the smallest compiled, and how many were."""
+    """No candidate fits: the smallest compiled, and how many were."""
 
-    def __init__(self, message: str, smallest: PlanCandidate, n: int):
-        super().__init__(message)
+    def __init__(self, request: "Request", smallest: PlanCandidate, n: int):
+        super().__init__(no_fit_message(request, smallest, n))
         self.smallest, self.n = smallest, n
 
 
 def no_fit_message(request: Request, smallest: PlanCandidate, n: int) -> str:
-    """The `SpecError` message when no candidate fits the budget."""
     call, sizes = request.call, request.sizes
     under = " under differentiation" if request.backward else ""
     hint = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
@@ -572,15 +565,13 @@ class Search:
             fitting = [c for c in self.known.values() if c.fits and c.seconds]
             if not fitting:
                 smallest = min(self.known.values(), key=lambda c: c.temp_bytes or 0)
-                n = len(self.known)
-                raise NoFit(no_fit_message(self.request, smallest, n), smallest, n)
+                raise NoFit(self.request, smallest, len(self.known))
             c = min(fitting, key=rank)
             if self.checked(c) is c:
                 return Choice(c, fitting, {})
 
     def checked(self, c: PlanCandidate) -> PlanCandidate:
-        """`c` costed, its temporaries compiled unless predicted within
-        `SAFE_FRACTION` of the budget."""
+        """`c` costed, compiled unless predicted within `SAFE_FRACTION` of budget."""
         k = self.known.get(c.key)
         if k and k.predicted and (k.temp_bytes or 0) > self.budget * SAFE_FRACTION:
             del self.known[c.key]  # compiled now, and costed again if it fits
