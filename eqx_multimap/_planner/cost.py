@@ -61,9 +61,8 @@ class Reference:
         return x.nbytes * float(math.prod(parts))
 
     def _input_copies(self, scan: ScanNest, x: Leaf) -> float:
-        """The bytes a nest of scans copies out of an input leaf: at each level that
-        slices it, one iteration's slice, and a transposed copy of that when the
-        level's dim does not lead what it scans."""
+        """The bytes a nest of scans copies out of an input leaf: each slicing level's
+        slice, and a transposed copy of it when its dim does not lead what it scans."""
         total, gone = 0.0, set()
         for level, (name, chunk) in enumerate(scan):
             if name not in x.axes:
@@ -76,9 +75,8 @@ class Reference:
         return total
 
     def _output_blocks(self, scan: ScanNest, y: Leaf) -> float:
-        """The bytes of an output leaf that a nest of scans holds: one iteration's
-        block at each level, and a transposed copy of the whole when the scanned
-        dims do not lead it."""
+        """The bytes of an output leaf a nest of scans holds: each level's block, and a
+        transposed copy of the whole when the scanned dims do not lead it."""
         total = sum(self._bytes(scan[: i + 1], y) for i in range(len(scan)))
         in_y = [n for n, _ in scan if n in y.axes]
         if list(y.axes)[: len(in_y)] != in_y:
@@ -238,7 +236,6 @@ class Compiler:
         )  # fmt: skip
 
     def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
-        """`cand` with its costs predicted from `ref`, and its estimated time."""
         costs = (*ref.costs(cand), ref.working_set(cand))
         return self._with_costs(cand, costs, ref.serial(cand), ref.io())
 
@@ -271,11 +268,10 @@ class Compiler:
     def corrected_cost(
         self, compiled: Any, cand: PlanCandidate
     ) -> tuple[float, float, float, int]:
-        """Flops, transcendentals, bytes and working set, loop bodies counted fully:
-        XLA counts a while loop's body once, so each block's loop body (the vmaps
-        inside its scans) is compiled on its own and its cost added `trips - 1` more
-        times. The working set: the largest footprint of one body, or of the whole
-        candidate when nothing loops."""
+        """Flops, transcendentals, bytes and working set (the largest footprint of a
+        loop body, or of the whole when nothing loops), loop bodies counted fully: XLA
+        counts a while loop's body once, so each block's (the vmaps inside its scans)
+        is compiled on its own and its cost added `trips - 1` more times."""
         total, ws = list(xla_costs(compiled)), 0
         what = f"costing the loop body of {cand.nest(self.sizes)}"
         looping = [b for b in blocks(cand.spec, self.problem.sizes) if b.trips > 1]
@@ -291,8 +287,7 @@ class Compiler:
 def serial(ops: Sequence[int], scale: float) -> float:
     """The share of the bytes the `ops` read (scaled by `scale`) read by ops too
     small for XLA to split over threads (`PARALLEL_BYTES`)."""
-    small = sum(n for n in ops if n * scale < PARALLEL_BYTES)
-    return small / max(sum(ops), 1)
+    return sum(n for n in ops if n * scale < PARALLEL_BYTES) / max(sum(ops), 1)
 
 
 def _footprint(compiled: Any) -> int:

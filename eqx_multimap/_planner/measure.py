@@ -187,7 +187,6 @@ class Tuner:
         return min((self.seconds(k) for k in self.timed), default=math.inf)
 
     def compiles(self) -> float:
-        """The median compile of the candidates timed."""
         return statistics.median(t.compile for t in self.timed.values())
 
     def due(self) -> bool:
@@ -215,9 +214,8 @@ class Tuner:
         return 1.0 if keep >= WHOLE else keep
 
     def time(self, c: PlanCandidate) -> float:
-        """Compile `c` (on a slice of its trips, `keep`) and time it, side by side
-        with the fastest so far: its whole call's time, or `inf` if, compiled
-        whole, it is over the budget."""
+        """Compile `c` (on `keep` of its trips) and time it beside the fastest so far:
+        its whole call's time, or `inf` if, compiled whole, it is over the budget."""
         if c.key in self.timed:
             return self.seconds(c.key)
         search, keep = self.search, self.keep(c)
@@ -401,18 +399,17 @@ def concrete_inputs(specs: Any) -> Any:
     rng = np.random.default_rng(0)
 
     def make(s: jax.ShapeDtypeStruct) -> Any:
-        dtype = s.dtype
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            impl = dtype._impl  # pyright: ignore[reportAttributeAccessIssue]
+        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            impl = s.dtype._impl  # pyright: ignore[reportAttributeAccessIssue]
             data = np.zeros(tuple(s.shape) + tuple(impl.key_shape), np.uint32)
             return jax.random.wrap_key_data(data, impl=impl.name)
-        if jnp.issubdtype(dtype, jnp.complexfloating):
+        if jnp.issubdtype(s.dtype, jnp.complexfloating):
             x = 2 * (rng.random(s.shape) + 1j * rng.random(s.shape)) - (1 + 1j)
-        elif jnp.issubdtype(dtype, jnp.floating):
+        elif jnp.issubdtype(s.dtype, jnp.floating):
             x = rng.random(s.shape, dtype=np.float32) * 2 - 1
         else:
-            x = np.zeros(s.shape, dtype)
-        return jax.device_put(np.asarray(x).astype(dtype))
+            x = np.zeros(s.shape, s.dtype)
+        return jax.device_put(np.asarray(x).astype(s.dtype))
 
     with jax.ensure_compile_time_eval():
         return jax.tree.map(make, specs)

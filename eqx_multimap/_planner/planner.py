@@ -330,14 +330,14 @@ class Planner:
                 self.n_plans += 1
                 self.n_compiles += search.compiler.n_compiled
             progress.close()
-        why = ""
+        summary = note + plan.summary
         if self.measure and not request.measure:  # the body's cost depends on its data
-            why = (
+            summary += (
                 f" The body's cost depends on its data ({data}): planned by the "
                 "model; call `eqx_multimap.tune(f, *args)` with real arguments "
                 "to measure."
             )
-        plan = dataclasses.replace(plan, summary=note + plan.summary + why)
+        plan = dataclasses.replace(plan, summary=summary)
         how = f"{plan.seconds:.2f} s, {plural(plan.n_compiled, 'compile')}"
         path, where = None, "no disk cache, kept in this process only"
         if disk is not None:
