@@ -9,34 +9,24 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
-import re
 import tempfile
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import jax
-import jaxlib
-
-from .._body import struct
 from .._resolve import Call
-from .measure import CAP
-from .model import machine
 from .plan import Plan, PlanCandidate
 from .search import (
     auto_plan,
     candidate,
     collective_dims,
     given_dims,
-    MAX_COMPILES,
     no_fit_message,
     Request,
-    SEARCH_VERSION,
 )
 
 
@@ -137,47 +127,6 @@ class DiskCache:
             _warn(f"cannot write {path} ({problem}); kept in memory only.")
             return None
         return path
-
-
-def fingerprint(call: Call) -> str:
-    """What determines a call's plan besides its options (the body's jaxpr, its
-    leaves' shapes and mapped axes), stable from process to process."""
-    axes = zip(call.values, call.leaf_axes)
-    leaves = [(str(struct(v)), sorted(a.items())) for v, a in axes]
-    text = str(call.body.jaxpr.jaxpr) + repr(leaves)
-    text += repr([str(d) for d in call.out.dims])
-    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def calibration_key() -> dict[str, Any]:
-    return {"machine": machine(), "versions": versions(), "calibration": 4}
-
-
-def versions() -> dict[str, str]:
-    ours = importlib.metadata.version("eqx_multimap")  # as `eqx_multimap.__version__`
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "eqx_multimap": ours}
-
-
-def plan_key(request: Request, fingerprint: str) -> dict[str, Any]:
-    """Everything that determines a plan, as JSON (a measured plan and a planned
-    one share it: which will do is the planner's choice, by `Plan.basis`)."""
-    call = request.call
-    return {
-        "body": fingerprint,
-        "sizes": [[n, s] for n, s in request.sizes.items()],
-        "scan": [[n, c] for n, c in call.options.scan],
-        "vmap": list(call.options.vmap),
-        "shard": [dataclasses.astuple(d) for d in request.shard],
-        "collective": list(collective_dims(call)),
-        "checkpoint": call.options.checkpoint,
-        "budget": request.budget,
-        "backward": request.backward,
-        "search": [SEARCH_VERSION, MAX_COMPILES, CAP],
-        "time_model": request.model_key,
-        "machine": machine(),
-        "versions": versions(),
-    }
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))

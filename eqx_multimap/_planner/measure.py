@@ -239,12 +239,9 @@ class Tuner:
             search.known[c.key] = costed if fits else exact
             if not fits:
                 return math.inf
-        if not self.values:
-            args = concrete_inputs(specs)
-        elif compiler.backward:  # the cotangents made up
-            args = [_sliced(self.call, index, sub), concrete_inputs(specs[1])]
-        else:
-            args = _sliced(self.call, index, sub)
+        args = _sliced(self.call, index, sub) if self.values else concrete_inputs(specs)
+        if self.values and compiler.backward:  # the cotangents made up
+            args = [args, concrete_inputs(specs[1])]
         args = jax.block_until_ready(args)
         if not self.once:
             noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])

@@ -1,47 +1,44 @@
-"""`Planner`: the plan caches (in memory, and on disk), the time model (calibrated
-once per machine) and the counters."""
+"""`Planner`: the plan caches (in memory, and on disk) and the keys they are under, the
+time model (calibrated once per machine) and the counters."""
 
 import collections as co
 import contextlib
 import dataclasses
 import functools as ft
+import hashlib
+import importlib.metadata
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, Literal
 
 import jax
+import jaxlib
 
 from .._blocks import known, plural
-from .._body import data_dependent
+from .._body import data_dependent, struct
 from .._errors import SpecError
 from .._progress_bar import Progress
 from .._resolve import Call
-from .cache import (
-    calibration_key,
-    cand_json,
-    default_cache_dir,
-    DiskCache,
-    fingerprint,
-    plan_from_json,
-    plan_json,
-    plan_key,
-)
+from .cache import cand_json, default_cache_dir, DiskCache, plan_from_json, plan_json
 from .cost import Compiler
-from .measure import calibrate, measured
-from .model import TimeModel
+from .measure import calibrate, CAP, measured
+from .model import machine, TimeModel
 from .plan import Plan
 from .search import (
     candidate,
     collective_dims,
     localize,
+    MAX_COMPILES,
     MemoryBudget,
     NoFit,
     plan_for,
     Request,
     resolve_budget,
     Search,
+    SEARCH_VERSION,
 )
 
 
@@ -90,10 +87,8 @@ def plan_options(plan: Any, memory_budget: Any, verbose: bool) -> "PlanOptions |
             "(bytes) or a `float` in (0, 1] (a fraction of device memory), but got "
             f"{b!r} of type `{type(b).__name__}`; e.g. `memory_budget=2**30` is 1 GiB."
         )
-    if plan is None:
-        return None
     given = None if isinstance(plan, str) else plan
-    return PlanOptions(given, memory_budget, bool(verbose))
+    return None if plan is None else PlanOptions(given, memory_budget, bool(verbose))
 
 
 class Planner:
@@ -361,6 +356,47 @@ class Planner:
         cache[key] = value
         if len(cache) > self.max_cache:
             cache.popitem(last=False)
+
+
+def fingerprint(call: Call) -> str:
+    """What determines a call's plan besides its options (the body's jaxpr, its
+    leaves' shapes and mapped axes), stable from process to process."""
+    axes = zip(call.values, call.leaf_axes)
+    leaves = [(str(struct(v)), sorted(a.items())) for v, a in axes]
+    text = str(call.body.jaxpr.jaxpr) + repr(leaves)
+    text += repr([str(d) for d in call.out.dims])
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def calibration_key() -> dict[str, Any]:
+    return {"machine": machine(), "versions": versions(), "calibration": 4}
+
+
+def versions() -> dict[str, str]:
+    ours = importlib.metadata.version("eqx_multimap")  # as `eqx_multimap.__version__`
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "eqx_multimap": ours}
+
+
+def plan_key(request: Request, fingerprint: str) -> dict[str, Any]:
+    """Everything that determines a plan, as JSON (a measured plan and a planned
+    one share it: which will do is the planner's choice, by `Plan.basis`)."""
+    call = request.call
+    return {
+        "body": fingerprint,
+        "sizes": [[n, s] for n, s in request.sizes.items()],
+        "scan": [[n, c] for n, c in call.options.scan],
+        "vmap": list(call.options.vmap),
+        "shard": [dataclasses.astuple(d) for d in request.shard],
+        "collective": list(collective_dims(call)),
+        "checkpoint": call.options.checkpoint,
+        "budget": request.budget,
+        "backward": request.backward,
+        "search": [SEARCH_VERSION, MAX_COMPILES, CAP],
+        "time_model": request.model_key,
+        "machine": machine(),
+        "versions": versions(),
+    }
 
 
 SYMBOLIC_STAND_IN = 2  # the size a symbolic dim is planned at (scanned: any will do)
