@@ -108,8 +108,7 @@ class Reference:
         return self.flops, self.transcendentals, max(self.nbytes + extra - base, 0.0)
 
     def working_set(self, c: PlanCandidate) -> int:
-        """The bytes one loop iteration of `c` touches: its temporaries, and its
-        slice of every input and output."""
+        """The bytes one loop iteration of `c` touches."""
         inputs = sum(self._bytes(c.scan, x) for x in self.inputs)
         outputs = sum(self._bytes(c.scan, y) for y in self.outputs)
         return int(self._body(c) + inputs + outputs)

@@ -65,8 +65,7 @@ def chunk_options(n: int) -> list[int | None]:
     `n / 2, n / 4, ...`, each moved to a divisor within `sqrt(2)` (no remainder)."""
     pairs = [(d, n // d) for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     divisors = {x for pair in pairs for x in pair if 2 <= x <= n // 2}
-    out: list[int] = []
-    m = 2
+    out, m = [], 2
     while n // m >= 2:
         ideal = n / m
         near = [d for d in divisors if ideal / 2**0.5 <= d <= ideal * 2**0.5]
@@ -190,8 +189,7 @@ def auto_plan(
 
 
 class Choice(NamedTuple):
-    """What the search chose, those it compared, their measured times by key
-    (measured mode), and a note when timing was impossible."""
+    """The chosen, those compared, measured times by key, a note if timing failed."""
 
     chosen: PlanCandidate
     compared: list[PlanCandidate]
