@@ -9,34 +9,24 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
-import re
 import tempfile
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import jax
-import jaxlib
-
-from .._body import struct
 from .._resolve import Call
-from .measure import CAP
-from .model import machine
-from .plan import Plan, PlanCandidate, split_leaves
+from .plan import Plan, PlanCandidate
 from .search import (
     auto_plan,
-    block_and_trips,
+    candidate,
     collective_dims,
     given_dims,
-    MAX_COMPILES,
     no_fit_message,
     Request,
-    SEARCH_VERSION,
 )
 
 
@@ -139,49 +129,6 @@ class DiskCache:
         return path
 
 
-def fingerprint(call: Call) -> str:
-    """What determines a call's plan besides its options (the body's jaxpr, its
-    leaves' shapes and mapped axes), stable from process to process."""
-    axes = zip(call.values, call.leaf_axes)
-    leaves = [(str(struct(v)), sorted(a.items())) for v, a in axes]
-    text = str(call.body.jaxpr.jaxpr) + repr(leaves)
-    text += repr([str(d) for d in call.out.dims])
-    shares = split_leaves(call)[0]  # an input split over mesh axes: one piece here
-    text += repr(shares) if max(shares, default=1) > 1 else ""
-    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def calibration_key() -> dict[str, Any]:
-    return {"machine": machine(), "versions": versions(), "calibration": 4}
-
-
-def versions() -> dict[str, str]:
-    ours = importlib.metadata.version("eqx_multimap")  # as `eqx_multimap.__version__`
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "eqx_multimap": ours}
-
-
-def plan_key(request: Request, fingerprint: str) -> dict[str, Any]:
-    """Everything that determines a plan, as JSON (a measured plan and a planned
-    one share it: which will do is the planner's choice, by `Plan.basis`)."""
-    call = request.call
-    return {
-        "body": fingerprint,
-        "sizes": [[n, s] for n, s in request.sizes.items()],
-        "scan": [[n, c] for n, c in call.options.scan],
-        "vmap": list(call.options.vmap),
-        "shard": [dataclasses.astuple(d) for d in request.shard],
-        "collective": list(collective_dims(call)),
-        "checkpoint": call.options.checkpoint,
-        "budget": request.budget,
-        "backward": request.backward,
-        "search": [SEARCH_VERSION, MAX_COMPILES, CAP],
-        "time_model": request.model_key,
-        "machine": machine(),
-        "versions": versions(),
-    }
-
-
 _FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))
 _KEPT = ("checkpoint", "summary", "measured", "basis")  # stored fields of a `Plan`
 
@@ -232,11 +179,11 @@ def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
     _check(all(k is None or 1 <= k <= sizes[n] for n, k in scan), "a bad chunk")
     _check(scan[: len(call.options.scan)] == call.options.scan, "given scans lost")
     planned = {n for n, _ in scan[len(call.options.scan) :]}
-    frozen = set(given_dims(call)) | set(collective_dims(call))
+    frozen = set(given_dims(call) + collective_dims(call))
     _check(not planned & frozen, "a candidate scans a dim it must not")
-    block, trips = block_and_trips(scan, vmap, sizes)
-    nest = dict(scan=scan, vmap=vmap, block=block, trips=trips)
-    return PlanCandidate(**nest, **_typed(d, PlanCandidate, set(_FIELDS) - set(nest)))
+    fields = _typed(d, PlanCandidate, set(_FIELDS) - {"scan", "vmap", "block", "trips"})
+    nest = candidate(scan, vmap, sizes, fields.pop("source"))
+    return dataclasses.replace(nest, **fields)
 
 
 def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
@@ -256,14 +203,6 @@ def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
     fits = (chosen.fits or empty) and (chosen.temp_bytes or 0) <= budget
     _check(bool(fits), "the chosen candidate does not fit the budget")
     how = f"{p['how']}, on {p['created']}"
-    return auto_plan(
-        request,
-        chosen,
-        candidates,
-        n_compiled=0,
-        seconds=0.0,
-        time_model=request.model,
-        cache=f"from the disk cache, {path} ({how}); nothing compiled now",
-        cache_path=path,
-        **_typed(p, Plan, _KEPT),
-    )
+    fields = dict(n_compiled=0, seconds=0.0, cache_path=path, **_typed(p, Plan, _KEPT))
+    fields["cache"] = f"from the disk cache, {path} ({how}); nothing compiled now"
+    return auto_plan(request, chosen, candidates, time_model=request.model, **fields)

@@ -1,6 +1,5 @@
 """Costing candidate nests: XLA's memory and cost analyses of compiled ones, the
-others predicted from full vmap's (`Reference`; see `docs/design.md`), and
-planning's progress."""
+others predicted from full vmap's (`Reference`; see `docs/design.md`)."""
 
 import dataclasses
 import functools as ft
@@ -63,9 +62,8 @@ class Reference:
         return x.nbytes * float(math.prod(parts))
 
     def _input_copies(self, scan: ScanNest, x: Leaf) -> float:
-        """The bytes a nest of scans copies out of an input leaf: at each level that
-        slices it, one iteration's slice, and a transposed copy of that when the
-        level's dim does not lead what it scans."""
+        """The bytes a nest of scans copies out of an input leaf: each slicing level's
+        slice, and a transposed copy of it when its dim does not lead what it scans."""
         total, gone = 0.0, set()
         for level, (name, chunk) in enumerate(scan):
             if name not in x.axes:
@@ -78,9 +76,8 @@ class Reference:
         return total
 
     def _output_blocks(self, scan: ScanNest, y: Leaf) -> float:
-        """The bytes of an output leaf that a nest of scans holds: one iteration's
-        block at each level, and a transposed copy of the whole when the scanned
-        dims do not lead it."""
+        """The bytes of an output leaf a nest of scans holds: each level's block, and a
+        transposed copy of the whole when the scanned dims do not lead it."""
         total = sum(self._bytes(scan[: i + 1], y) for i in range(len(scan)))
         in_y = [n for n, _ in scan if n in y.axes]
         if list(y.axes)[: len(in_y)] != in_y:
@@ -112,8 +109,7 @@ class Reference:
         return self.flops, self.transcendentals, max(self.nbytes + extra - base, 0.0)
 
     def working_set(self, c: PlanCandidate) -> int:
-        """The bytes one loop iteration of `c` touches: its temporaries, and its
-        slice of every input and output."""
+        """The bytes one loop iteration of `c` touches."""
         inputs = sum(self._bytes(c.scan, x) for x in self.inputs)
         outputs = sum(self._bytes(c.scan, y) for y in self.outputs)
         return int(self._body(c) + inputs + outputs)
@@ -178,7 +174,6 @@ class Compiler:
         return self._compiled(jax.jit(fn).trace(specs), what, runs)
 
     def _compiled(self, traced: Any, what: str, runs: bool = False) -> Any:
-        """A traced program compiled, as `compile` compiles it."""
         self.report(what)
         self.n_compiled += 1
         return traced.lower().compile() if runs else analysed(traced.lower())
@@ -195,8 +190,9 @@ class Compiler:
         if forward or not self.backward:
             return nest, self.specs
         outs = jax.eval_shape(nest, self.specs)
-        diff_in = [i for i, s in enumerate(self.specs) if _inexact(s)]
-        diff_out = [i for i, s in enumerate(outs) if _inexact(s)]
+        inexact = lambda s: jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)
+        diff_in = [i for i, s in enumerate(self.specs) if inexact(s)]
+        diff_out = [i for i, s in enumerate(outs) if inexact(s)]
         self._outs = [(i, outs[i]) for i in diff_out]
 
         def gradient(args: list) -> Any:
@@ -213,7 +209,6 @@ class Compiler:
         return gradient, [self.specs, [outs[i] for i in diff_out]]
 
     def memory(self, cand: PlanCandidate) -> int:
-        """Compile the candidate's program; its temporary memory."""
         fn, specs = self._program(cand.spec)
         traced = jax.jit(fn).trace(specs)
         compiled = self._compiled(traced, f"compiling {cand.nest(self.sizes)}")
@@ -242,7 +237,6 @@ class Compiler:
         )  # fmt: skip
 
     def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
-        """`cand` with its costs predicted from `ref`, and its estimated time."""
         costs = (*ref.costs(cand), ref.working_set(cand))
         return self._with_costs(cand, costs, ref.serial(cand), ref.io())
 
@@ -276,12 +270,11 @@ class Compiler:
     def corrected_cost(
         self, compiled: Any, cand: PlanCandidate
     ) -> tuple[float, float, float, int]:
-        """Flops, transcendentals, bytes and working set, loop bodies counted fully:
-        XLA counts a while loop's body once, so each block's loop body (the vmaps
-        inside its scans) is compiled on its own and its cost added `trips - 1` more
-        times. The working set: the largest footprint of one body, or of the whole
-        candidate when nothing loops. Both without the inputs' pieces held elsewhere,
-        each counted as read once."""
+        """Flops, transcendentals, bytes and working set (the largest footprint of a
+        loop body, or of the whole when nothing loops), loop bodies counted fully: XLA
+        counts a while loop's body once, so each block's (the vmaps inside its scans)
+        is compiled on its own and its cost added `trips - 1` more times. Both without
+        the inputs' pieces held elsewhere, each counted as read once."""
         total, ws = list(xla_costs(compiled)), 0
         total[2] -= self.elsewhere(self.specs)
         what = f"costing the loop body of {cand.nest(self.sizes)}"
@@ -307,12 +300,7 @@ class Compiler:
 def serial(ops: Sequence[int], scale: float) -> float:
     """The share of the bytes the `ops` read (scaled by `scale`) read by ops too
     small for XLA to split over threads (`PARALLEL_BYTES`)."""
-    small = sum(n for n in ops if n * scale < PARALLEL_BYTES)
-    return small / max(sum(ops), 1)
-
-
-def _inexact(s: Any) -> bool:
-    return jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)
+    return sum(n for n in ops if n * scale < PARALLEL_BYTES) / max(sum(ops), 1)
 
 
 def _footprint(compiled: Any) -> int:

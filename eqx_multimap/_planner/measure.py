@@ -15,13 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._blocks import NestSpec
 from .._resolve import Call
 from .._text import fmt_bytes, fmt_seconds, plural
 from .cost import Compiler
 from .model import machine, SLICE, TimeModel
-from .plan import Choice, PlanCandidate
-from .search import Search, Steps
+from .plan import PlanCandidate
+from .search import Choice, Search, Steps
 
 
 CAP = 8.0
@@ -38,9 +37,8 @@ DISTURBED = 1.5  # a round whose probe took this many times its best is dropped
 
 
 class Probe:
-    """A program whose op XLA spreads over its threads (a fraction of a ms), timed
-    before each round: a round in which it ran more than `DISTURBED` times its best
-    was disturbed (another job held a core)."""
+    """A program XLA spreads over its threads (a fraction of a ms), timed before each
+    round: a round it took over `DISTURBED` times its best for was disturbed."""
 
     def __init__(self, run: Callable[[], Any] | None = None):
         self.run, self.times = run or _probe_loop(), []
@@ -110,24 +108,18 @@ def rounds(
 Index = dict[str, np.ndarray]  # the elements of some dims
 
 
-def spread(n: int, chunk: int, m: int) -> np.ndarray:
-    """`m` of the `n` whole chunks of `chunk` elements of a dim, spread evenly over
-    it (its first and last included)."""
-    starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * chunk
-    return (starts[:, None] + np.arange(chunk)).ravel()
-
-
 def trip_slice(c: PlanCandidate, sizes: dict[str, int], keep: float) -> Index:
     """The elements of the dims `c` scans that it is timed on: about `keep` of its
     loop trips, its block kept whole. Outer loops are cut first, each to whole
-    chunks spread evenly over its dim (a cost that depends on the data may vary
-    along it)."""
+    chunks spread evenly over its dim, its first and last included (a cost that
+    depends on the data may vary along it)."""
     out = {}
     for name, chunk in c.scan:
         k = chunk or 1
         n = sizes[name] // k
-        m = min(n, max(1, math.ceil(n * keep)))
-        out[name] = spread(n, k, m)
+        m = min(n, max(1, math.ceil(n * keep)))  # of its `n` chunks
+        starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * k
+        out[name] = (starts[:, None] + np.arange(k)).ravel()
         keep *= n / m
         if keep >= 1:
             break
@@ -159,9 +151,8 @@ def _take(v: Any, index: np.ndarray, axis: int) -> Any:
 
 @dataclasses.dataclass
 class Timed:
-    """A candidate as timed: a thunk running it, what it ran on (`slice`: the elements
-    of each dim cut, by name), the factor from a run to the whole call, its
-    compile, and its rounds."""
+    """A candidate as timed: a thunk running it, the dims it cut (`slice`: their
+    elements, by name), the factor from a run to the whole call, compile, rounds."""
 
     run: Callable[[], Any]
     slice: dict[str, int]
@@ -174,14 +165,13 @@ class Timed:
 class Tuner:
     """One measured search: times candidates (`time`), chooses which (`run`)."""
 
-    def __init__(self, search: Search, values: bool, cap: float | None = None):
-        self.search, self.call, self.values = search, search.call, values
-        self.sizes, self.cap = search.sizes, CAP if cap is None else cap
-        self.compiler = search.compiler
+    def __init__(self, search: Search):
+        self.search, self.call, self.sizes = search, search.call, search.sizes
+        self.values, self.cap = search.request.values, CAP
         self.start = time.perf_counter()
         self.timed: dict[tuple, Timed] = {}
         self.once = 0.0  # seconds: a call that does nothing
-        self.capped = False
+        self.capped = False  # the cap stopped the search
         self.probe = Probe()
         self.why: dict[tuple, str] = {}  # why one was not timed
 
@@ -195,21 +185,23 @@ class Tuner:
     def best(self) -> float:
         return min((self.seconds(k) for k in self.timed), default=math.inf)
 
+    def compiles(self) -> float:
+        return statistics.median(t.compile for t in self.timed.values())
+
     def due(self) -> bool:
         """Whether the next candidate would take the search past `cap` times the
-        median compile (one kept for timing the fastest again)."""
+        median compile (one kept for timing the fastest again): then `capped`."""
         if not self.timed:
             return False
-        compiles = statistics.median(t.compile for t in self.timed.values())
-        per = (time.perf_counter() - self.start) / len(self.timed)
-        return time.perf_counter() - self.start + per > (self.cap - 1) * compiles
+        spent = time.perf_counter() - self.start
+        if spent + spent / len(self.timed) > (self.cap - 1) * self.compiles():
+            self.capped = True
+        return self.capped
 
     def keep(self, c: PlanCandidate) -> float:
-        """The share of `c`'s loop trips it is timed on: about `TARGET` seconds'
-        worth, judged from the fastest so far, and, if the call's inputs and
-        outputs do not fit the last cache level, `CACHES` times its worth of them
-        (else a slice would run from a cache the call misses); all if that is
-        `WHOLE` or more."""
+        """The share of `c`'s loop trips it is timed on (`TARGET`, `WHOLE`): if the
+        call's inputs and outputs do not fit the last cache level, at least `CACHES`
+        times its worth of them, else a slice would run from a cache the call misses."""
         if not c.scan:
             return 1.0
         # Before any is timed, judged from the time model's estimate.
@@ -221,39 +213,34 @@ class Tuner:
         return 1.0 if keep >= WHOLE else keep
 
     def time(self, c: PlanCandidate) -> float:
-        """Compile `c` (on a slice of its trips, `keep`) and time it, side by side
-        with the fastest so far: its whole call's time, or `inf` if, compiled
-        whole, it is over the budget."""
+        """Compile `c` (on `keep` of its trips) and time it beside the fastest so far:
+        its whole call's time, or `inf` if, compiled whole, it is over the budget."""
         if c.key in self.timed:
             return self.seconds(c.key)
-        sizes, keep = self.sizes, self.keep(c)
-        index = trip_slice(c, sizes, keep) if keep < 1 else {}
-        sub = {**sizes, **{n: len(x) for n, x in index.items()}}
-        compiler = Compiler(self.call, sub, self.search.model, self.compiler.backward)
-        fn, specs = compiler._program(NestSpec(c.scan, c.vmap))
-        compiler.report = self.compiler.report
+        search, keep = self.search, self.keep(c)
+        index = trip_slice(c, self.sizes, keep) if keep < 1 else {}
+        sub = {**self.sizes, **{n: len(x) for n, x in index.items()}}
+        compiler = Compiler(self.call, sub, search.model, search.compiler.backward)
+        compiler.report = search.compiler.report  # planning's progress
+        fn, specs = compiler._program(c.spec)
         t0 = time.perf_counter()
-        program = compiler.compile(
-            fn, specs, f"compiling {c.nest(sub)} to time it", True
-        )
+        what = f"compiling {c.nest(sub)} to time it"
+        program = compiler.compile(fn, specs, what, runs=True)
         compile_seconds = time.perf_counter() - t0
-        self.compiler.n_compiled += 1
-        scale = math.prod(sizes.values()) / max(math.prod(sub.values()), 1)
+        search.compiler.n_compiled += 1
+        scale = math.prod(self.sizes.values()) / max(math.prod(sub.values()), 1)
         self.timed[c.key] = Timed(lambda: None, {}, scale, compile_seconds, [])
         if not index:  # compiled whole: its memory is known, and not run if over
             temp = int(program.memory_analysis().temp_size_in_bytes)
-            fits = temp <= self.search.budget
+            fits = temp <= search.budget
             exact = dataclasses.replace(c, temp_bytes=temp, fits=fits, predicted=False)
-            costed = self.search.compiler.predicted_costs(exact, self.search.ref)
-            self.search.known[c.key] = costed if fits else exact
+            costed = search.compiler.predicted_costs(exact, search.ref)
+            search.known[c.key] = costed if fits else exact
             if not fits:
                 return math.inf
-        if not self.values:
-            args = concrete_inputs(specs)
-        elif compiler.backward:  # the cotangents made up
-            args = [_sliced(self.call, index, sub), concrete_inputs(specs[1])]
-        else:
-            args = _sliced(self.call, index, sub)
+        args = _sliced(self.call, index, sub) if self.values else concrete_inputs(specs)
+        if self.values and compiler.backward:  # the cotangents made up
+            args = [args, concrete_inputs(specs[1])]
         args = jax.block_until_ready(args)
         if not self.once:
             noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
@@ -275,9 +262,8 @@ class Tuner:
 
     def confirm(self) -> None:
         """Time again, side by side (three rounds at least, for up to `SPEND` of a
-        compile each, within the cap), those within `CLOSE` of the fastest and
-        those timed while another job held a core (the probe timed before them was
-        disturbed)."""
+        compile each, within the cap), those within `CLOSE` of the fastest and those
+        whose probe was disturbed (another job held a core)."""
         best, late = self.best(), self.probe.disturbed()
         close = [
             k for k, t in self.timed.items()
@@ -286,7 +272,7 @@ class Tuner:
         ]  # fmt: skip
         if len(close) < 2:
             return
-        compiles = statistics.median(t.compile for t in self.timed.values())
+        compiles = self.compiles()
         left = self.cap * compiles - (time.perf_counter() - self.start)
         spend = min(left, SPEND * compiles * len(close))
         runs = [self.timed[k].run for k in close]
@@ -300,35 +286,30 @@ class Tuner:
         block, and along that ladder if faster. The fastest timed that fits."""
         search, budget = self.search, self.search.budget
         fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
-        full_fits = bool(search.known[full.key].fits)
+        head = [full] * bool(search.known[full.key].fits)  # full vmap, if it fits
         # In lockstep, a block of one element runs a while loop unbatched: a program
         # of another kind, which no larger block predicts. It is timed on its own,
         # and the ladders searched without it.
         alone = lambda c: search.lockstep and c.block == 1 and not c.vmap  # noqa: E731
         one = [c for s in ladders for c in s if alone(c) and fits(s, c)][:1]
-        lines = [
-            [full] * full_fits + [c for c in s if fits(s, c) and not alone(c)]
-            for s in ladders
-        ]
-        lines = [ln for ln in lines if len(ln) > 1] or [[full] * full_fits]
-        for c in [full] * full_fits + [model] + one:
+        lines = [head + [c for c in s if fits(s, c) and not alone(c)] for s in ladders]
+        lines = [ln for ln in lines if len(ln) > 1] or [head]
+        for c in head + [model] + one:
             self.time(c)
         first = next((ln for ln in lines if model in ln[1:]), lines[0])
         done = [first]
         self.along(first)
-        for line in sorted(
-            lines, key=lambda ln: ln[1].scan[0][0] == first[1].scan[0][0]
-        ):
+        same = lambda ln: ln[1].scan[0][0] == first[1].scan[0][0]  # noqa: E731
+        for line in sorted(lines, key=same):  # other orders first
             if line in done or self.capped:
                 continue
             best = min(self.timed, key=self.seconds)
-            block = next(c.block for c in search.considered.values() if c.key == best)
+            block = search.considered[best].block
             rungs = [c for c in line if c.key != full.key]  # its own
             near = min(rungs, key=lambda c: abs(math.log(c.block / block)))
             if near.key in self.timed:
                 continue
             if self.due():
-                self.capped = True
                 break
             done.append(line)
             if self.time(near) < self.seconds(best):
@@ -337,9 +318,7 @@ class Tuner:
         pruned = "a block between it and the fastest, on its ladder or at the "
         pruned += "fastest's block, measured slower"
         in_lines = {c.key for line in lines for c in line}
-        for k in search.considered:
-            if k in self.timed:
-                continue
+        for k in search.considered.keys() - self.timed.keys():
             why = "its temporaries predicted over the budget"
             if k in in_lines:
                 why = "the cap stopped the search first" if self.capped else pruned
@@ -350,11 +329,8 @@ class Tuner:
         """Search `line` (largest block first): time the middle of the larger
         untimed gap beside its fastest, until both its neighbours are timed."""
         while line:
-            t = {
-                i: self.seconds(c.key)
-                for i, c in enumerate(line)
-                if c.key in self.timed
-            }
+            ran = [i for i, c in enumerate(line) if c.key in self.timed]
+            t = {i: self.seconds(line[i].key) for i in ran}
             if not t:  # none timed yet: start in its middle
                 self.time(line[len(line) // 2])
                 continue
@@ -362,10 +338,7 @@ class Tuner:
             lo = max((i for i in t if i < b), default=-1)
             hi = min((i for i in t if i > b), default=len(line))
             left, right = b - lo - 1, hi - b - 1
-            if not left and not right:
-                return
-            if self.due():
-                self.capped = True
+            if not (left or right) or self.due():
                 return
             lower_left = t.get(lo, math.inf) < t.get(hi, math.inf)
             go_left = left > right or left == right and lower_left
@@ -374,29 +347,22 @@ class Tuner:
     def choose(self) -> Choice:
         """The fastest timed that fits (its memory compiled, if only predicted)."""
         search = self.search
-        order = sorted(self.timed, key=self.seconds)
-        considered = search.considered
-        chosen = None
-        for k in order:
-            if self.seconds(k) == math.inf:
-                break
-            c = search.checked(search.known.get(k, considered[k]))
-            if c.fits:
-                chosen = c
-                break
+        known = lambda k: search.known.get(k, search.considered[k])  # noqa: E731
         timed = {k: self.seconds(k) for k in self.timed if self.timed[k].rounds}
-        compared = [search.known.get(k, considered[k]) for k in timed]
+        checked = (search.checked(known(k)) for k in sorted(timed, key=self.seconds))
+        chosen = next((c for c in checked if c.fits), None)  # fastest first, lazily
+        compared = [known(k) for k in timed]
         return Choice(chosen or search.pick().chosen, compared, timed)
 
-    def describe(self, values: bool) -> str:
+    def describe(self) -> str:
         """What was timed, on what, and whether the cap stopped the search."""
         ran = [t for t in self.timed.values() if t.rounds]
         cut = sum(bool(t.slice) for t in ran)
         how = f"{cut} on a slice of its loop trips (its block kept), scaled" * bool(cut)
         how = how or "each on the whole call"
-        what = "the call's arguments" if values else "made-up inputs of its shapes"
-        compiles = statistics.median(t.compile for t in self.timed.values())
-        cap = f"{self.cap:g}x the median compile, {fmt_seconds(self.cap * compiles)}"
+        what = "the call's arguments" if self.values else "made-up inputs of its shapes"
+        cap = fmt_seconds(self.cap * self.compiles())
+        cap = f"{self.cap:g}x the median compile, {cap}"
         stop = "stopped the search" if self.capped else "was not reached"
         return (
             f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}; those within "
@@ -408,14 +374,14 @@ def measured(
     search: Search, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate
 ) -> tuple[Choice, str]:
     """`Tuner.run`'s choice, and what it timed; the model's if timing fails."""
-    tuner = Tuner(search, search.request.values)
+    tuner = Tuner(search)
     try:
         choice = tuner.run(full, ladders, model)
     except Exception as e:  # e.g. inputs of a dtype that cannot be made up
         note = f"could not measure ({type(e).__name__}: {e}), so estimated"
         return Choice(model, [model], {}, note), ""
     search.notes.update(tuner.why)
-    return choice, tuner.describe(search.request.values)
+    return choice, tuner.describe()
 
 
 #
@@ -429,18 +395,17 @@ def concrete_inputs(specs: Any) -> Any:
     rng = np.random.default_rng(0)
 
     def make(s: jax.ShapeDtypeStruct) -> Any:
-        dtype = s.dtype
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            impl = dtype._impl  # pyright: ignore[reportAttributeAccessIssue]
+        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            impl = s.dtype._impl  # pyright: ignore[reportAttributeAccessIssue]
             data = np.zeros(tuple(s.shape) + tuple(impl.key_shape), np.uint32)
             return jax.random.wrap_key_data(data, impl=impl.name)
-        if jnp.issubdtype(dtype, jnp.complexfloating):
+        if jnp.issubdtype(s.dtype, jnp.complexfloating):
             x = 2 * (rng.random(s.shape) + 1j * rng.random(s.shape)) - (1 + 1j)
-        elif jnp.issubdtype(dtype, jnp.floating):
+        elif jnp.issubdtype(s.dtype, jnp.floating):
             x = rng.random(s.shape, dtype=np.float32) * 2 - 1
         else:
-            x = np.zeros(s.shape, dtype)
-        return jax.device_put(np.asarray(x).astype(dtype))
+            x = np.zeros(s.shape, s.dtype)
+        return jax.device_put(np.asarray(x).astype(s.dtype))
 
     with jax.ensure_compile_time_eval():
         return jax.tree.map(make, specs)

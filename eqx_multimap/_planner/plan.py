@@ -4,7 +4,7 @@
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from .._blocks import describe_nest, NestSpec
 from .._resolve import Call
@@ -288,6 +288,8 @@ class Plan:
         head = ("", "temp", "flops", "bytes", "work set", "est.")
         head += ("measured",) if self.measured else ()
         rows = [head + ("fits",)]
+        chosen = self.chosen.seconds
+        relative = lambda t: f"{t / chosen:.2f}x" if chosen else "-"  # noqa: E731
         for c in cands:
             row = (
                 "*" if c == self.chosen else "",
@@ -295,7 +297,7 @@ class Plan:
                 _text(c.flops, "{:.3g}".format),
                 _text(c.bytes_accessed, "{:.3g}".format),
                 _text(c.working_set, fmt_bytes),
-                _text(c.seconds, lambda t: _relative(t, self.chosen.seconds)),
+                _text(c.seconds, relative),
             )
             if self.measured:
                 row += (_text(c.measured, fmt_seconds),)
@@ -313,65 +315,5 @@ class Plan:
         return out
 
 
-def _relative(t: float, chosen: float | None) -> str:
-    return f"{t / chosen:.2f}x" if chosen else "-"
-
-
 def _text(x: Any, fmt: Callable[[Any], str]) -> str:
     return "-" if x is None else fmt(x)
-
-
-class Choice(NamedTuple):
-    """What the search chose, those it compared, their measured times by key
-    (measured mode), and a note when timing was impossible."""
-
-    chosen: PlanCandidate
-    compared: list[PlanCandidate]
-    timed: dict[tuple, float]
-    note: str = ""
-
-
-def why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
-    """Why `c` was chosen: it measured fastest of those `timed`, or is est. fastest
-    of the `n` that fit."""
-    t = timed.get(c.key)
-    if t is not None:
-        rest = sorted(v for k, v in timed.items() if k != c.key)
-        nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
-        return f"the fastest of the {len(timed)} timed (measured {fmt_seconds(t)}{nxt})"
-    if c.temp_bytes is None:
-        return "nothing to compile"
-    if n <= 1:
-        return "the only candidate that fits and was costed"
-    return f"the fastest by the time model of the {n} that fit"
-
-
-def with_reason(
-    c: PlanCandidate, choice: Choice, note: str | None, budget: int
-) -> PlanCandidate:
-    """`c` with the reason it was, or was not, chosen (and its measured time)."""
-    chosen, compared, timed, _ = choice
-    t, mine = timed.get(c.key), timed.get(chosen.key)
-    if c.key == chosen.key:
-        why = "chosen: " + why_chosen(c, timed, len(compared))
-        if c.predicted:
-            far = note or "far within the budget"
-            why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
-    elif t is not None and mine is not None and c.fits is not False:
-        why = f"slower: measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
-        why += "; its memory not compiled" * (c.temp_bytes is None)
-    elif c.temp_bytes is None:
-        why = note or "not compiled"
-    elif not c.fits:
-        a, b = fmt_bytes(c.temp_bytes), fmt_bytes(budget)
-        if a == b:  # in bytes when the two would print alike
-            a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
-        why = f"over budget: {a} > {b}"
-    elif c.seconds is not None and chosen.seconds is not None:
-        est = c.seconds / chosen.seconds
-        why = f"slower (est. {est:.2f}x the chosen's, by the time model)"
-        if timed:  # measured mode
-            why = note or "not timed"
-    else:
-        why = note or "fits, not costed: smaller than the largest block that fits"
-    return dataclasses.replace(c, measured=t, reason=why)

@@ -1,49 +1,46 @@
-"""`Planner`: the plan caches (in memory, and on disk), the time model (calibrated
-once per machine) and the counters."""
+"""`Planner`: the plan caches (in memory, and on disk) and the keys they are under, the
+time model (calibrated once per machine) and the counters."""
 
 import collections as co
 import contextlib
 import dataclasses
 import functools as ft
+import hashlib
+import importlib.metadata
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, Literal
 
 import jax
+import jaxlib
 
 from .._blocks import known
+from .._body import struct
 from .._errors import SpecError
 from .._jaxpr import data_dependent
 from .._progress_bar import Progress
 from .._resolve import Call
 from .._text import plural
-from .cache import (
-    calibration_key,
-    cand_json,
-    default_cache_dir,
-    DiskCache,
-    fingerprint,
-    plan_from_json,
-    plan_json,
-    plan_key,
-)
+from .cache import cand_json, default_cache_dir, DiskCache, plan_from_json, plan_json
 from .cost import Compiler
-from .measure import calibrate, measured
-from .model import TimeModel
-from .plan import Plan
+from .measure import calibrate, CAP, measured
+from .model import machine, TimeModel
+from .plan import Plan, split_leaves
 from .search import (
     candidate,
-    check_budget,
     collective_dims,
     localize,
+    MAX_COMPILES,
     MemoryBudget,
     NoFit,
     plan_for,
     Request,
     resolve_budget,
     Search,
+    SEARCH_VERSION,
 )
 
 
@@ -73,18 +70,27 @@ class PlanOptions:
 
 
 def plan_options(plan: Any, memory_budget: Any, verbose: bool) -> "PlanOptions | None":
-    """Validate `plan=` and `memory_budget=` at decoration time."""
+    """Validate `plan=` and `memory_budget=` (which needs `plan=`) when decorating."""
     if plan is not None and plan != "auto" and not isinstance(plan, Planner):
         raise SpecError(
             f"`filter_multi_vmap(..., plan=...)` must be 'auto', an "
             f"`eqx_multimap.Planner`, or `None`, but got {plan!r}."
         )
-    if memory_budget is not None:
-        check_budget(plan, memory_budget)
-    if plan is None:
-        return None
+    b = memory_budget
+    if b is not None and plan is None:
+        raise SpecError(
+            f"`filter_multi_vmap(..., memory_budget={b!r})` is only used by the "
+            "planner: pass `plan='auto'` too, or drop `memory_budget`."
+        )
+    is_bytes = isinstance(b, int) and not isinstance(b, bool) and b >= 1
+    if not (b is None or is_bytes or isinstance(b, float) and 0.0 < b <= 1.0):
+        raise SpecError(
+            "`filter_multi_vmap(..., memory_budget=...)` must be a positive `int` "
+            "(bytes) or a `float` in (0, 1] (a fraction of device memory), but got "
+            f"{b!r} of type `{type(b).__name__}`; e.g. `memory_budget=2**30` is 1 GiB."
+        )
     given = None if isinstance(plan, str) else plan
-    return PlanOptions(given, memory_budget, bool(verbose))
+    return None if plan is None else PlanOptions(given, memory_budget, bool(verbose))
 
 
 class Planner:
@@ -277,9 +283,8 @@ class Planner:
         request = Request(
             call, sizes, shard, budget, src, backward, model, measure, model_key, tune
         )
-        disk, disk_key, found = self._disk, None, None
-        if disk is not None:
-            disk_key = plan_key(request, body)
+        disk, found = self._disk, None
+        disk_key = None if disk is None else plan_key(request, body)
         if disk is not None and not again:
             path = disk.path("plans", disk_key)
             read = lambda stored: plan_from_json(stored, request, path)
@@ -325,17 +330,14 @@ class Planner:
                 self.n_plans += 1
                 self.n_compiles += search.compiler.n_compiled
             progress.close()
-        basis, why = "model", ""
-        if request.measure:
-            basis = "arguments" if request.values else "inputs"
-            why = search.measured_text
-        elif self.measure:  # and the body's cost depends on its data
-            why = (
+        summary = note + plan.summary
+        if self.measure and not request.measure:  # the body's cost depends on its data
+            summary += (
                 f" The body's cost depends on its data ({data}): planned by the "
                 "model; call `eqx_multimap.tune(f, *args)` with real arguments "
                 "to measure."
             )
-        plan = dataclasses.replace(plan, basis=basis, summary=note + plan.summary + why)
+        plan = dataclasses.replace(plan, summary=summary)
         how = f"{plan.seconds:.2f} s, {plural(plan.n_compiled, 'compile')}"
         path, where = None, "no disk cache, kept in this process only"
         if disk is not None:
@@ -359,6 +361,49 @@ class Planner:
         cache[key] = value
         if len(cache) > self.max_cache:
             cache.popitem(last=False)
+
+
+def fingerprint(call: Call) -> str:
+    """What determines a call's plan besides its options (the body's jaxpr, its
+    leaves' shapes and mapped axes), stable from process to process."""
+    axes = zip(call.values, call.leaf_axes)
+    leaves = [(str(struct(v)), sorted(a.items())) for v, a in axes]
+    text = str(call.body.jaxpr.jaxpr) + repr(leaves)
+    text += repr([str(d) for d in call.out.dims])
+    shares = split_leaves(call)[0]  # an input split over mesh axes: one piece here
+    text += repr(shares) if max(shares, default=1) > 1 else ""
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def calibration_key() -> dict[str, Any]:
+    return {"machine": machine(), "versions": versions(), "calibration": 4}
+
+
+def versions() -> dict[str, str]:
+    ours = importlib.metadata.version("eqx_multimap")  # as `eqx_multimap.__version__`
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "eqx_multimap": ours}
+
+
+def plan_key(request: Request, fingerprint: str) -> dict[str, Any]:
+    """Everything that determines a plan, as JSON (a measured plan and a planned
+    one share it: which will do is the planner's choice, by `Plan.basis`)."""
+    call = request.call
+    return {
+        "body": fingerprint,
+        "sizes": [[n, s] for n, s in request.sizes.items()],
+        "scan": [[n, c] for n, c in call.options.scan],
+        "vmap": list(call.options.vmap),
+        "shard": [dataclasses.astuple(d) for d in request.shard],
+        "collective": list(collective_dims(call)),
+        "checkpoint": call.options.checkpoint,
+        "budget": request.budget,
+        "backward": request.backward,
+        "search": [SEARCH_VERSION, MAX_COMPILES, CAP],
+        "time_model": request.model_key,
+        "machine": machine(),
+        "versions": versions(),
+    }
 
 
 SYMBOLIC_STAND_IN = 2  # the size a symbolic dim is planned at (scanned: any will do)
@@ -425,19 +470,10 @@ def describe_fixed(call: Call) -> Plan:
     if all(sizes[n] > 0 for n in call.mapped):
         cand = compiler.evaluate(cand, None)
     cand = dataclasses.replace(cand, reason="the nest the strategies give")
-    return plan_for(
-        call,
-        sizes,
-        cand,
-        (cand,),
-        auto=False,
-        budget_bytes=None,
-        budget_source="",
-        n_compiled=compiler.n_compiled,
-        seconds=time.perf_counter() - start,
-        shard=shard,
-        summary=(
-            f"Fixed nest {cand.nest(sizes)}: the strategies given (`scan=`, `vmap=`, "
-            "`shard=`), not planned."
-        ),
+    summary = (
+        f"Fixed nest {cand.nest(sizes)}: the strategies given (`scan=`, `vmap=`, "
+        "`shard=`), not planned."
     )
+    fields: dict[str, Any] = dict(auto=False, budget_bytes=None, budget_source="")
+    fields.update(n_compiled=compiler.n_compiled, seconds=time.perf_counter() - start)
+    return plan_for(call, sizes, cand, (cand,), shard=shard, summary=summary, **fields)

@@ -9,7 +9,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -17,19 +17,10 @@ from .._errors import SpecError
 from .._jaxpr import lockstep
 from .._progress_bar import Progress
 from .._resolve import Call
-from .._text import fmt_bytes
+from .._text import fmt_bytes, fmt_seconds
 from .cost import Compiler, Reference
 from .model import TimeModel
-from .plan import (
-    Choice,
-    Plan,
-    PlanCandidate,
-    ScanNest,
-    ShardDim,
-    split_leaves,
-    why_chosen,
-    with_reason,
-)
+from .plan import Plan, PlanCandidate, ScanNest, ShardDim, split_leaves
 
 
 Sizes = dict[str, int]
@@ -40,23 +31,6 @@ MemoryBudget = int | float | None
 
 DEFAULT_BUDGET_FRACTION = 0.5
 """The budget when `plan="auto"` is given without `memory_budget`."""
-
-
-def check_budget(plan: Any, memory_budget: Any) -> None:
-    """Check `memory_budget=` when decorating: it needs `plan=`; bytes or a fraction."""
-    b = memory_budget
-    if plan is None:
-        raise SpecError(
-            f"`filter_multi_vmap(..., memory_budget={b!r})` is only used by the "
-            "planner: pass `plan='auto'` too, or drop `memory_budget`."
-        )
-    is_bytes = isinstance(b, int) and not isinstance(b, bool) and b >= 1
-    if not (is_bytes or isinstance(b, float) and 0.0 < b <= 1.0):
-        raise SpecError(
-            "`filter_multi_vmap(..., memory_budget=...)` must be a positive `int` "
-            "(bytes) or a `float` in (0, 1] (a fraction of device memory), but got "
-            f"{b!r} of type `{type(b).__name__}`; e.g. `memory_budget=2**30` is 1 GiB."
-        )
 
 
 def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
@@ -82,19 +56,16 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
             "size of physical RAM; give the budget in bytes as an `int`."
         )
     given = "default " if memory_budget is None else ""
-    return int(total * fraction), (
-        f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
-    )
+    source = f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
+    return int(total * fraction), source
 
 
 def chunk_options(n: int) -> list[int | None]:
-    """Chunk sizes for a dim of size `n`, largest first (`None`: one at a time):
-    `n / m` for `m = 2, 4, 8, ...`, moved to a divisor within `sqrt(2)` if any (no
-    remainder block)."""
+    """Chunk sizes for a dim of size `n`, largest first, then `None` (one at a time):
+    `n / 2, n / 4, ...`, each moved to a divisor within `sqrt(2)` (no remainder)."""
     pairs = [(d, n // d) for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     divisors = {x for pair in pairs for x in pair if 2 <= x <= n // 2}
-    out: list[int] = []
-    m = 2
+    out, m = [], 2
     while n // m >= 2:
         ideal = n / m
         near = [d for d in divisors if ideal / 2**0.5 <= d <= ideal * 2**0.5]
@@ -104,15 +75,11 @@ def chunk_options(n: int) -> list[int | None]:
     return [*dict.fromkeys(out), None]
 
 
-def block_and_trips(scan: ScanNest, vmap: Names, sizes: Sizes) -> tuple[int, int]:
-    """The elements of one loop iteration, and the number of iterations."""
+def candidate(scan: ScanNest, vmap: Names, sizes: Sizes, source: str) -> PlanCandidate:
+    """A nest, with the elements of one loop iteration and the number of iterations."""
     block = math.prod(sizes[n] for n in vmap) * math.prod(k or 1 for _, k in scan)
     trips = math.prod(max(1, sizes[n] // k) if k else sizes[n] for n, k in scan)
-    return block, trips
-
-
-def candidate(scan: ScanNest, vmap: Names, sizes: Sizes, source: str) -> PlanCandidate:
-    return PlanCandidate(scan, vmap, *block_and_trips(scan, vmap, sizes), source)
+    return PlanCandidate(scan, vmap, block, trips, source)
 
 
 def ladder(
@@ -153,8 +120,7 @@ def dim_orders(
     layout = tuple(first) + tuple(n for n in mapped if n not in first)
     inputs = tuple(n for n in call.check.seen if n in mapped)
     inputs += tuple(n for n in mapped if n not in inputs)
-    by_size = tuple(sorted(layout, key=lambda n: -sizes[n]))
-    orders = [layout, inputs, by_size]
+    orders = [layout, inputs, tuple(sorted(layout, key=lambda n: -sizes[n]))]
     if every:
         orders += it.islice(it.permutations(layout), MAX_ORDERS)
     return list(dict.fromkeys(orders))[: MAX_ORDERS if every else None]
@@ -223,54 +189,102 @@ def auto_plan(
     return plan_for(call, r.sizes, chosen, cands, **fields)
 
 
+class Choice(NamedTuple):
+    """The chosen, those compared, measured times by key, a note if timing failed."""
+
+    chosen: PlanCandidate
+    compared: list[PlanCandidate]
+    timed: dict[tuple, float]
+    note: str = ""
+
+
+def why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
+    """Why `c` won: the fastest of those `timed`, or est. fastest of the `n` fitting."""
+    t = timed.get(c.key)
+    if t is not None:
+        rest = sorted(v for k, v in timed.items() if k != c.key)
+        nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
+        return f"the fastest of the {len(timed)} timed (measured {fmt_seconds(t)}{nxt})"
+    if c.temp_bytes is None:
+        return "nothing to compile"
+    if n <= 1:
+        return "the only candidate that fits and was costed"
+    return f"the fastest by the time model of the {n} that fit"
+
+
+def with_reason(
+    c: PlanCandidate, choice: Choice, note: str | None, budget: int
+) -> PlanCandidate:
+    """`c` with the reason it was, or was not, chosen (and its measured time)."""
+    chosen, compared, timed, _ = choice
+    t, mine = timed.get(c.key), timed.get(chosen.key)
+    if c.key == chosen.key:
+        why = "chosen: " + why_chosen(c, timed, len(compared))
+        if c.predicted:
+            far = note or "far within the budget"
+            why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
+    elif t is not None and mine is not None and c.fits is not False:
+        why = f"slower: measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
+        why += "; its memory not compiled" * (c.temp_bytes is None)
+    elif c.temp_bytes is None:
+        why = note or "not compiled"
+    elif not c.fits:
+        a, b = fmt_bytes(c.temp_bytes), fmt_bytes(budget)
+        if a == b:  # in bytes when the two would print alike
+            a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
+        why = f"over budget: {a} > {b}"
+    elif c.seconds is not None and chosen.seconds is not None:
+        est = c.seconds / chosen.seconds
+        why = f"slower (est. {est:.2f}x the chosen's, by the time model)"
+        if timed:  # measured mode
+            why = note or "not timed"
+    else:
+        why = note or "fits, not costed: smaller than the largest block that fits"
+    return dataclasses.replace(c, measured=t, reason=why)
+
+
 def summary(
     choice: Choice, full: PlanCandidate, searched: bool, free: bool, request: Request
 ) -> str:
     """One sentence: what was chosen, and why."""
     chosen, compared, timed, measure_note = choice
-    head = f"Chose {chosen.nest(request.sizes)}: "
     temp, b = fmt_bytes(full.temp_bytes or 0), fmt_bytes(request.budget)
     whole = "full vmap" if full.source == "full vmap" else "vmapping every planned dim"
+    why, how = f"{whole} fits ({temp} <= {b})", why_chosen(chosen, timed, len(compared))
     fast = request.model.fastest if request.model.levels else math.inf
     if not free:
-        return head + (
-            "every mapped dim has a strategy given, so there was nothing to plan; it "
-            f"needs {temp} of the {b} budget."
-        )
-    if not searched:
-        return (
-            f"{head}{whole} fits ({temp} <= {b}) and its working set is within the "
-            "fastest levels of memory; nothing else was compiled."
-        )
-    why = f"{whole} fits ({temp} <= {b})"
-    if not full.fits:
+        why = "every mapped dim has a strategy given, so there was nothing to plan"
+        how = f"it needs {temp} of the {b} budget"
+    elif not searched:
+        why += " and its working set is within the fastest levels of memory"
+        how = "nothing else was compiled"
+    elif not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
     elif not timed and (full.working_set or 0) > fast:
         ws, top = fmt_bytes(full.working_set or 0), fmt_bytes(fast)
         why += f" but its working set ({ws}) is past the fastest {top} of memory"
-    how = why_chosen(chosen, timed, len(compared))
-    if not timed and len(compared) <= 1 and chosen.key == full.key:
-        how = (
-            f"no other block predicted to fit is est. {MATERIAL - 1:.0%} faster by "
-            "the time model, so none was compiled"
-        )
-    if chosen.predicted:
-        how += ", its temporaries predicted far within the budget"
-    note = f" ({measure_note})" if measure_note else ""  # could not measure
-    return f"{head}{why}; {how}{note}."
+    if free and searched:
+        if not timed and len(compared) <= 1 and chosen.key == full.key:
+            how = (
+                f"no other block predicted to fit is est. {MATERIAL - 1:.0%} faster by "
+                "the time model, so none was compiled"
+            )
+        if chosen.predicted:
+            how += ", its temporaries predicted far within the budget"
+        if measure_note:  # could not measure
+            how += f" ({measure_note})"
+    return f"Chose {chosen.nest(request.sizes)}: {why}; {how}."
 
 
 class NoFit(Exception):
-    """No candidate fits the budget: the message, the smallest candidate compiled,
-    and how many were."""
+    """No candidate fits: the smallest compiled, and how many were."""
 
-    def __init__(self, message: str, smallest: PlanCandidate, n: int):
-        super().__init__(message)
+    def __init__(self, request: "Request", smallest: PlanCandidate, n: int):
+        super().__init__(no_fit_message(request, smallest, n))
         self.smallest, self.n = smallest, n
 
 
 def no_fit_message(request: Request, smallest: PlanCandidate, n: int) -> str:
-    """The `SpecError` message when no candidate fits the budget."""
     call, sizes = request.call, request.sizes
     under = " under differentiation" if request.backward else ""
     hint = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
@@ -314,14 +328,12 @@ class Search:
         self.notes: dict[tuple, str] = {}  # why one not compiled was not chosen
         self.lockstep = False  # a vmapped block runs a while loop in lockstep
         self.searched = False  # the model searched the ladders
-        self.measured_text = ""  # measured mode: what was timed, on what
 
     def memory(self, c: PlanCandidate) -> PlanCandidate:
         if c.key not in self.known:
             temp = self.compiler.memory(c)
-            self.known[c.key] = dataclasses.replace(
-                c, temp_bytes=temp, fits=temp <= self.budget
-            )
+            fits = temp <= self.budget
+            self.known[c.key] = dataclasses.replace(c, temp_bytes=temp, fits=fits)
         return self.known[c.key]
 
     def costed(self, c: PlanCandidate) -> PlanCandidate:
@@ -352,7 +364,6 @@ class Search:
         return max(self.prediction(steps, c), self.ref.temp_bytes(c))
 
     def seconds_at(self, c: PlanCandidate) -> float:
-        """The estimated time of `c`, its costs predicted from full vmap's."""
         return self.compiler.predicted_costs(c, self.ref).seconds or 0.0
 
     def taken(self, steps: Steps, c: PlanCandidate, why: str) -> None:
@@ -471,7 +482,7 @@ class Search:
         start = time.perf_counter()
         call, sizes = self.call, self.sizes
         fixed = call.options.scan  # the given scans, outermost, as given
-        frozen = frozenset(given_dims(call)) | frozenset(collective_dims(call))
+        frozen = frozenset(given_dims(call) + collective_dims(call))
         free = tuple(n for n in call.mapped if n not in frozen)
         # Vmapped: the dims of `vmap=` as given, then the others in the output's order.
         given = call.options.vmap + call.options.scan_names
@@ -485,34 +496,34 @@ class Search:
         for c in sorted((c for s in ladders for c in s), key=lambda c: -c.block):
             self.considered.setdefault(c.key, c)
         if any(sizes[n] == 0 for n in call.mapped):  # nothing runs: nothing compiled
-            choice = Choice(full, [], {})
+            choice, empty = Choice(full, [], {}), "a mapped dim has size 0"
             for c in self.considered.values():
-                self.note(c, "not compiled: a mapped dim has size 0")
-            text = (
-                f"Chose {full.nest(sizes)}: a mapped dim has size 0, so nothing "
-                "runs and nothing was compiled."
-            )
+                self.note(c, f"not compiled: {empty}")
+            text = f"Chose {full.nest(sizes)}: {empty}, so nothing runs and nothing "
+            text += "was compiled."
         else:
-            choice = self._choose(full, ladders)
+            choice, timed = self._choose(full, ladders), ""
             if measure is not None and free:  # every order of the dims
                 orders = dim_orders(call, sizes, free, every=True)
                 ladders = [ladder(o, layout, sizes, fixed, frozen) for o in orders]
                 for c in (c for steps in ladders for c in steps):
                     self.considered.setdefault(c.key, c)
-                choice, self.measured_text = measure(self, full, ladders, choice.chosen)
+                choice, timed = measure(self, full, ladders, choice.chosen)
             f = self.known[full.key]
-            text = summary(choice, f, self.searched, bool(free), self.request)
+            text = summary(choice, f, self.searched, bool(free), self.request) + timed
         candidates = tuple(
             with_reason(self.known.get(k, c), choice, self.notes.get(k), self.budget)
             for k, c in self.considered.items()
         )
         chosen = next(c for c in candidates if c.key == choice.chosen.key)
+        r = self.request  # timed on the call's own arguments, or on made-up inputs
+        basis = "model" if not r.measure else "arguments" if r.values else "inputs"
         return auto_plan(
             self.request, chosen, candidates,
             n_compiled=self.compiler.n_compiled,
             seconds=time.perf_counter() - start,
             checkpoint=self.compiler.build(chosen.spec).checkpoint,
-            time_model=self.model, summary=text, measured=self.measure,
+            time_model=self.model, summary=text, measured=self.measure, basis=basis,
         )  # fmt: skip
 
     def _choose(self, full: PlanCandidate, ladders: list[Steps]) -> Choice:
@@ -553,15 +564,13 @@ class Search:
             fitting = [c for c in self.known.values() if c.fits and c.seconds]
             if not fitting:
                 smallest = min(self.known.values(), key=lambda c: c.temp_bytes or 0)
-                n = len(self.known)
-                raise NoFit(no_fit_message(self.request, smallest, n), smallest, n)
+                raise NoFit(self.request, smallest, len(self.known))
             c = min(fitting, key=rank)
             if self.checked(c) is c:
                 return Choice(c, fitting, {})
 
     def checked(self, c: PlanCandidate) -> PlanCandidate:
-        """`c` costed, its temporaries compiled unless predicted within
-        `SAFE_FRACTION` of the budget."""
+        """`c` costed, compiled unless predicted within `SAFE_FRACTION` of budget."""
         k = self.known.get(c.key)
         if k and k.predicted and (k.temp_bytes or 0) > self.budget * SAFE_FRACTION:
             del self.known[c.key]  # compiled now, and costed again if it fits
