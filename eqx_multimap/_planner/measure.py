@@ -24,8 +24,9 @@ from .search import Choice, Search, Steps
 
 
 CAP = 8.0
-"""The search's default cap: it times no further candidate once measuring has taken
-this many times the median compile of the candidates it timed."""
+"""The search's default cap: it times no further candidate once planning (the time
+model's search included) has taken this many times the median compile of the
+candidates it timed."""
 TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
 WHOLE = 0.5  # timed whole if a slice would keep at least this share of the trips
 CACHES = 2  # a slice's inputs and outputs fill the last cache level this many times
@@ -168,7 +169,7 @@ class Tuner:
     def __init__(self, search: Search):
         self.search, self.call, self.sizes = search, search.call, search.sizes
         self.values, self.cap = search.request.values, CAP
-        self.start = time.perf_counter()
+        self.start = search.start  # the cap bounds the whole planning
         self.timed: dict[tuple, Timed] = {}
         self.once = 0.0  # seconds: a call that does nothing
         self.capped = False  # the cap stopped the search

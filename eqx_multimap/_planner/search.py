@@ -305,7 +305,7 @@ SAFE_FRACTION = 1 / 8
 # A compile (another ladder, a larger block) is worth an estimate this much faster:
 # smaller differences are within the time model's error.
 MATERIAL = 1.05
-SEARCH_VERSION = 13  # bumped when the search chooses otherwise: older plans unused
+SEARCH_VERSION = 14  # bumped when the search chooses otherwise: older plans unused
 
 Steps = list[PlanCandidate]  # a ladder: largest block first
 
@@ -315,6 +315,7 @@ class Search:
     learnt about each, and says why each was or was not chosen."""
 
     ref: Reference  # full vmap's figures, the others' basis (from `_choose`)
+    start: float  # when `run` began
 
     def __init__(self, request: Request, progress: Progress):
         self.request, self.call = request, request.call
@@ -479,7 +480,7 @@ class Search:
     def run(self, measure: Callable | None = None) -> Plan:
         """Plan the call; raises `NoFit` if no candidate fits the budget. `measure`
         (`measure.measured`) times candidates to choose from the model's choice."""
-        start = time.perf_counter()
+        self.start = start = time.perf_counter()  # measuring's cap counts from here
         call, sizes = self.call, self.sizes
         fixed = call.options.scan  # the given scans, outermost, as given
         frozen = frozenset(given_dims(call) + collective_dims(call))
