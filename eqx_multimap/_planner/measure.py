@@ -39,7 +39,7 @@ DISTURBED = 1.5  # a round whose probe took this many times its best is dropped
 
 class Probe:
     """A program XLA spreads over its threads (a fraction of a ms), timed before each
-    round: a round it took over `DISTURBED` times its best for was disturbed."""
+    round: if it takes over `DISTURBED` times its best, another job held a core."""
 
     def __init__(self, run: Callable[[], Any] | None = None):
         self.run, self.times = run or _probe_loop(), []
@@ -301,7 +301,7 @@ class Tuner:
         done = [first]
         self.along(first)
         same = lambda ln: ln[1].scan[0][0] == first[1].scan[0][0]  # noqa: E731
-        for line in sorted(lines, key=same):  # other orders first
+        for line in sorted(lines, key=same):  # those scanning another dim first, first
             if line in done or self.capped:
                 continue
             best = min(self.timed, key=self.seconds)
