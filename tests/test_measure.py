@@ -225,6 +225,18 @@ def test_tune_times_again_on_new_data_and_replaces_the_plan():
     assert first.chosen.measured is not None
 
 
+def test_tune_times_a_call_with_nothing_to_scan():
+    # Dims of size 1: no ladder has a rung, only full vmap is there to time.
+    f = _wrapper(Planner(cache_dir=False))
+    rate, y = (x[:1, :1] for x in _args())
+    plan = tune(f, rate, y)
+    assert plan.basis == "arguments" and plan.chosen.measured is not None
+    assert "could not measure" not in plan.summary
+    np.testing.assert_allclose(
+        f(rate, y), np.asarray(_loop(rate[0, 0], y[0, 0]))[None, None]
+    )
+
+
 def test_measured_mode_runs_nothing_over_the_budget(monkeypatch):
     # Full vmap does not fit: it is never run; the choice fits when compiled.
     x = jax.random.normal(jax.random.key(0), (64, 16, 32))

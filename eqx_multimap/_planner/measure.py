@@ -300,7 +300,8 @@ class Tuner:
         first = next((ln for ln in lines if model in ln[1:]), lines[0])
         done = [first]
         self.along(first)
-        same = lambda ln: ln[1].scan[0][0] == first[1].scan[0][0]  # noqa: E731
+        # Its first scanned dim (every rung of a ladder scans a prefix of its order).
+        same = lambda ln: ln[-1].scan[:1] == first[-1].scan[:1]  # noqa: E731
         for line in sorted(lines, key=same):  # those scanning another dim first, first
             if line in done or self.capped:
                 continue
