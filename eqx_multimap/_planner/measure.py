@@ -170,6 +170,7 @@ class Tuner:
         self.search, self.call, self.sizes = search, search.call, search.sizes
         self.values, self.cap = search.request.values, CAP
         self.start = search.start  # the cap bounds the whole planning
+        self.began = time.perf_counter()
         self.timed: dict[tuple, Timed] = {}
         self.once = 0.0  # seconds: a call that does nothing
         self.capped = False  # the cap stopped the search
@@ -190,12 +191,14 @@ class Tuner:
         return statistics.median(t.compile for t in self.timed.values())
 
     def due(self) -> bool:
-        """Whether the next candidate would take the search past `cap` times the
-        median compile (one kept for timing the fastest again): then `capped`."""
-        if not self.timed:
-            return False
-        spent = time.perf_counter() - self.start
-        if spent + spent / len(self.timed) > (self.cap - 1) * self.compiles():
+        """Whether the next candidate would take planning past `cap` times the
+        median compile (one kept for timing the fastest again), once two have run:
+        then `capped`."""
+        if sum(bool(t.rounds) for t in self.timed.values()) < 2:
+            return False  # two are run, at least: a choice needs a comparison
+        now = time.perf_counter()
+        per = (now - self.began) / len(self.timed)  # a candidate, on average
+        if now - self.start + per > (self.cap - 1) * self.compiles():
             self.capped = True
         return self.capped
 
