@@ -480,7 +480,7 @@ class Search:
     def run(self, measure: Callable | None = None) -> Plan:
         """Plan the call; raises `NoFit` if no candidate fits the budget. `measure`
         (`measure.measured`) times candidates to choose from the model's choice."""
-        self.start = start = time.perf_counter()  # measuring's cap counts from here
+        self.start = time.perf_counter()  # measuring's cap counts from here too
         call, sizes = self.call, self.sizes
         fixed = call.options.scan  # the given scans, outermost, as given
         frozen = frozenset(given_dims(call) + collective_dims(call))
@@ -522,7 +522,7 @@ class Search:
         return auto_plan(
             self.request, chosen, candidates,
             n_compiled=self.compiler.n_compiled,
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - self.start,
             checkpoint=self.compiler.build(chosen.spec).checkpoint,
             time_model=self.model, summary=text, measured=self.measure, basis=basis,
         )  # fmt: skip
