@@ -172,9 +172,9 @@ class Tuner:
         self.start = search.start  # the cap bounds the whole planning
         self.began = time.perf_counter()
         self.timed: dict[tuple, Timed] = {}
-        self.once = 0.0  # seconds: a call that does nothing
+        self.once = 0.0  # seconds: a call that does nothing (if a slice is timed)
         self.capped = False  # the cap stopped the search
-        self.probe = Probe()
+        self.probe: Probe | None = None  # compiled only if there is a choice to make
         self.why: dict[tuple, str] = {}  # why one was not timed
 
     def seconds(self, key: tuple) -> float:
@@ -246,11 +246,12 @@ class Tuner:
         if self.values and compiler.backward:  # the cotangents made up
             args = [args, concrete_inputs(specs[1])]
         args = jax.block_until_ready(args)
-        if not self.once:
+        if index and not self.once:  # the part of a call that no slice scales
             noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
             self.once = min(rounds([lambda: noop(args)], 3)[0])
         run = lambda: program(args)  # noqa: E731
-        self.probe.time()
+        if self.probe is not None:
+            self.probe.time()
         ran = [k for k, t in self.timed.items() if t.rounds]
         lead = self.timed[min(ran, key=self.seconds)] if ran else None
         if lead is None or statistics.median(lead.rounds) > TARGET:
@@ -260,7 +261,8 @@ class Tuner:
             times, again = rounds([run, lead.run], 3, 15, spend)
             base = statistics.median(lead.rounds)
             times = [t * base / a for t, a in zip(times, again)]
-        cut, i = {n: sub[n] for n in index}, len(self.probe.times) - 1
+        cut = {n: sub[n] for n in index}
+        i = len(self.probe.times) - 1 if self.probe else 0
         self.timed[c.key] = Timed(run, cut, scale, compile_seconds, times, i)
         return self.seconds(c.key)
 
@@ -268,10 +270,10 @@ class Tuner:
         """Time again, side by side (three rounds at least, for up to `SPEND` of a
         compile each, within the cap), those within `CLOSE` of the fastest and those
         whose probe was disturbed (another job held a core)."""
-        best, late = self.best(), self.probe.disturbed()
+        best, late = self.best(), self.probe.disturbed() if self.probe else []
         close = [
             k for k, t in self.timed.items()
-            if t.rounds and (self.seconds(k) <= CLOSE * best or late[t.probe])
+            if t.rounds and (self.seconds(k) <= CLOSE * best or late and late[t.probe])
             and statistics.median(t.rounds) <= LONG
         ]  # fmt: skip
         if len(close) < 2:
@@ -298,6 +300,8 @@ class Tuner:
         one = [c for s in ladders for c in s if alone(c) and fits(s, c)][:1]
         lines = [head + [c for c in s if fits(s, c) and not alone(c)] for s in ladders]
         lines = [ln for ln in lines if len(ln) > 1] or [head]
+        if len({c.key for c in head + [model] + one + sum(lines, [])}) > 1:
+            self.probe = Probe()  # a choice to make: rounds another job held are seen
         for c in head + [model] + one:
             self.time(c)
         first = next((ln for ln in lines if model in ln[1:]), lines[0])
