@@ -124,12 +124,11 @@ CPU_ONLY = {"xla_cpu_use_fusion_emitters": False}
 
 
 def analysed(lowered: Any) -> Any:
-    """`lowered` compiled for its memory and cost analyses only (`ANALYSIS_OPTIONS`;
-    without `CPU_ONLY` on a jaxlib that knows no such option)."""
+    """`lowered` compiled for its memory and cost analyses only."""
     options = ANALYSIS_OPTIONS | (CPU_ONLY if jax.default_backend() == "cpu" else {})
     try:
         return lowered.compile(options)
-    except Exception as e:
+    except Exception as e:  # a jaxlib that knows no `CPU_ONLY` option
         if "No such compile option" not in str(e):
             raise
         return lowered.compile(ANALYSIS_OPTIONS)

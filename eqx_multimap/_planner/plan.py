@@ -204,8 +204,7 @@ class Plan:
                 "scan bodies checkpointed: the backward pass recomputes each block"
             )
         if full and self.auto and self.time_model is not None:
-            model = self.time_model.describe().splitlines()
-            lines += ["", *(fill(ln, PROSE) if len(ln) > WIDTH else ln for ln in model)]
+            lines += ["", fill(self.time_model.describe(), PROSE)]
         g = self.gradient
         if isinstance(g, str):
             lines += ["", fill(g, PROSE)]  # the error differentiating would raise

@@ -210,7 +210,8 @@ class Planner:
         return self._time_model
 
     def _calibrated(self) -> TimeModel:
-        disk, key = self._disk, calibration_key()
+        disk = self._disk
+        key = {"machine": machine(), "versions": versions(), "calibration": 4}
         # One process calibrates; the others wait, then read its calibration.
         with disk.lock("calibration") if disk else contextlib.nullcontext():
             model = disk.read("calibration", key, TimeModel.from_json) if disk else None
@@ -374,10 +375,6 @@ def fingerprint(call: Call) -> str:
     text += repr(shares) if max(shares, default=1) > 1 else ""
     text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def calibration_key() -> dict[str, Any]:
-    return {"machine": machine(), "versions": versions(), "calibration": 4}
 
 
 def versions() -> dict[str, str]:
