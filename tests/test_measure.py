@@ -225,13 +225,22 @@ def test_tune_times_again_on_new_data_and_replaces_the_plan():
     assert first.chosen.measured is not None
 
 
-def test_tune_times_a_call_with_nothing_to_scan():
+def test_tune_times_a_call_with_nothing_to_scan(monkeypatch):
     # Dims of size 1: no ladder has a rung, only full vmap is there to time.
+    probes = []
+
+    class Probe(measure.Probe):  # a compile, needed only to compare candidates
+        def __init__(self, *args):
+            probes.append(self)
+            super().__init__(*args)
+
+    monkeypatch.setattr(measure, "Probe", Probe)
     f = _wrapper(Planner(cache_dir=False))
     rate, y = (x[:1, :1] for x in _args())
     plan = tune(f, rate, y)
     assert plan.basis == "arguments" and plan.chosen.measured is not None
     assert "could not measure" not in plan.summary
+    assert not probes
     np.testing.assert_allclose(
         f(rate, y), np.asarray(_loop(rate[0, 0], y[0, 0]))[None, None]
     )
