@@ -15,7 +15,6 @@ ratios, a summary table, and in `--out` `results.md`, `results.csv` and
     python benchmarks/run.py --sections run --max-elements 1e8
 """
 
-import argparse
 import csv
 import dataclasses
 import functools as ft
@@ -156,29 +155,12 @@ def make_config(args) -> Config:
     return cfg
 
 
-def agree(a, b) -> bool:
-    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    return all(np.allclose(u, v, rtol=1e-4, atol=1e-4) for u, v in pairs)
-
-
-def row(kind, body, nest, transform, cell, times, **extra) -> dict:
-    """One measurement: ours, hand and twin times per round (seconds)."""
-    t_ours, t_hand, t_twin = times
-    what = dict(kind=kind, body=body, nest=nest, transform=transform)
-    ms = dict(ours_ms=1e3 * med(t_ours), hand_ms=1e3 * med(t_hand))
-    ratios = harness.paired_ratios(t_ours, t_hand)
-    twin = harness.paired_ratios(t_twin, t_hand)
-    cell = "x".join(map(str, cell))
-    return dict(what, cell=cell, **ms, ratios=ratios, twin=twin, **extra)
-
-
-def run_cell(body, nest, transform, cell, cfg: Config) -> dict:
+def run_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
     """`run`: the three programs compiled afresh, checked, then timed."""
     xs = inputs(cell)
     made = makers(body, nest, transform, cell[0])
     progs = [harness.compiled(make(), xs) for make in made]
-    outs = [p(xs) for p in progs]
-    if not (agree(outs[0], outs[1]) and agree(outs[2], outs[1])):
+    if not harness.agree(*[progs[i](xs) for i in (1, 0, 2)]):  # hand first
         raise AssertionError(f"ours and hand-written differ: {body} {nest} {cell}")
     times = harness.time_interleaved(
         [lambda p=p: p(xs) for p in progs], cfg.seconds, 5, cfg.max_rounds
@@ -186,20 +168,17 @@ def run_cell(body, nest, transform, cell, cfg: Config) -> dict:
     hlo = harness.same_hlo(progs[0], progs[1])
     # No larger: temporaries within those of the hand-written program (10%, 2 KiB).
     temps = [harness.temp_bytes(p) for p in progs]
-    no_larger = hlo or temps[0] <= 1.1 * temps[1] + 2048
-    extra = dict(same_hlo=hlo, no_larger=no_larger)
-    return row("run", body, nest, transform, cell, times, **extra)
+    return times, dict(same_hlo=hlo, no_larger=hlo or temps[0] <= 1.1 * temps[1] + 2048)
 
 
-def compile_cell(body, nest, transform, cell, cfg: Config) -> dict:
+def compile_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
     """`compile`: lower + compile of fresh programs, taking turns."""
     xs = jax.ShapeDtypeStruct(cell, jnp.float32)
     made = makers(body, nest, transform, cell[0])
-    times = harness.compile_seconds(made, (xs,), cfg.compile_repeats)
-    return row("compile", body, nest, transform, cell, times)
+    return harness.compile_seconds(made, (xs,), cfg.compile_repeats), {}
 
 
-def eager_cell(body, nest, transform, cell, cfg: Config) -> dict:
+def eager_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
     """`eager`: un-jitted calls of one wrapper each (ours, hand, twin), timed."""
     xs = inputs(cell)
     fns = [make() for make in makers(body, nest, transform, cell[0])]
@@ -210,29 +189,38 @@ def eager_cell(body, nest, transform, cell, cfg: Config) -> dict:
     times = harness.time_interleaved(
         [lambda f=f: f(xs) for f in fns], cfg.seconds, 5, cfg.max_rounds
     )
-    extra = dict(counts, calls=cfg.eager_calls)
-    return row("eager", body, nest, transform, cell, times, **extra)
+    return times, dict(counts, calls=cfg.eager_calls)
 
 
 MEASURE = {"run": run_cell, "compile": compile_cell, "eager": eager_cell}
 
 
 def measure(sections: list[str], cfg: Config, log: Callable[[str], None]) -> list:
+    """Every row: what was measured, ours' and hand's median milliseconds, the paired
+    ratios ours / hand and twin / hand per round, and what the section adds."""
     rows = []
     for kind, body in it.product(sections, BODIES):
         cells = cfg.cells[body] if kind == "run" else [cfg.one_cell[body]]
         transforms = ("forward",) if kind == "eager" else TRANSFORMS
         nests = {"compile": cfg.compile_nests, "eager": NESTS[:2]}.get(kind, NESTS)
         for cell, transform, nest in it.product(cells, transforms, nests):
-            what = f"{kind} {body} {nest} {transform} {'x'.join(map(str, cell))}"
+            size = "x".join(map(str, cell))
+            what = f"{kind} {body} {nest} {transform} {size}"
             if largest_array(body, nest, transform, cell) > cfg.max_elements:
                 log(f"{what}: skipped, more than {cfg.max_elements:,} elements")
                 continue
-            rows.append(MEASURE[kind](body, nest, transform, cell, cfg))
-            r = rows[-1]
+            times, extra = MEASURE[kind](body, nest, transform, cell, cfg)
+            ours, hand, twin = times
+            ratios = harness.paired_ratios(ours, hand)
+            twin = harness.paired_ratios(twin, hand)
+            ms = dict(ours_ms=1e3 * med(ours), hand_ms=1e3 * med(hand))
+            rows.append(
+                dict(kind=kind, body=body, nest=nest, transform=transform, cell=size)
+                | dict(**ms, ratios=ratios, twin=twin, **extra)
+            )
             log(
-                f"{what}: ours / hand {harness.fmt_ratios(r['ratios'])}, twin / hand "
-                f"{harness.fmt_ratios(r['twin'])}"
+                f"{what}: ours / hand {harness.fmt_ratios(ratios)}, twin / hand "
+                f"{harness.fmt_ratios(twin)}"
             )
     return rows
 
@@ -391,8 +379,14 @@ def plot(rows: list[dict], path: str) -> None:
                 edge = hi if v > hi else lo
                 marker = "^" if v > hi else "v"
                 ax.plot(x, edge, marker, mfc="white", color=f"C{j}", ms=9, clip_on=0)
-                ax.annotate(f"{v:.2f}", (x, edge), xytext=(7, -9 if v > hi else 3),
-                            textcoords="offset points", color=f"C{j}", size=8)
+                ax.annotate(
+                    f"{v:.2f}",
+                    (x, edge),
+                    xytext=(7, -9 if v > hi else 3),
+                    textcoords="offset points",
+                    color=f"C{j}",
+                    size=8,
+                )
         ax.set_yscale("log")
         ax.set_ylim(lo, hi)
         ax.yaxis.set_major_locator(ticker.FixedLocator(ticks(lo, hi)))
@@ -416,20 +410,11 @@ def _x_label(r: dict, transform: str | None) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--quick", action="store_true", help="a smaller grid")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="a subset")
+    parser = harness.parser(__doc__, SECTIONS)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
     parser.add_argument("--max-elements", type=float, help="skip bigger programs")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
-    sections = [s for s in args.sections.split(",") if s]
-    if not sections or set(sections) - set(SECTIONS):
-        parser.error(f"--sections: choose from {', '.join(SECTIONS)}")
     cfg = make_config(args)
     header = (
         f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} "
@@ -438,7 +423,7 @@ def main(argv=None) -> int:
     )
     print(header, flush=True)
     start = time.perf_counter()
-    rows = measure(sections, cfg, lambda line: print(line, flush=True))
+    rows = measure(args.sections, cfg, lambda line: print(line, flush=True))
     total = f"Total: {time.perf_counter() - start:.0f} s."
     summary = summary_table(rows)
     os.makedirs(args.out, exist_ok=True)
