@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import explain, filter_multi_vmap, Plan, Planner, SpecError, tune
-from harness import compiled, fmt_bytes, temp_bytes
+from harness import compiled, fmt_bytes, temp_bytes, time_interleaved
 
 
 class Workload(NamedTuple):
@@ -360,25 +360,21 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         k for k in fits if [n for n, _ in k[0]] == order[: len(k[0])]
         and k[2] == (mode == "grad" and bool(k[0]))
     ]  # fmt: skip
-    block = lambda k: (
-        math.prod(c or 1 for _, c in k[0]) * math.prod(sizes[n] for n in k[1])
-    )
+    block = lambda k: math.prod([c or 1 for _, c in k[0]] + [sizes[n] for n in k[1]])
     simple = max(ladder, key=lambda k: (block(k), -len(k[0])), default=None)
     timed = list(dict.fromkeys(fits + list(keys.values())))
     # The picks as their fixed nests (the auto program's twin: the same HLO).
     thunks = [lambda c=fixed[k]: c(*args) for k in timed]
     thunks.append(lambda: programs["auto"](*args))
     r, settle = opts.repeats, opts.settle
-    times = harness.time_interleaved(
-        thunks, 0.0, r, r, 2e-3, settle, 3.0, probe=opts.probe
-    )
+    times = time_interleaved(thunks, 0.0, r, r, 2e-3, settle, 3.0, probe=opts.probe)
     med = [statistics.median(t) for t in times]
     by_key = dict(zip(timed, med))
     by_plan = {n: by_key[k] for n, k in keys.items()}
     best, auto_key = min(fits, key=lambda k: by_key[k]), keys["auto"]
     for pause in (5, 5, 0):  # after a pause, again, while every round is disturbed
         start = len(opts.probe.times)
-        pair = harness.time_interleaved(
+        pair = time_interleaved(
             [lambda: programs["auto"](*args), lambda: fixed[best](*args),
              lambda: fixed[auto_key](*args)],
             opts.seconds, opts.confirm, 4 * opts.confirm, 0.02, probe=opts.probe,

@@ -357,12 +357,9 @@ def main(argv=None) -> int:
     where = f"{jax.devices()[0].platform} ({os.cpu_count()} cores)"
     mode = "quick" if args.quick else "default"
     print(f"jax {jax.__version__} on {where}, {mode} mode, up to {max_rounds} rounds")
-    start = time.perf_counter()
-    lines = []
+    start, size, lines = time.perf_counter(), SIZES[args.quick], []
     for section in args.sections:
-        lines += RUNS[section](
-            SIZES[args.quick], max_rounds, lambda s: print(s, flush=True)
-        )
+        lines += RUNS[section](size, max_rounds, lambda s: print(s, flush=True))
     print(f"\nSummary (Total: {time.perf_counter() - start:.0f} s)\n")
     print("\n".join(lines))
     return 0

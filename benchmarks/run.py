@@ -300,14 +300,13 @@ def detail_table(rows: list[dict]) -> str:
 
 def write_csv(path: str, rows: list[dict]) -> None:
     fields = list(dict.fromkeys(k for r in rows for k in r))
+    joined = lambda xs: " ".join(f"{x:.4g}" for x in xs)  # every round's ratio
     with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
-        for r in rows:
-            out = dict(r)
-            for key in ("ratios", "twin"):
-                out[key] = " ".join(f"{x:.4g}" for x in r[key])
-            writer.writerow(out)
+        writer.writerows(
+            r | {k: joined(r[k]) for k in ("ratios", "twin")} for r in rows
+        )
 
 
 PANELS = (
@@ -362,7 +361,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.axhspan(*band, color="grey", alpha=0.25, lw=0)
         ax.axhline(1.0, color="black", lw=0.8)
         for j, nest in enumerate(NESTS):
-            xs, ys, err, out = [], [], [[], []], []
+            xs, ys, err, color = [], [], [[], []], f"C{j}"
             for r in (r for r in sub if r["nest"] == nest):
                 x = labels.index(_x_label(r, transform)) + (j - 1.5) * 0.2
                 q1, q2, q3 = harness.quartiles(r["ratios"])
@@ -371,22 +370,14 @@ def plot(rows: list[dict], path: str) -> None:
                     ys.append(q2)
                     err[0].append(q2 - max(q1, lo))
                     err[1].append(min(q3, hi) - q2)
-                else:
-                    out.append((x, q2))
-            style = dict(color=f"C{j}", marker="osD^"[j], ms=6)
+                    continue
+                # Beyond the axis: a hollow triangle on its edge, with the value.
+                edge, marker, dy = (hi, "^", -9) if q2 > hi else (lo, "v", 3)
+                ax.plot(x, edge, marker, mfc="white", color=color, ms=9, clip_on=0)
+                text = dict(textcoords="offset points", color=color, size=8)
+                ax.annotate(f"{q2:.2f}", (x, edge), (7, dy), **text)
+            style = dict(color=color, marker="osD^"[j], ms=6)
             ax.errorbar(xs, ys, yerr=err, ls="none", capsize=3, label=nest, **style)
-            for x, v in out:  # beyond the axis: a hollow triangle on its edge
-                edge = hi if v > hi else lo
-                marker = "^" if v > hi else "v"
-                ax.plot(x, edge, marker, mfc="white", color=f"C{j}", ms=9, clip_on=0)
-                ax.annotate(
-                    f"{v:.2f}",
-                    (x, edge),
-                    xytext=(7, -9 if v > hi else 3),
-                    textcoords="offset points",
-                    color=f"C{j}",
-                    size=8,
-                )
         ax.set_yscale("log")
         ax.set_ylim(lo, hi)
         ax.yaxis.set_major_locator(ticker.FixedLocator(ticks(lo, hi)))

@@ -3,10 +3,8 @@
 The same per-element function (a 2x2 matrix product with transcendentals, over
 `vis: "T F B 2 2"` and `nu: "F"`) is run twice for each device count `n`: unsharded
 on one device, and with `shard={"F": "d"}` over a mesh of the first `n` devices
-(inputs placed with their sharding beforehand, as they would be in real use). Both
-programs, and a second, separately compiled copy of the unsharded one (its *twin*,
-whose ratio to it is the noise floor), are compiled first, then timed side by side
-with `harness.time_interleaved` (rounds interleaved, samples settled).
+(inputs placed with their sharding beforehand, as they would be in real use); both,
+and the unsharded program's twin, timed side by side (`harness.time_interleaved`).
 Reported: medians, paired ratios sharded / unsharded and twin / unsharded (median
 and quartiles per round; below 1, sharding is faster), and the sharded program's
 collectives (a pure map has none).
