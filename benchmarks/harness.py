@@ -24,7 +24,9 @@ from eqx_multimap._text import fmt_bytes as fmt_bytes, fmt_seconds as fmt_second
 Clock = Callable[[], float]
 
 
-def parser(doc: str, sections: Sequence[str] = ()) -> argparse.ArgumentParser:
+def parser(
+    doc: str, sections: Sequence[str] = (), repeats: str = "the most timed rounds"
+) -> argparse.ArgumentParser:
     """A script's command line: its docstring's first paragraph, `--quick`, `--repeats`
     and, given `sections`, `--sections`: a comma-separated subset of them (all by
     default), parsed to a list."""
@@ -37,9 +39,11 @@ def parser(doc: str, sections: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     out = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     out.add_argument("--quick", action="store_true", help="smaller sizes")
-    out.add_argument("--repeats", type=int, help="the most timed rounds")
+    out.add_argument("--repeats", type=int, help=repeats)
     if sections:
-        out.add_argument("--sections", default=",".join(sections), type=subset)
+        out.add_argument(
+            "--sections", default=",".join(sections), type=subset, help="a subset"
+        )
     return out
 
 

@@ -466,7 +466,7 @@ def _summary(what: str, xs: list[float], goal: float = 1.10) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = harness.parser(__doc__)  # `--repeats`: the rounds of the first pass
+    parser = harness.parser(__doc__, repeats="rounds of the first pass")
     parser.add_argument("--real", action="store_true", help="the real workloads")
     parser.add_argument("--all", action="store_true", help="synthetic and real")
     parser.add_argument("--plan", choices=("auto", "measure"), default="auto")
