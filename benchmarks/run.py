@@ -210,10 +210,10 @@ def measure(sections: list[str], cfg: Config, log: Callable[[str], None]) -> lis
                 log(f"{what}: skipped, more than {cfg.max_elements:,} elements")
                 continue
             times, extra = MEASURE[kind](body, nest, transform, cell, cfg)
-            ours, hand, twin = times
-            ratios = harness.paired_ratios(ours, hand)
-            twin = harness.paired_ratios(twin, hand)
-            ms = dict(ours_ms=1e3 * med(ours), hand_ms=1e3 * med(hand))
+            t_ours, t_hand, t_twin = times
+            ratios = harness.paired_ratios(t_ours, t_hand)
+            twin = harness.paired_ratios(t_twin, t_hand)
+            ms = dict(ours_ms=1e3 * med(t_ours), hand_ms=1e3 * med(t_hand))
             rows.append(
                 dict(kind=kind, body=body, nest=nest, transform=transform, cell=size)
                 | dict(**ms, ratios=ratios, twin=twin, **extra)
