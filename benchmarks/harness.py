@@ -6,6 +6,7 @@ ratios (`paired_ratios`). Two separately compiled copies of one program (*twins*
 the rounds in which another job held a core. `benchmarks/README.md` has the method.
 """
 
+import argparse
 import contextlib
 import functools as ft
 import math
@@ -21,6 +22,29 @@ from eqx_multimap._text import fmt_bytes as fmt_bytes, fmt_seconds as fmt_second
 
 
 Clock = Callable[[], float]
+
+
+def parser(
+    doc: str, sections: Sequence[str] = (), repeats: str = "the most timed rounds"
+) -> argparse.ArgumentParser:
+    """A script's command line: its docstring's first paragraph, `--quick`, `--repeats`
+    and, given `sections`, `--sections`: a comma-separated subset of them (all by
+    default), parsed to a list."""
+
+    def subset(text: str) -> list[str]:
+        chosen = [s for s in text.split(",") if s]
+        if not chosen or set(chosen) - set(sections):
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(sections)}")
+        return chosen
+
+    out = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    out.add_argument("--quick", action="store_true", help="smaller sizes")
+    out.add_argument("--repeats", type=int, help=repeats)
+    if sections:
+        out.add_argument(
+            "--sections", default=",".join(sections), type=subset, help="a subset"
+        )
+    return out
 
 
 def compiled(fn: Callable, *args: Any) -> Any:
@@ -173,6 +197,16 @@ def count_compiles() -> Iterator[dict[str, int]]:
         yield counts
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def agree(ref: Any, *others: Any, rtol: float = 1e-4, atol: float = 1e-4) -> bool:
+    """Whether the outputs `others` (pytrees) are close to `ref`, leaf by leaf."""
+    leaves = jax.tree.leaves(ref)
+    return all(
+        np.allclose(u, v, rtol=rtol, atol=atol)
+        for other in others
+        for u, v in zip(jax.tree.leaves(other), leaves, strict=True)
+    )
 
 
 def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:

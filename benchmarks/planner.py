@@ -28,12 +28,12 @@ after a pause if all its rounds were disturbed: `auto / best`, the median of
 per-round ratios (goal: at most 1.10). Other ratios: the first pass's. `--help`.
 """
 
-import argparse
 import dataclasses
 import datetime
 import functools as ft
 import importlib.util
 import itertools
+import math
 import os
 import pathlib
 import statistics
@@ -42,19 +42,12 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import explain, filter_multi_vmap, Plan, Planner, SpecError, tune
-from harness import (
-    compiled as _compile,
-    fmt_bytes as _fmt_bytes,
-    normalised_hlo,
-    paired_ratios,
-    Probe,
-    temp_bytes,
-    time_interleaved,
-)
+from harness import compiled, fmt_bytes, temp_bytes, time_interleaved
 
 
 class Workload(NamedTuple):
@@ -114,24 +107,14 @@ def workloads(quick: bool) -> list[Workload]:
     k = iter(jax.random.split(jax.random.key(0), 64))
     n = lambda shape, scale=0.3: _normal(next(k), shape, scale)  # noqa: E731
     q, W = quick, Workload
-    tbk, tk = ("T B K", "T K"), "T B"
     t, b, c = (128, 64, 64) if q else (512, 128, 128)
-    out = [
-        W(
-            "elementwise",
-            _elementwise,
-            dict(in_dims=("T B C", "B"), out_dims="T B C", core="C"),
-            (n((t, b, c)), n((b,))),
-            0.125,
-        )
-    ]
+    kw = dict(in_dims=("T B C", "B"), out_dims="T B C", core="C")
+    out = [W("elementwise", _elementwise, kw, (n((t, b, c)), n((b,))), 0.125)]
     t, b, kk = (64, 32, 64) if q else (256, 64, 128)
-    sumexp_args = (n((t, b, kk)), n((t, kk)))
-    kw = dict(in_dims=tbk, out_dims=tk)
-    out.append(W("sumexp (fused)", _sumexp, kw, sumexp_args, 0.125))
+    kw = dict(in_dims=("T B K", "T K"), out_dims="T B")
+    out.append(W("sumexp (fused)", _sumexp, kw, (n((t, b, kk)), n((t, kk))), 0.125))
     t, b, kk = (32, 32, 64) if q else (128, 64, 128)
     args = (n((t, b, kk)), n((t, kk)))
-    kw = dict(in_dims=tbk, out_dims=tk)
     out.append(W("sumexp @ b (big intermediate)", _sumexp_matmul, kw, args, 0.125))
     # Full vmap fits: does the planner still scan, as it should when its
     # temporaries are page-faulted in afresh on every call?
@@ -283,10 +266,17 @@ def sweep(sizes: dict[str, int], base: int = 2) -> list[tuple[tuple, tuple]]:
     return list(out.values())
 
 
-def _vjp(args: tuple) -> tuple[Callable, tuple]:
-    """A map `fn` to its reverse-mode derivative, as the planner compiles it: the
-    pullback of its inexact outputs, the cotangents an argument; and its arguments."""
-    diff = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
+def _inexact(tree: Any) -> list:
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def _program(w: Workload, full_vmap: Callable, mode: str) -> tuple[Callable, tuple]:
+    """A map to the program a row times, and its arguments: the map itself, or under
+    `grad` its reverse-mode derivative as the planner compiles it (the pullback of
+    its inexact outputs, the cotangents an argument)."""
+    if mode != "grad":
+        return (lambda f: f), w.args
+    diff = [i for i, a in enumerate(w.args) if jnp.issubdtype(a.dtype, jnp.inexact)]
 
     def of(fn: Callable) -> Callable:
         def pullback(values: list, cts: list) -> Any:
@@ -294,14 +284,14 @@ def _vjp(args: tuple) -> tuple[Callable, tuple]:
                 full = list(values)
                 for i, x in zip(diff, xs):
                     full[i] = x
-                out = jax.tree.leaves(fn(*full))
-                return [o for o in out if jnp.issubdtype(o.dtype, jnp.inexact)]
+                return _inexact(fn(*full))
 
             return jax.vjp(inexact, [values[i] for i in diff])[1](cts)
 
         return pullback
 
-    return of, (list(args),)
+    outs = _inexact(jax.eval_shape(full_vmap, *w.args))
+    return of, (list(w.args), [jnp.ones(o.shape, o.dtype) for o in outs])
 
 
 def _cpu(thunk: Callable) -> tuple[Any, float]:
@@ -309,43 +299,31 @@ def _cpu(thunk: Callable) -> tuple[Any, float]:
     return thunk(), time.process_time() - start
 
 
-def _key(nest: tuple, checkpoint: bool = False) -> tuple:
+def _key(nest: tuple, checkpoint: bool) -> tuple:
     return nest[0], frozenset(nest[1]), checkpoint and bool(nest[0])
 
 
 AUTO = ("auto", "measure")  # the planners whose budget is checked
 
 
-def _program(w: Workload, full_vmap: Callable, mode: str) -> tuple[Callable, tuple]:
-    """A map to the program a row times (itself, or its `grad`'s), and its args."""
-    if mode != "grad":
-        return (lambda f: f), w.args
-    prog, args = _vjp(w.args)
-    outs = jax.tree.leaves(jax.eval_shape(full_vmap, *w.args))
-    inexact = [o for o in outs if jnp.issubdtype(o.dtype, jnp.inexact)]
-    return prog, (*args, [jnp.ones(o.shape, o.dtype) for o in inexact])
-
-
 def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     """One row: the workload planned and timed `forward` or under `grad`."""
     full_vmap = filter_multi_vmap(w.body, **w.kw)
-    budget = max(1024, int(temp_bytes(_compile(full_vmap, *w.args)) * w.fraction))
+    budget = max(1024, int(temp_bytes(compiled(full_vmap, *w.args)) * w.fraction))
     prog, args = _program(w, full_vmap, mode)
-    kw = dict(memory_budget=budget, **w.kw)
-    picks, cold = {}, {}
     planners = {"auto": Planner(cache_dir=False, time_model=model)}
     if opts.plan == "measure":
         planners["measure"] = Planner(cache_dir=False, time_model=model, measure=True)
     flat = model.levels[-1][1] if model.levels else model.bandwidth
     one = dataclasses.replace(model, levels=(), bandwidth=flat)
     planners["no hierarchy"] = Planner(cache_dir=False, time_model=one)
-    programs, plans = {}, {}
+    programs, plans, picks, cold = {}, {}, {}, {}
     for name, planner in planners.items():
-        mapped = filter_multi_vmap(w.body, plan=planner, **kw)
+        mapped = filter_multi_vmap(w.body, plan=planner, memory_budget=budget, **w.kw)
         # Measured mode times the nest (and its derivative's) on the arguments.
         tuned = name == "measure"
         programs[name], cold[name] = _cpu(
-            lambda: (tuned and tune(mapped, *w.args), _compile(prog(mapped), *args))[1]
+            lambda: (tuned and tune(mapped, *w.args), compiled(prog(mapped), *args))[1]
         )
         plan = explain(mapped, *w.args)
         plans[name] = plan if mode == "forward" else plan.gradient
@@ -354,8 +332,9 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
             nest = dict(scan=other.scan, vmap=other.vmap, checkpoint=other.checkpoint)
             f = filter_multi_vmap(w.body, **w.kw, **nest)
             o_prog, o_args = _program(w, full_vmap, "grad" if mode == "forward" else "")
-            cold["other"] = _cpu(lambda: _compile(o_prog(f), *o_args))[1]
+            cold["other"] = _cpu(lambda: compiled(o_prog(f), *o_args))[1]
         picks[name] = tuple(plans[name].chosen.scan), tuple(plans[name].chosen.vmap)
+    keys = {n: _key(p, plans[n].checkpoint) for n, p in picks.items()}
     plan = plans["auto"]
     sizes = {n: s for n, s in plan.sizes if n in {*plan.scan, *plan.vmap}}
     # Under `grad`, each scanning nest with and without `jax.checkpoint` (with
@@ -363,20 +342,16 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     ckpt = {"forward": (False,), "grad": (True,) if opts.quick else (False, True)}
     swept = sweep(sizes, 4 if opts.quick else 2)
     nests = {_key(n, c): n for n in swept for c in ckpt[mode]}
-    nests.update({_key(n, plans[p].checkpoint): n for p, n in picks.items()})
-    fixed, temps, compile_s = {}, {}, {}
+    nests.update({keys[n]: p for n, p in picks.items()})
+    fixed, compile_s = {}, {}
     for key, (scan, vmap) in nests.items():
         f = filter_multi_vmap(
             w.body, scan=dict(scan), vmap=vmap, checkpoint=key[2], **w.kw
         )
-        fixed[key], compile_s[key] = _cpu(lambda: _compile(prog(f), *args))
-        temps[key] = temp_bytes(fixed[key])
-    fits = [k for k in nests if temps[k] <= budget]
+        fixed[key], compile_s[key] = _cpu(lambda: compiled(prog(f), *args))
+    fits = [k for k in nests if temp_bytes(fixed[k]) <= budget]
     if not fits:
-        raise SpecError(f"no nest of the sweep fits {_fmt_bytes(budget)}")
-    block = lambda k: np.prod([c or 1 for _, c in k[0]]) * np.prod(  # noqa: E731
-        [sizes[n] for n in k[1]]
-    )
+        raise SpecError(f"no nest of the sweep fits {fmt_bytes(budget)}")
     # The first ladder: the dims in the order the (first) output names them.
     out = w.kw.get("out_dims", " ".join(sizes))
     named = (out if isinstance(out, str) else out[0]).split()
@@ -385,9 +360,9 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         k for k in fits if [n for n, _ in k[0]] == order[: len(k[0])]
         and k[2] == (mode == "grad" and bool(k[0]))
     ]  # fmt: skip
+    block = lambda k: math.prod([c or 1 for _, c in k[0]] + [sizes[n] for n in k[1]])
     simple = max(ladder, key=lambda k: (block(k), -len(k[0])), default=None)
-    pick_keys = [_key(p, plans[n].checkpoint) for n, p in picks.items()]
-    timed = list(dict.fromkeys(fits + pick_keys))
+    timed = list(dict.fromkeys(fits + list(keys.values())))
     # The picks as their fixed nests (the auto program's twin: the same HLO).
     thunks = [lambda c=fixed[k]: c(*args) for k in timed]
     thunks.append(lambda: programs["auto"](*args))
@@ -395,9 +370,8 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     times = time_interleaved(thunks, 0.0, r, r, 2e-3, settle, 3.0, probe=opts.probe)
     med = [statistics.median(t) for t in times]
     by_key = dict(zip(timed, med))
-    by_plan = {n: by_key[_key(p, plans[n].checkpoint)] for n, p in picks.items()}
-    best = min(fits, key=lambda k: by_key[k])
-    auto_key = pick_keys[0]
+    by_plan = {n: by_key[k] for n, k in keys.items()}
+    best, auto_key = min(fits, key=lambda k: by_key[k]), keys["auto"]
     for pause in (5, 5, 0):  # after a pause, again, while every round is disturbed
         start = len(opts.probe.times)
         pair = time_interleaved(
@@ -408,7 +382,6 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         if not (pause and all(opts.probe.disturbed(start))):
             break
         time.sleep(pause)
-    same_hlo = normalised_hlo(programs["auto"]) == normalised_hlo(fixed[auto_key])
     nest = lambda k: _describe(k, sizes)  # noqa: E731
     return dict(
         name=w.name,
@@ -417,20 +390,19 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         budget=budget,
         auto=nest(auto_key),
         over=sum(temp_bytes(programs[n]) > budget for n in planners if n in AUTO),
-        ratio=statistics.median(paired_ratios(pair[0], pair[1])),
+        ratio=statistics.median(harness.paired_ratios(pair[0], pair[1])),
         first=med[-1] / by_key[best],
-        noise=statistics.median(paired_ratios(pair[2], pair[0])),
-        same_hlo=same_hlo,
+        noise=statistics.median(harness.paired_ratios(pair[2], pair[0])),
+        same_hlo=harness.same_hlo(programs["auto"], fixed[auto_key]),
         best=nest(best),
         simple=nest(simple) if simple else "-",
         simple_ratio=by_key[simple] / by_key[best] if simple else float("nan"),
         measure=by_plan.get("measure", float("nan")) / by_key[best],
         flat=by_plan["no hierarchy"] / by_key[best],
-        flat_nest=nest(_key(picks["no hierarchy"], plans["no hierarchy"].checkpoint)),
+        flat_nest=nest(keys["no hierarchy"]),
         cold=cold["auto"] / compile_s[auto_key],
         cold_measure=cold.get("measure", float("nan"))
-        / (compile_s[pick_keys[1] if "measure" in picks else auto_key]
-           + cold.get("other", 0.0)),
+        / (compile_s[keys.get("measure", auto_key)] + cold.get("other", 0.0)),
         n=f"{len(fits)} / {len(nests)}",
         best_ms=by_key[best] * 1e3,
     )
@@ -453,7 +425,7 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r['name']} | {r['mode']} | {r['sizes']} | {_fmt_bytes(r['budget'])} "
+            f"| {r['name']} | {r['mode']} | {r['sizes']} | {fmt_bytes(r['budget'])} "
             f"| `{r['auto']}` | {r['ratio']:.2f} ({r['first']:.2f}) | "
             f"{r['noise']:.2f}{'' if r['same_hlo'] else ' (not same HLO)'} | "
             f"`{r['best']}` ({r['best_ms']:.3g}) | `{r['simple']}` | "
@@ -469,7 +441,9 @@ def table(rows: list[dict]) -> str:
         _summary("cold plan / compile of the pick", [r["cold"] for r in rows], 2.0),
         _summary(
             "cold measured plan (`tune`: the nest and its derivative's) / their "
-            "compiles", [r["cold_measure"] for r in rows], 10
+            "compiles",
+            [r["cold_measure"] for r in rows],
+            10,
         ),
     ]
     noise = [r["noise"] for r in rows]
@@ -492,13 +466,11 @@ def _summary(what: str, xs: list[float], goal: float = 1.10) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser = harness.parser(__doc__, repeats="rounds of the first pass")
     parser.add_argument("--real", action="store_true", help="the real workloads")
     parser.add_argument("--all", action="store_true", help="synthetic and real")
     parser.add_argument("--plan", choices=("auto", "measure"), default="auto")
     parser.add_argument("--forward", action="store_true", help="no jax.grad rows")
-    parser.add_argument("--repeats", type=int, help="rounds of the first pass")
     parser.add_argument("--confirm", type=int, help="rounds of the second pass")
     parser.add_argument("--only", help="workloads whose name has this")
     opts = parser.parse_args(argv)
@@ -515,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     model = Planner(cache_dir=False).time_model  # calibrated once, not counted
-    opts.probe = Probe()  # finds the rounds in which another job held a core
+    opts.probe = harness.Probe()  # finds the rounds in which another job held a core
     print(model.describe(), flush=True)
     chosen = [] if opts.real else workloads(opts.quick)
     chosen += real_workloads(opts.quick) if opts.real or opts.all else []

@@ -26,22 +26,13 @@ import subprocess
 import sys
 import time
 
+import harness
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from eqx_multimap import explain, filter_multi_vmap, Planner
-from harness import (
-    compiled,
-    count_compiles,
-    fmt_bytes,
-    fmt_ratios,
-    fresh,
-    paired_ratios,
-    same_hlo,
-    temp_bytes,
-    time_interleaved,
-)
+from harness import compiled, fmt_bytes, fresh, temp_bytes, time_interleaved
 
 
 SECTIONS = ("reduce", "budget", "eager", "gains")
@@ -57,7 +48,7 @@ SIZES = {
         ts=(256, 1024, 4096, 16384), n=256, budget=4 * MiB, seconds=4.0,
         eager=(3, 100), gains=(2048, 65536),
     ),
-}
+}  # fmt: skip
 
 
 def body(x, y, v):
@@ -101,23 +92,24 @@ def inputs(t: int, k: int) -> tuple:
     return jnp.asarray(x), jnp.asarray(y), jnp.asarray(v)
 
 
-def run_reduce(quick: bool, max_rounds: int, log) -> list[str]:
-    ts, seconds = SIZES[quick]["ts"], SIZES[quick]["seconds"]
+def run_reduce(size: dict, max_rounds: int, log) -> list[str]:
     k, chunk = 64, 16
     rows = []
     log("| T | " + " | ".join(f"{n}: temp, ms" for n in PROGRAMS) + " | rounds |")
     log("|---:|" + "---:|" * len(PROGRAMS) + "---:|")
-    for t in ts:
+    for t in size["ts"]:
         args = inputs(t, k)
         comp = {n: compiled(fn, *args) for n, fn in make_programs(chunk).items()}
-        outs = [np.asarray(c(*args)) for c in comp.values()]
-        if not all(np.allclose(o, outs[-1], rtol=1e-4, atol=1e-4) for o in outs):
+        if not harness.agree(*[c(*args) for c in comp.values()]):
             raise AssertionError(f"the programs disagree at T={t}")
         thunks = [lambda c=c: c(*args) for c in comp.values()]
-        times = dict(zip(PROGRAMS, time_interleaved(thunks, seconds, 5, max_rounds)))
+        times = time_interleaved(thunks, size["seconds"], 5, max_rounds)
+        times = dict(zip(PROGRAMS, times))
         temps = {n: temp_bytes(c) for n, c in comp.items()}
-        ratios = {f"{a} / {b}": paired_ratios(times[a], times[b]) for a, b in PAIRS}
-        same = same_hlo(comp["reduced scan"], comp["hand scan"])
+        ratios = {
+            f"{a} / {b}": harness.paired_ratios(times[a], times[b]) for a, b in PAIRS
+        }
+        same = harness.same_hlo(comp["reduced scan"], comp["hand scan"])
         rows.append(dict(T=t, temps=temps, ratios=ratios, same=same))
         cells = " | ".join(
             f"{fmt_bytes(temps[n])}, {1e3 * statistics.median(times[n]):.3f}"
@@ -127,7 +119,7 @@ def run_reduce(quick: bool, max_rounds: int, log) -> list[str]:
     log("\n| T | " + " | ".join(rows[0]["ratios"]) + " | same HLO |")
     log("|---:|" + "---|" * (len(PAIRS) + 1))
     for r in rows:
-        cells = " | ".join(fmt_ratios(v) for v in r["ratios"].values())
+        cells = " | ".join(harness.fmt_ratios(v) for v in r["ratios"].values())
         log(f"| {r['T']} | {cells} | {'yes' if r['same'] else 'no'} |")
     lo, hi = rows[0], rows[-1]
     lines = [
@@ -151,9 +143,9 @@ def outer_sumexp(x, y):
     return jnp.sum(jnp.exp(jnp.outer(x, y)) @ y)  # x: (M,), y: (K,)
 
 
-def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
-    n = m = k = SIZES[quick]["n"]
-    B = SIZES[quick]["budget"]
+def run_budget(size: dict, max_rounds: int, log) -> list[str]:
+    n = m = k = size["n"]
+    B = size["budget"]
     rng = np.random.default_rng(1)
     x = jnp.asarray(0.1 * rng.standard_normal((n, m), dtype=np.float32))
     y = jnp.asarray(0.1 * rng.standard_normal((k,), dtype=np.float32))
@@ -185,12 +177,10 @@ def run_budget(quick: bool, max_rounds: int, log) -> list[str]:
         log(f"| {what} | {nest} | {fmt_bytes(temps[what])} | {temps[what] / B:.2f} |")
     names = list(programs)
     grads = [comp[names[i]] for i in (1, 3, 4)]  # planned, fixed, full vmap
-    values = [jax.tree.leaves(c(x, y)) for c in grads]
-    pairs = [ab for v in values[1:] for ab in zip(values[0], v)]
-    agree = all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in pairs)
+    agree = harness.agree(*[c(x, y) for c in grads], atol=1e-6)
     thunks = [lambda c=c: c(x, y) for c in grads]
-    times = time_interleaved(thunks, SIZES[quick]["seconds"], 5, max_rounds)
-    vs = [statistics.median(paired_ratios(times[0], t)) for t in times[1:]]
+    times = time_interleaved(thunks, size["seconds"], 5, max_rounds)
+    vs = [statistics.median(harness.paired_ratios(times[0], t)) for t in times[1:]]
     of = lambda w: f"{fmt_bytes(temps[w])} ({temps[w] / B:.2f} B)"  # noqa: E731
     return [
         f"budget: B = {fmt_bytes(B)}: planned grad {of(names[1])}, "
@@ -231,9 +221,9 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_eager(quick: bool, max_rounds: int, log) -> list[str]:
+def run_eager(size: dict, max_rounds: int, log) -> list[str]:
     del max_rounds
-    rounds, n = SIZES[quick]["eager"]
+    rounds, n = size["eager"]
     x = jnp.linspace(0.0, 1.0, 64 * 256, dtype=jnp.float32).reshape(64, 256)
     growth: dict[str, list[float]] = {name: [] for name in EAGER}
     compiles: dict[str, list[float]] = {name: [] for name in EAGER}
@@ -248,7 +238,7 @@ def run_eager(quick: bool, max_rounds: int, log) -> list[str]:
     for _ in range(rounds):
         for name, make in EAGER.items():
             before = rss()
-            with count_compiles() as counts:
+            with harness.count_compiles() as counts:
                 calls(make, n)
             growth[name].append((rss() - before) / n * 100)
             compiles[name].append(counts["compiles"] / n)
@@ -319,32 +309,32 @@ def rss_child(a: str, chunk: str, program: str) -> int:
     return 0
 
 
-def run_gains(quick: bool, max_rounds: int, log) -> list[str]:
-    a, chunk = SIZES[quick]["gains"]
+def run_gains(size: dict, max_rounds: int, log) -> list[str]:
+    a, chunk = size["gains"]
     programs, args = gain_programs(a, chunk)
-    b, size = a * (a - 1) // 2, fmt_bytes(args[1].nbytes)
-    log(f"\ngains: A={a}, B={b}, chunk {chunk}, m {size}\n")
+    b, m = a * (a - 1) // 2, fmt_bytes(args[1].nbytes)
+    log(f"\ngains: A={a}, B={b}, chunk {chunk}, m {m}\n")
     log("| program | temp | median | / hand | RSS before, peak |\n|--|--:|--:|--|--|")
     lines = []
     for transform in ("forward", "grad"):
         names = [n for n in programs if n.endswith(transform)]
         comp = {n: compiled(programs[n], *args) for n in names}
-        outs = [jax.tree.leaves(comp[n](*args)) for n in names]
-        for u, v in zip(outs[0] + outs[2], outs[1] * 2):  # ours, full vmap vs hand
-            np.testing.assert_allclose(u, v, rtol=1e-3, atol=1e-3)
+        outs = [comp[n](*args) for n in names]  # ours, hand, full vmap
+        if not harness.agree(outs[1], outs[0], outs[2], rtol=1e-3, atol=1e-3):
+            raise AssertionError(f"ours or full vmap differ from hand: {transform}")
         thunks = [lambda c=comp[n]: c(*args) for n in names]
-        seconds = SIZES[quick]["seconds"]
-        times = dict(zip(names, time_interleaved(thunks, seconds, 3, max_rounds)))
+        times = time_interleaved(thunks, size["seconds"], 3, max_rounds)
+        times = dict(zip(names, times))
         temps = {n: temp_bytes(c) for n, c in comp.items()}
-        same = same_hlo(comp[names[0]], comp[names[1]])  # ours, hand
+        same = harness.same_hlo(comp[names[0]], comp[names[1]])  # ours, hand
         del comp, outs
         cells = []
         for n in names:
-            ratios = paired_ratios(times[n], times[f"hand, {transform}"])
+            ratios = harness.paired_ratios(times[n], times[f"hand, {transform}"])
             before, peak = (fmt_bytes(b) for b in peak_rss(a, chunk, n))
             ms = f"{1e3 * statistics.median(times[n]):.1f} ms"
-            row = [n, fmt_bytes(temps[n]), ms, fmt_ratios(ratios), f"{before}, {peak}"]
-            log("| " + " | ".join(row) + " |")
+            ratio = harness.fmt_ratios(ratios)
+            log(f"| {n} | {fmt_bytes(temps[n])} | {ms} | {ratio} | {before}, {peak} |")
             cells.append(
                 f"{n.split(',')[0]} {statistics.median(ratios):.2f}, temp "
                 f"{fmt_bytes(temps[n])}, peak RSS {peak}"
@@ -358,28 +348,18 @@ RUNS = dict(reduce=run_reduce, budget=run_budget, eager=run_eager, gains=run_gai
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--quick", action="store_true", help="smaller sizes")
-    parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="a subset")
-    parser.add_argument("--rss", default=None, help=argparse.SUPPRESS)
+    parser = harness.parser(__doc__, SECTIONS)
+    parser.add_argument("--rss", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss:
         return rss_child(*args.rss.split(",", 2))
-    sections = [s for s in args.sections.split(",") if s]
-    if not sections or set(sections) - set(SECTIONS):
-        parser.error(f"--sections: choose from {', '.join(SECTIONS)}")
     max_rounds = args.repeats or (15 if args.quick else 21)
     where = f"{jax.devices()[0].platform} ({os.cpu_count()} cores)"
     mode = "quick" if args.quick else "default"
     print(f"jax {jax.__version__} on {where}, {mode} mode, up to {max_rounds} rounds")
-    start = time.perf_counter()
-    lines = []
-    for section in sections:
-        lines += RUNS[section](args.quick, max_rounds, lambda s: print(s, flush=True))
+    start, size, lines = time.perf_counter(), SIZES[args.quick], []
+    for section in args.sections:
+        lines += RUNS[section](size, max_rounds, lambda s: print(s, flush=True))
     print(f"\nSummary (Total: {time.perf_counter() - start:.0f} s)\n")
     print("\n".join(lines))
     return 0

@@ -15,7 +15,6 @@ ratios, a summary table, and in `--out` `results.md`, `results.csv` and
     python benchmarks/run.py --sections run --max-elements 1e8
 """
 
-import argparse
 import csv
 import dataclasses
 import functools as ft
@@ -156,29 +155,12 @@ def make_config(args) -> Config:
     return cfg
 
 
-def agree(a, b) -> bool:
-    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    return all(np.allclose(u, v, rtol=1e-4, atol=1e-4) for u, v in pairs)
-
-
-def row(kind, body, nest, transform, cell, times, **extra) -> dict:
-    """One measurement: ours, hand and twin times per round (seconds)."""
-    t_ours, t_hand, t_twin = times
-    what = dict(kind=kind, body=body, nest=nest, transform=transform)
-    ms = dict(ours_ms=1e3 * med(t_ours), hand_ms=1e3 * med(t_hand))
-    ratios = harness.paired_ratios(t_ours, t_hand)
-    twin = harness.paired_ratios(t_twin, t_hand)
-    cell = "x".join(map(str, cell))
-    return dict(what, cell=cell, **ms, ratios=ratios, twin=twin, **extra)
-
-
-def run_cell(body, nest, transform, cell, cfg: Config) -> dict:
+def run_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
     """`run`: the three programs compiled afresh, checked, then timed."""
     xs = inputs(cell)
     made = makers(body, nest, transform, cell[0])
     progs = [harness.compiled(make(), xs) for make in made]
-    outs = [p(xs) for p in progs]
-    if not (agree(outs[0], outs[1]) and agree(outs[2], outs[1])):
+    if not harness.agree(*[progs[i](xs) for i in (1, 0, 2)]):  # hand first
         raise AssertionError(f"ours and hand-written differ: {body} {nest} {cell}")
     times = harness.time_interleaved(
         [lambda p=p: p(xs) for p in progs], cfg.seconds, 5, cfg.max_rounds
@@ -186,20 +168,17 @@ def run_cell(body, nest, transform, cell, cfg: Config) -> dict:
     hlo = harness.same_hlo(progs[0], progs[1])
     # No larger: temporaries within those of the hand-written program (10%, 2 KiB).
     temps = [harness.temp_bytes(p) for p in progs]
-    no_larger = hlo or temps[0] <= 1.1 * temps[1] + 2048
-    extra = dict(same_hlo=hlo, no_larger=no_larger)
-    return row("run", body, nest, transform, cell, times, **extra)
+    return times, dict(same_hlo=hlo, no_larger=hlo or temps[0] <= 1.1 * temps[1] + 2048)
 
 
-def compile_cell(body, nest, transform, cell, cfg: Config) -> dict:
+def compile_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
     """`compile`: lower + compile of fresh programs, taking turns."""
     xs = jax.ShapeDtypeStruct(cell, jnp.float32)
     made = makers(body, nest, transform, cell[0])
-    times = harness.compile_seconds(made, (xs,), cfg.compile_repeats)
-    return row("compile", body, nest, transform, cell, times)
+    return harness.compile_seconds(made, (xs,), cfg.compile_repeats), {}
 
 
-def eager_cell(body, nest, transform, cell, cfg: Config) -> dict:
+def eager_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
     """`eager`: un-jitted calls of one wrapper each (ours, hand, twin), timed."""
     xs = inputs(cell)
     fns = [make() for make in makers(body, nest, transform, cell[0])]
@@ -210,29 +189,38 @@ def eager_cell(body, nest, transform, cell, cfg: Config) -> dict:
     times = harness.time_interleaved(
         [lambda f=f: f(xs) for f in fns], cfg.seconds, 5, cfg.max_rounds
     )
-    extra = dict(counts, calls=cfg.eager_calls)
-    return row("eager", body, nest, transform, cell, times, **extra)
+    return times, dict(counts, calls=cfg.eager_calls)
 
 
 MEASURE = {"run": run_cell, "compile": compile_cell, "eager": eager_cell}
 
 
 def measure(sections: list[str], cfg: Config, log: Callable[[str], None]) -> list:
+    """Every row: what was measured, ours' and hand's median milliseconds, the paired
+    ratios ours / hand and twin / hand per round, and what the section adds."""
     rows = []
     for kind, body in it.product(sections, BODIES):
         cells = cfg.cells[body] if kind == "run" else [cfg.one_cell[body]]
         transforms = ("forward",) if kind == "eager" else TRANSFORMS
         nests = {"compile": cfg.compile_nests, "eager": NESTS[:2]}.get(kind, NESTS)
         for cell, transform, nest in it.product(cells, transforms, nests):
-            what = f"{kind} {body} {nest} {transform} {'x'.join(map(str, cell))}"
+            size = "x".join(map(str, cell))
+            what = f"{kind} {body} {nest} {transform} {size}"
             if largest_array(body, nest, transform, cell) > cfg.max_elements:
                 log(f"{what}: skipped, more than {cfg.max_elements:,} elements")
                 continue
-            rows.append(MEASURE[kind](body, nest, transform, cell, cfg))
-            r = rows[-1]
+            times, extra = MEASURE[kind](body, nest, transform, cell, cfg)
+            t_ours, t_hand, t_twin = times
+            ratios = harness.paired_ratios(t_ours, t_hand)
+            twin = harness.paired_ratios(t_twin, t_hand)
+            ms = dict(ours_ms=1e3 * med(t_ours), hand_ms=1e3 * med(t_hand))
+            rows.append(
+                dict(kind=kind, body=body, nest=nest, transform=transform, cell=size)
+                | dict(**ms, ratios=ratios, twin=twin, **extra)
+            )
             log(
-                f"{what}: ours / hand {harness.fmt_ratios(r['ratios'])}, twin / hand "
-                f"{harness.fmt_ratios(r['twin'])}"
+                f"{what}: ours / hand {harness.fmt_ratios(ratios)}, twin / hand "
+                f"{harness.fmt_ratios(twin)}"
             )
     return rows
 
@@ -312,14 +300,13 @@ def detail_table(rows: list[dict]) -> str:
 
 def write_csv(path: str, rows: list[dict]) -> None:
     fields = list(dict.fromkeys(k for r in rows for k in r))
+    joined = lambda xs: " ".join(f"{x:.4g}" for x in xs)  # every round's ratio
     with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
-        for r in rows:
-            out = dict(r)
-            for key in ("ratios", "twin"):
-                out[key] = " ".join(f"{x:.4g}" for x in r[key])
-            writer.writerow(out)
+        writer.writerows(
+            r | {k: joined(r[k]) for k in ("ratios", "twin")} for r in rows
+        )
 
 
 PANELS = (
@@ -374,7 +361,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.axhspan(*band, color="grey", alpha=0.25, lw=0)
         ax.axhline(1.0, color="black", lw=0.8)
         for j, nest in enumerate(NESTS):
-            xs, ys, err, out = [], [], [[], []], []
+            xs, ys, err, color = [], [], [[], []], f"C{j}"
             for r in (r for r in sub if r["nest"] == nest):
                 x = labels.index(_x_label(r, transform)) + (j - 1.5) * 0.2
                 q1, q2, q3 = harness.quartiles(r["ratios"])
@@ -383,16 +370,14 @@ def plot(rows: list[dict], path: str) -> None:
                     ys.append(q2)
                     err[0].append(q2 - max(q1, lo))
                     err[1].append(min(q3, hi) - q2)
-                else:
-                    out.append((x, q2))
-            style = dict(color=f"C{j}", marker="osD^"[j], ms=6)
+                    continue
+                # Beyond the axis: a hollow triangle on its edge, with the value.
+                edge, marker, dy = (hi, "^", -9) if q2 > hi else (lo, "v", 3)
+                ax.plot(x, edge, marker, mfc="white", color=color, ms=9, clip_on=0)
+                text = dict(textcoords="offset points", color=color, size=8)
+                ax.annotate(f"{q2:.2f}", (x, edge), (7, dy), **text)
+            style = dict(color=color, marker="osD^"[j], ms=6)
             ax.errorbar(xs, ys, yerr=err, ls="none", capsize=3, label=nest, **style)
-            for x, v in out:  # beyond the axis: a hollow triangle on its edge
-                edge = hi if v > hi else lo
-                marker = "^" if v > hi else "v"
-                ax.plot(x, edge, marker, mfc="white", color=f"C{j}", ms=9, clip_on=0)
-                ax.annotate(f"{v:.2f}", (x, edge), xytext=(7, -9 if v > hi else 3),
-                            textcoords="offset points", color=f"C{j}", size=8)
         ax.set_yscale("log")
         ax.set_ylim(lo, hi)
         ax.yaxis.set_major_locator(ticker.FixedLocator(ticks(lo, hi)))
@@ -416,20 +401,11 @@ def _x_label(r: dict, transform: str | None) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--quick", action="store_true", help="a smaller grid")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="a subset")
+    parser = harness.parser(__doc__, SECTIONS)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--repeats", type=int, default=None, help="max timed rounds")
     parser.add_argument("--max-elements", type=float, help="skip bigger programs")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
-    sections = [s for s in args.sections.split(",") if s]
-    if not sections or set(sections) - set(SECTIONS):
-        parser.error(f"--sections: choose from {', '.join(SECTIONS)}")
     cfg = make_config(args)
     header = (
         f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} "
@@ -438,7 +414,7 @@ def main(argv=None) -> int:
     )
     print(header, flush=True)
     start = time.perf_counter()
-    rows = measure(sections, cfg, lambda line: print(line, flush=True))
+    rows = measure(args.sections, cfg, lambda line: print(line, flush=True))
     total = f"Total: {time.perf_counter() - start:.0f} s."
     summary = summary_table(rows)
     os.makedirs(args.out, exist_ok=True)

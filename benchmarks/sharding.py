@@ -3,22 +3,17 @@
 The same per-element function (a 2x2 matrix product with transcendentals, over
 `vis: "T F B 2 2"` and `nu: "F"`) is run twice for each device count `n`: unsharded
 on one device, and with `shard={"F": "d"}` over a mesh of the first `n` devices
-(inputs placed with their sharding beforehand, as they would be in real use). Both
-programs, and a second, separately compiled copy of the unsharded one (its *twin*,
-whose ratio to it is the noise floor), are compiled first, then timed side by side
-with `harness.time_interleaved` (rounds interleaved, samples settled).
+(inputs placed with their sharding beforehand, as they would be in real use); both,
+and the unsharded program's twin, timed side by side (`harness.time_interleaved`).
 Reported: medians, paired ratios sharded / unsharded and twin / unsharded (median
 and quartiles per round; below 1, sharding is faster), and the sharded program's
 collectives (a pure map has none).
 
-The devices are *simulated*: `--xla_force_host_platform_device_count=8` makes XLA
-treat one CPU as 8 devices, and they all share this machine's physical cores. So:
-
-- what this can show: the overhead of `shard_map` itself (the `n = 1` row), that the
-  sharded program has no communication, and how far the work spreads over the
-  physical cores (at best `1 / min(n, cores)`: about 0.5 on a 2-core machine);
-- what it cannot show: scaling beyond the number of physical cores, or any cost of
-  real interconnects between devices or hosts.
+The devices are *simulated* (`--xla_force_host_platform_device_count=8`: one CPU
+as 8 devices, sharing this machine's physical cores), so this shows the overhead of
+`shard_map` itself (the `n = 1` rows), that the sharded program has no
+communication, and how far the work spreads over the physical cores; not scaling
+beyond them, nor the cost of real interconnects (`docs/sharding.md`).
 
 `python benchmarks/sharding.py` runs the full grid; `--quick`, small sizes.
 """
@@ -31,7 +26,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-import argparse
 import re
 import statistics
 
@@ -69,14 +63,8 @@ def make(nest: str, mesh=None, fn=body):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes")
-    parser.add_argument("--repeats", type=int, default=None)
-    args = parser.parse_args(argv)
-    if args.quick:
-        (t, f, b), repeats = (8, 32, 128), 7
-    else:
-        (t, f, b), repeats = (32, 64, 512), 15
+    args = harness.parser(__doc__).parse_args(argv)
+    (t, f, b), repeats = ((8, 32, 128), 7) if args.quick else ((32, 64, 512), 15)
     repeats = args.repeats or repeats
     devices = jax.devices()
     assert len(devices) >= 8, devices
@@ -108,9 +96,8 @@ def main(argv=None) -> int:
             nu_n = jax.device_put(nu, NamedSharding(mesh, P("d")))
             sharded = harness.compiled(make(nest, mesh), vis_n, nu_n)
             n_coll = len(COLLECTIVES.findall(sharded.as_text()))
-            out_s, out_u = sharded(vis_n, nu_n), unsharded(vis1, nu1)
-            err = float(jnp.max(jnp.abs(jax.device_get(out_s) - jax.device_get(out_u))))
-            assert err < 1e-5, err
+            out = sharded(vis_n, nu_n)
+            assert harness.agree(unsharded(vis1, nu1), out, rtol=0.0, atol=1e-5)
             t_u, t_s, t_t = harness.time_interleaved(
                 [
                     lambda: unsharded(vis1, nu1),
