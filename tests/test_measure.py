@@ -407,3 +407,27 @@ def test_a_tuned_plan_is_reused_by_a_new_process(tmp_path):
     basis, rest = second.split(" ", 1)
     assert basis == "arguments" and rest.endswith(" 0 1")  # no compile, a disk hit
     assert rest.rsplit(" ", 2)[0] == first.split(" ", 1)[1].rsplit(" ", 2)[0]
+
+
+def test_tune_searches_when_full_vmap_and_all_but_one_rung_are_over_budget():
+    # Full vmap over the budget, and no ladder with two rungs that fit besides the
+    # block of one element (in lockstep, timed on its own): each ladder is a line
+    # of one rung (they were dropped, and the search raised).
+    def body(x):
+        def step(s):
+            return s[0] + 1, jnp.tanh(jnp.outer(s[1], s[1])) @ s[1] + 1.0
+
+        more = lambda s: (s[0] < 20) & (jnp.sum(s[1]) < 1e6)  # noqa: E731
+        return jax.lax.while_loop(more, step, (0, x))[1]
+
+    f = filter_multi_vmap(
+        body, in_dims="A B K", out_dims="A B K", core="K",
+        plan=Planner(time_model=TimeModel(), cache_dir=False),
+        memory_budget=64 * 2**10,
+    )  # fmt: skip
+    x = jnp.full((32, 8, 64), 0.01)
+    plan = tune(f, x)
+    assert "could not measure" not in plan.summary
+    timed = [c for c in plan.candidates if c.measured is not None]
+    assert len(timed) >= 2 and all(c.fits for c in timed)
+    np.testing.assert_allclose(f(x), jax.vmap(jax.vmap(body))(x), rtol=1e-5)

@@ -298,13 +298,14 @@ class Tuner:
         # and the ladders searched without it.
         alone = lambda c: search.lockstep and c.block == 1 and not c.vmap  # noqa: E731
         one = [c for s in ladders for c in s if alone(c) and fits(s, c)][:1]
-        lines = [head + [c for c in s if fits(s, c) and not alone(c)] for s in ladders]
-        lines = [ln for ln in lines if len(ln) > 1] or [head]
+        rungs = [[c for c in s if fits(s, c) and not alone(c)] for s in ladders]
+        lines = [head + r for r in rungs if r]  # each with a rung of its own
         if len({c.key for c in head + [model] + one + sum(lines, [])}) > 1:
             self.probe = Probe()  # a choice to make: rounds another job held are seen
         for c in head + [model] + one:
             self.time(c)
-        first = next((ln for ln in lines if model in ln[1:]), lines[0])
+        mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
+        first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         done = [first]
         self.along(first)
         # Its first scanned dim (every rung of a ladder scans a prefix of its order).
@@ -314,8 +315,7 @@ class Tuner:
                 continue
             best = min(self.timed, key=self.seconds)
             block = search.considered[best].block
-            rungs = [c for c in line if c.key != full.key]  # its own
-            near = min(rungs, key=lambda c: abs(math.log(c.block / block)))
+            near = min(mine(line), key=lambda c: abs(math.log(c.block / block)))
             if near.key in self.timed:
                 continue
             if self.due():
