@@ -105,7 +105,6 @@ def time_interleaved(
     min_sample: float = 2e-3,
     settle: int = 1,
     drop_above: float | None = None,
-    on_round: Callable[[int, int], None] | None = None,
     clock: Clock = time.perf_counter,
     probe: Probe | None = None,
 ) -> list[list[float]]:
@@ -120,7 +119,6 @@ def time_interleaved(
 
     - `drop_above`: from the third round on, a thunk whose best is above this many
         times the best of all is no longer timed (it keeps its times so far).
-    - `on_round`: called with the round and the number of rounds before each round.
     - `probe`: a `Probe` timed before each round; the rounds it finds disturbed are
         dropped, unless every round was.
     """
@@ -135,8 +133,6 @@ def time_interleaved(
     times: list[list[float]] = [[] for _ in fns]
     active = list(range(len(fns)))
     for r in range(rounds):
-        if on_round is not None:
-            on_round(r, rounds)
         if probe is not None:
             probe.time(clock)
         if drop_above is not None and r >= 2:
