@@ -38,6 +38,7 @@ SECTIONS = ("run", "compile", "eager")
 NESTS = ("vmap", "scan(vmap)", "chunk", "chunk2")
 TRANSFORMS = ("forward", "grad")
 DIMS = dict(in_dims="b1 b2 L", out_dims="b1 b2 L", core="L")
+med = statistics.median
 
 
 def cheap(x):
@@ -223,14 +224,6 @@ def measure(sections: list[str], cfg: Config, log: Callable[[str], None]) -> lis
                 f"{harness.fmt_ratios(twin)}"
             )
     return rows
-
-
-#
-# The report: a summary table, every row, a figure.
-#
-
-
-med = statistics.median
 
 
 def summary_table(rows: list[dict]) -> list[list[str]]:
