@@ -193,7 +193,6 @@ def count_compiles() -> Iterator[dict[str, int]]:
 
 
 def agree(ref: Any, *others: Any, rtol: float = 1e-4, atol: float = 1e-4) -> bool:
-    """Whether the outputs `others` (pytrees) are close to `ref`, leaf by leaf."""
     leaves = jax.tree.leaves(ref)
     return all(
         np.allclose(u, v, rtol=rtol, atol=atol)

@@ -91,7 +91,6 @@ def ours(body: Callable, nest: str, k: int) -> Callable:
 
 
 def program(transform: str, f: Callable) -> Callable:
-    """A new function: the forward pass of `f`, or the gradient of its sum."""
     if transform == "forward":
         return lambda x: f(x)
     if transform == "grad":
@@ -157,7 +156,6 @@ def make_config(args) -> Config:
 
 
 def run_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
-    """`run`: the three programs compiled afresh, checked, then timed."""
     xs = inputs(cell)
     made = makers(body, nest, transform, cell[0])
     progs = [harness.compiled(make(), xs) for make in made]
@@ -173,14 +171,12 @@ def run_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
 
 
 def compile_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
-    """`compile`: lower + compile of fresh programs, taking turns."""
     xs = jax.ShapeDtypeStruct(cell, jnp.float32)
     made = makers(body, nest, transform, cell[0])
     return harness.compile_seconds(made, (xs,), cfg.compile_repeats), {}
 
 
 def eager_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
-    """`eager`: un-jitted calls of one wrapper each (ours, hand, twin), timed."""
     xs = inputs(cell)
     fns = [make() for make in makers(body, nest, transform, cell[0])]
     fns[0](xs)  # the first call of a signature traces and compiles
