@@ -161,9 +161,8 @@ def run_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
     progs = [harness.compiled(make(), xs) for make in made]
     if not harness.agree(*[progs[i](xs) for i in (1, 0, 2)]):  # hand first
         raise AssertionError(f"ours and hand-written differ: {body} {nest} {cell}")
-    times = harness.time_interleaved(
-        [lambda p=p: p(xs) for p in progs], cfg.seconds, 5, cfg.max_rounds
-    )
+    thunks = [lambda p=p: p(xs) for p in progs]
+    times = harness.time_interleaved(thunks, cfg.seconds, 5, cfg.max_rounds)
     hlo = harness.same_hlo(progs[0], progs[1])
     # No larger: temporaries within those of the hand-written program (10%, 2 KiB).
     temps = [harness.temp_bytes(p) for p in progs]
@@ -183,9 +182,8 @@ def eager_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
     with harness.count_compiles() as counts:
         for _ in range(cfg.eager_calls):
             jax.block_until_ready(fns[0](xs))
-    times = harness.time_interleaved(
-        [lambda f=f: f(xs) for f in fns], cfg.seconds, 5, cfg.max_rounds
-    )
+    thunks = [lambda f=f: f(xs) for f in fns]
+    times = harness.time_interleaved(thunks, cfg.seconds, 5, cfg.max_rounds)
     return times, dict(counts, calls=cfg.eager_calls)
 
 
