@@ -11,7 +11,6 @@ import contextlib
 import functools as ft
 import math
 import re
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -27,9 +26,8 @@ Clock = Callable[[], float]
 def parser(
     doc: str, sections: Sequence[str] = (), repeats: str = "the most timed rounds"
 ) -> argparse.ArgumentParser:
-    """A script's command line: its docstring's first paragraph, `--quick`, `--repeats`
-    and, given `sections`, `--sections`: a comma-separated subset of them (all by
-    default), parsed to a list."""
+    """`--quick`, `--repeats` and, given `sections`, `--sections`: a comma-separated
+    subset of them (all by default), parsed to a list."""
 
     def subset(text: str) -> list[str]:
         chosen = [s for s in text.split(",") if s]
@@ -84,7 +82,6 @@ class Probe:
         self.times.append(clock() - t0)
 
     def disturbed(self, start: int = 0) -> list[bool]:
-        """Whether each round from `start` on was disturbed."""
         best = min(self.times, default=0.0)
         return [t > DISTURBED * best for t in self.times[start:]]
 
@@ -105,7 +102,6 @@ def time_interleaved(
     min_sample: float = 2e-3,
     settle: int = 1,
     drop_above: float | None = None,
-    on_round: Callable[[int, int], None] | None = None,
     clock: Clock = time.perf_counter,
     probe: Probe | None = None,
 ) -> list[list[float]]:
@@ -120,7 +116,6 @@ def time_interleaved(
 
     - `drop_above`: from the third round on, a thunk whose best is above this many
         times the best of all is no longer timed (it keeps its times so far).
-    - `on_round`: called with the round and the number of rounds before each round.
     - `probe`: a `Probe` timed before each round; the rounds it finds disturbed are
         dropped, unless every round was.
     """
@@ -135,8 +130,6 @@ def time_interleaved(
     times: list[list[float]] = [[] for _ in fns]
     active = list(range(len(fns)))
     for r in range(rounds):
-        if on_round is not None:
-            on_round(r, rounds)
         if probe is not None:
             probe.time(clock)
         if drop_above is not None and r >= 2:
@@ -200,7 +193,6 @@ def count_compiles() -> Iterator[dict[str, int]]:
 
 
 def agree(ref: Any, *others: Any, rtol: float = 1e-4, atol: float = 1e-4) -> bool:
-    """Whether the outputs `others` (pytrees) are close to `ref`, leaf by leaf."""
     leaves = jax.tree.leaves(ref)
     return all(
         np.allclose(u, v, rtol=rtol, atol=atol)
@@ -216,10 +208,8 @@ def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
 
 
 def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
-    """The 25th, 50th and 75th percentiles of `xs` (all three `xs[0]` for one)."""
-    if len(xs) == 1:
-        return xs[0], xs[0], xs[0]
-    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    """The 25th, 50th and 75th percentiles of `xs` (linear interpolation)."""
+    q1, q2, q3 = np.percentile(xs, [25, 50, 75]).tolist()
     return q1, q2, q3
 
 
@@ -254,5 +244,4 @@ def same_hlo(a: Any, b: Any) -> bool:
 
 
 def temp_bytes(c: Any) -> int:
-    """The temporary memory of a compiled program, as XLA reports it."""
     return int(c.memory_analysis().temp_size_in_bytes)

@@ -63,11 +63,7 @@ def _normal(key, shape, scale=0.3):
     return jax.random.normal(key, shape, jnp.float32) * scale
 
 
-#
 # Synthetic bodies.
-#
-
-
 def _elementwise(x, y):
     return x * y + 1.0  # x: (C,), y: ()
 
@@ -140,11 +136,7 @@ def workloads(quick: bool) -> list[Workload]:
     return out
 
 
-#
 # Real workloads.
-#
-
-
 def _mlp(w, h):
     for layer in w:  # w: (4, K, K) per element, h: (K,)
         h = jnp.tanh(layer @ h)
@@ -245,11 +237,7 @@ def real_workloads(quick: bool) -> list[Workload]:
     return out
 
 
-#
 # The sweep and the timing.
-#
-
-
 def sweep(sizes: dict[str, int], base: int = 2) -> list[tuple[tuple, tuple]]:
     """Every nest `(scan, vmap)` scanning a prefix of some order of the dims: the
     outer ones one at a time, the last one at a time or in chunks of 2 times a
@@ -307,7 +295,6 @@ AUTO = ("auto", "measure")  # the planners whose budget is checked
 
 
 def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
-    """One row: the workload planned and timed `forward` or under `grad`."""
     full_vmap = filter_multi_vmap(w.body, **w.kw)
     budget = max(1024, int(temp_bytes(compiled(full_vmap, *w.args)) * w.fraction))
     prog, args = _program(w, full_vmap, mode)

@@ -95,8 +95,6 @@ def inputs(t: int, k: int) -> tuple:
 def run_reduce(size: dict, max_rounds: int, log) -> list[str]:
     k, chunk = 64, 16
     rows = []
-    log("| T | " + " | ".join(f"{n}: temp, ms" for n in PROGRAMS) + " | rounds |")
-    log("|---:|" + "---:|" * len(PROGRAMS) + "---:|")
     for t in size["ts"]:
         args = inputs(t, k)
         comp = {n: compiled(fn, *args) for n, fn in make_programs(chunk).items()}
@@ -111,16 +109,11 @@ def run_reduce(size: dict, max_rounds: int, log) -> list[str]:
         }
         same = harness.same_hlo(comp["reduced scan"], comp["hand scan"])
         rows.append(dict(T=t, temps=temps, ratios=ratios, same=same))
-        cells = " | ".join(
-            f"{fmt_bytes(temps[n])}, {1e3 * statistics.median(times[n]):.3f}"
-            for n in PROGRAMS
-        )
-        log(f"| {t} | {cells} | {len(times['hand scan'])} |")
-    log("\n| T | " + " | ".join(rows[0]["ratios"]) + " | same HLO |")
-    log("|---:|" + "---|" * (len(PAIRS) + 1))
-    for r in rows:
-        cells = " | ".join(harness.fmt_ratios(v) for v in r["ratios"].values())
-        log(f"| {r['T']} | {cells} | {'yes' if r['same'] else 'no'} |")
+        ms = {n: 1e3 * statistics.median(times[n]) for n in PROGRAMS}
+        cells = [f"{n} {fmt_bytes(temps[n])}, {ms[n]:.3f} ms" for n in PROGRAMS]
+        cells += [f"{pair} {harness.fmt_ratios(r)}" for pair, r in ratios.items()]
+        cells.append(f"same HLO: {'yes' if same else 'no'}")
+        log(f"T={t} ({len(times['hand scan'])} rounds): " + "; ".join(cells))
     lo, hi = rows[0], rows[-1]
     lines = [
         f"temp bytes, {n}: {fmt_bytes(lo['temps'][n])} at T={lo['T']}, "
@@ -154,39 +147,35 @@ def run_budget(size: dict, max_rounds: int, log) -> list[str]:
     plan = explain(planned, x, y)
     assert plan.gradient is not None
     sizes = dict(plan.sizes)
+    log(
+        f"\nbudget: `plan=Planner(), memory_budget={B}` ({fmt_bytes(B)}), x ({n}, {m}):"
+        f" forward {plan.chosen.nest(sizes)}, grad {plan.gradient.chosen.nest(sizes)}"
+    )
     nest = dict(scan=plan.scan, vmap=plan.vmap)
     fixed = filter_multi_vmap(fresh(outer_sumexp), **dims, **nest)
     vmapped = filter_multi_vmap(fresh(outer_sumexp), **dims, vmap="N")
     total = lambda f: lambda x, y: f(x, y).sum()  # noqa: E731
     grad = lambda f: jax.grad(total(f), (0, 1))  # noqa: E731
-    value_and_grad = lambda f: jax.value_and_grad(total(f), (0, 1))  # noqa: E731
-
-    fwd, bwd = plan.chosen.nest(sizes), plan.gradient.chosen.nest(sizes)
-    programs = {
-        "forward, planned": (fwd, planned),
-        "jit(grad(sum of f)), planned": (bwd, grad(planned)),
-        "jit(value_and_grad(sum of f)), planned": (bwd, value_and_grad(planned)),
-        "jit(grad), the forward plan's nest": (fwd, grad(fixed)),
-        "jit(grad), full vmap": (f"vmap(N={n})", grad(vmapped)),
+    programs = {  # jitted; "fixed": the forward plan's nest, differentiated as it is
+        "forward": planned,
+        "grad": grad(planned),
+        "value_and_grad": jax.value_and_grad(total(planned), (0, 1)),
+        "fixed grad": grad(fixed),
+        "full vmap grad": grad(vmapped),
     }
-    comp = {what: compiled(fn, x, y) for what, (_, fn) in programs.items()}
+    comp = {what: compiled(fn, x, y) for what, fn in programs.items()}
     temps = {what: temp_bytes(c) for what, c in comp.items()}
-    log(f"\n`plan=Planner(), memory_budget={B}` ({fmt_bytes(B)}), x ({n}, {m})")
-    log("\n| program | nest | temp | temp / budget |\n|---|---|---:|---:|")
-    for what, (nest, _) in programs.items():
-        log(f"| {what} | {nest} | {fmt_bytes(temps[what])} | {temps[what] / B:.2f} |")
-    names = list(programs)
-    grads = [comp[names[i]] for i in (1, 3, 4)]  # planned, fixed, full vmap
+    grads = [comp[w] for w in ("grad", "fixed grad", "full vmap grad")]
     agree = harness.agree(*[c(x, y) for c in grads], atol=1e-6)
     thunks = [lambda c=c: c(x, y) for c in grads]
     times = time_interleaved(thunks, size["seconds"], 5, max_rounds)
     vs = [statistics.median(harness.paired_ratios(times[0], t)) for t in times[1:]]
     of = lambda w: f"{fmt_bytes(temps[w])} ({temps[w] / B:.2f} B)"  # noqa: E731
     return [
-        f"budget: B = {fmt_bytes(B)}: planned grad {of(names[1])}, "
-        f"value_and_grad {of(names[2])}, forward {of(names[0])}; "
-        f"grad without backward planning {of(names[3])}, full vmap grad "
-        f"{of(names[4])}; planned grad time / forward plan's nest's "
+        f"budget: B = {fmt_bytes(B)}: planned grad {of('grad')}, "
+        f"value_and_grad {of('value_and_grad')}, forward {of('forward')}; "
+        f"grad without backward planning {of('fixed grad')}, full vmap grad "
+        f"{of('full vmap grad')}; planned grad time / forward plan's nest's "
         f"{vs[0]:.2f}, / full vmap's {vs[1]:.2f} (paired); gradients agree: "
         f"{'yes' if agree else 'NO'}"
     ]

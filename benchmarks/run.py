@@ -38,6 +38,7 @@ SECTIONS = ("run", "compile", "eager")
 NESTS = ("vmap", "scan(vmap)", "chunk", "chunk2")
 TRANSFORMS = ("forward", "grad")
 DIMS = dict(in_dims="b1 b2 L", out_dims="b1 b2 L", core="L")
+med = statistics.median
 
 
 def cheap(x):
@@ -90,7 +91,6 @@ def ours(body: Callable, nest: str, k: int) -> Callable:
 
 
 def program(transform: str, f: Callable) -> Callable:
-    """A new function: the forward pass of `f`, or the gradient of its sum."""
     if transform == "forward":
         return lambda x: f(x)
     if transform == "grad":
@@ -156,15 +156,13 @@ def make_config(args) -> Config:
 
 
 def run_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
-    """`run`: the three programs compiled afresh, checked, then timed."""
     xs = inputs(cell)
     made = makers(body, nest, transform, cell[0])
     progs = [harness.compiled(make(), xs) for make in made]
     if not harness.agree(*[progs[i](xs) for i in (1, 0, 2)]):  # hand first
         raise AssertionError(f"ours and hand-written differ: {body} {nest} {cell}")
-    times = harness.time_interleaved(
-        [lambda p=p: p(xs) for p in progs], cfg.seconds, 5, cfg.max_rounds
-    )
+    thunks = [lambda p=p: p(xs) for p in progs]
+    times = harness.time_interleaved(thunks, cfg.seconds, 5, cfg.max_rounds)
     hlo = harness.same_hlo(progs[0], progs[1])
     # No larger: temporaries within those of the hand-written program (10%, 2 KiB).
     temps = [harness.temp_bytes(p) for p in progs]
@@ -172,23 +170,20 @@ def run_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
 
 
 def compile_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
-    """`compile`: lower + compile of fresh programs, taking turns."""
     xs = jax.ShapeDtypeStruct(cell, jnp.float32)
     made = makers(body, nest, transform, cell[0])
     return harness.compile_seconds(made, (xs,), cfg.compile_repeats), {}
 
 
 def eager_cell(body, nest, transform, cell, cfg: Config) -> tuple[list, dict]:
-    """`eager`: un-jitted calls of one wrapper each (ours, hand, twin), timed."""
     xs = inputs(cell)
     fns = [make() for make in makers(body, nest, transform, cell[0])]
     fns[0](xs)  # the first call of a signature traces and compiles
     with harness.count_compiles() as counts:
         for _ in range(cfg.eager_calls):
             jax.block_until_ready(fns[0](xs))
-    times = harness.time_interleaved(
-        [lambda f=f: f(xs) for f in fns], cfg.seconds, 5, cfg.max_rounds
-    )
+    thunks = [lambda f=f: f(xs) for f in fns]
+    times = harness.time_interleaved(thunks, cfg.seconds, 5, cfg.max_rounds)
     return times, dict(counts, calls=cfg.eager_calls)
 
 
@@ -223,14 +218,6 @@ def measure(sections: list[str], cfg: Config, log: Callable[[str], None]) -> lis
                 f"{harness.fmt_ratios(twin)}"
             )
     return rows
-
-
-#
-# The report: a summary table, every row, a figure.
-#
-
-
-med = statistics.median
 
 
 def summary_table(rows: list[dict]) -> list[list[str]]:
@@ -309,95 +296,47 @@ def write_csv(path: str, rows: list[dict]) -> None:
         )
 
 
-PANELS = (
-    ("run", "forward", "forward, jit"),
-    ("run", "grad", "jax.grad, jit"),
-    ("compile", None, "compile (lower + compile)"),
-    ("eager", None, "un-jitted call"),
-)
-
-
-TICKS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3)
-
-
-def ticks(lo: float, hi: float) -> list[float]:
-    """Of `TICKS` within the limits, 1 and those not crowding it or each other."""
-    gap, out = np.log(hi / lo) / 12, []
-    for t in sorted(TICKS, key=lambda t: abs(np.log(t))):
-        if lo <= t <= hi and all(abs(np.log(t / u)) >= gap for u in out):
-            out.append(t)
-    return sorted(out)
-
-
-def limits(values: list[float]) -> tuple[float, float]:
-    """y limits (log scale) that every median within the 5th to 95th percentile,
-    the noise band and 1 fit in, with a margin; outliers are not let stretch it."""
-    lo, hi = np.percentile(values, [5, 95])
-    return float(lo) / 1.25, float(hi) * 1.25
-
-
 def plot(rows: list[dict], path: str) -> None:
-    """One panel per kind of measurement; in each, one series per nest (median and
-    interquartile range of the paired ratios per cell) and the twins' band. Medians
-    beyond the axis are hollow triangles on its edge, labelled with their value."""
-    import matplotlib
+    """One panel per kind of measurement: per nest and cell, the median and
+    interquartile range of the paired ratios ours / hand-written; the twins' band
+    (10th to 90th percentile of their medians); a log axis clipped to the 5th to 95th
+    percentile of the medians, with a margin (the title counts those beyond it)."""
+    from matplotlib import ticker
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker as ticker
-
-    panels = [p for p in PANELS if any(r["kind"] == p[0] for r in rows)]
-    width = max(11, 0.5 * len({r["cell"] for r in rows}) + 4)
-    size = (width, 3.6 * len(panels))
-    fig, axes = plt.subplots(len(panels), 1, figsize=size, squeeze=False)
-    for ax, (kind, transform, title) in zip(axes[:, 0], panels):
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    label = lambda r: f"{r['body']} {r['transform']} {r['cell']}"
+    width = max(11, 0.3 * len(set(map(label, rows))) + 4)
+    fig = Figure(figsize=(width, 3.6 * len(kinds)))
+    for ax, kind in zip(fig.subplots(len(kinds), 1, squeeze=False)[:, 0], kinds):
         sub = [r for r in rows if r["kind"] == kind]
-        sub = [r for r in sub if transform in (None, r["transform"])]
-        labels = list(dict.fromkeys(_x_label(r, transform) for r in sub))
-        band = tuple(np.percentile([med(r["twin"]) for r in sub], [10, 90]))
-        meds = [med(r["ratios"]) for r in sub]
-        lo, hi = limits(meds + list(band) + [1.0])
-        lo, hi = min(lo, band[0] / 1.05, 1 / 1.05), max(hi, band[1] * 1.05, 1.05)
-        ax.axhspan(*band, color="grey", alpha=0.25, lw=0)
-        ax.axhline(1.0, color="black", lw=0.8)
+        labels = list(dict.fromkeys(map(label, sub)))
         for j, nest in enumerate(NESTS):
-            xs, ys, err, color = [], [], [[], []], f"C{j}"
-            for r in (r for r in sub if r["nest"] == nest):
-                x = labels.index(_x_label(r, transform)) + (j - 1.5) * 0.2
-                q1, q2, q3 = harness.quartiles(r["ratios"])
-                if lo <= q2 <= hi:
-                    xs.append(x)
-                    ys.append(q2)
-                    err[0].append(q2 - max(q1, lo))
-                    err[1].append(min(q3, hi) - q2)
-                    continue
-                # Beyond the axis: a hollow triangle on its edge, with the value.
-                edge, marker, dy = (hi, "^", -9) if q2 > hi else (lo, "v", 3)
-                ax.plot(x, edge, marker, mfc="white", color=color, ms=9, clip_on=0)
-                text = dict(textcoords="offset points", color=color, size=8)
-                ax.annotate(f"{q2:.2f}", (x, edge), (7, dy), **text)
-            style = dict(color=color, marker="osD^"[j], ms=6)
-            ax.errorbar(xs, ys, yerr=err, ls="none", capsize=3, label=nest, **style)
-        ax.set_yscale("log")
-        ax.set_ylim(lo, hi)
-        ax.yaxis.set_major_locator(ticker.FixedLocator(ticks(lo, hi)))
-        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            mine = [r for r in sub if r["nest"] == nest]
+            xs = [labels.index(label(r)) + (j - 1.5) * 0.2 for r in mine]
+            # A nest not measured here: an empty series, in the legend all the same.
+            q = np.array([harness.quartiles(r["ratios"]) for r in mine]).reshape(-1, 3)
+            err = (q[:, 1] - q[:, 0], q[:, 2] - q[:, 1])
+            style = dict(fmt="osD^"[j], color=f"C{j}", capsize=3, label=nest)
+            ax.errorbar(xs, q[:, 1], err, **style)
+        band = np.percentile([med(r["twin"]) for r in sub], [10, 90])
+        noise = "twins (identical programs), 10th-90th percentile"
+        ax.axhspan(*band, color="grey", alpha=0.25, lw=0, label=noise)
+        ax.axhline(1.0, color="black", lw=0.8)
+        meds = [med(r["ratios"]) for r in sub]
+        lo, hi = np.percentile(meds, [5, 95])
+        lo, hi = min(lo, band[0], 1.0) / 1.25, max(hi, band[1], 1.0) * 1.25
+        beyond = sum(not lo <= m <= hi for m in meds)
+        ax.set(yscale="log", ylim=(lo, hi), xlim=(-0.5, len(labels) - 0.5))
+        ax.yaxis.set_major_locator(ticker.AutoLocator())  # even steps, not 10x apart
         ax.yaxis.set_minor_locator(ticker.NullLocator())
+        ax.yaxis.set_major_formatter("{x:g}")
         ax.set_xticks(range(len(labels)), labels, size=8, rotation=30, ha="right")
-        ax.set_xlim(-0.5, len(labels) - 0.5)
-        ax.set_title(f"{title}: ours / hand-written (below 1: ours faster)", size=10)
-        ax.grid(axis="y", alpha=0.3)
-    handles, names = axes[0, 0].get_legend_handles_labels()
-    handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.25))
-    names.append("noise: twins (identical programs), 10th-90th percentile")
-    fig.legend(handles, names, loc="upper center", ncol=4, fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+        title = f"{kind}: ours / hand-written (below 1: ours faster)"
+        ax.set_title(title + f"; {beyond} beyond the axis" * bool(beyond), size=10)
+    fig.legend(*ax.get_legend_handles_labels(), loc="upper center", ncol=5)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _x_label(r: dict, transform: str | None) -> str:
-    return r["body"] + " " + (r["cell"] if transform else r["transform"])
 
 
 def main(argv=None) -> int:

@@ -79,9 +79,8 @@ def main(argv=None) -> int:
         f"devices on {os.cpu_count()} logical CPUs; T={t} F={f} B={b} (2x2 per "
         f"element, {vis.nbytes / 2**20:.1f} MiB in); {repeats} repeats"
     )
-    print()
     print(
-        "| devices | nest | unsharded (ms) | sharded (ms) | sharded / unsharded "
+        "\n| devices | nest | unsharded (ms) | sharded (ms) | sharded / unsharded "
         "| twin / unsharded (noise) | collectives |"
     )
     print("|---:|---|---:|---:|---|---|---:|")
@@ -98,16 +97,9 @@ def main(argv=None) -> int:
             n_coll = len(COLLECTIVES.findall(sharded.as_text()))
             out = sharded(vis_n, nu_n)
             assert harness.agree(unsharded(vis1, nu1), out, rtol=0.0, atol=1e-5)
-            t_u, t_s, t_t = harness.time_interleaved(
-                [
-                    lambda: unsharded(vis1, nu1),
-                    lambda: sharded(vis_n, nu_n),
-                    lambda: twin(vis1, nu1),
-                ],
-                seconds=1.0,
-                min_rounds=repeats,
-                max_rounds=repeats,
-            )
+            thunks = [lambda: unsharded(vis1, nu1), lambda: sharded(vis_n, nu_n)]
+            thunks.append(lambda: twin(vis1, nu1))
+            t_u, t_s, t_t = harness.time_interleaved(thunks, 1.0, repeats, repeats)
             ms_u, ms_s = (1e3 * statistics.median(t) for t in (t_u, t_s))
             print(
                 f"| {n} | {nest} | {ms_u:.2f} | {ms_s:.2f} "
@@ -115,9 +107,8 @@ def main(argv=None) -> int:
                 f"| {harness.fmt_ratios(harness.paired_ratios(t_t, t_u))} | {n_coll} |",
                 flush=True,
             )
-    print()
     print(
-        f"The simulated devices share {os.cpu_count()} logical CPUs, so a ratio "
+        f"\nThe simulated devices share {os.cpu_count()} logical CPUs, so a ratio "
         f"below about 1/{os.cpu_count()} is not possible here, and more devices than "
         "cores only add scheduling overhead. The n = 1 rows measure the overhead of "
         "shard_map itself."

@@ -100,11 +100,31 @@ def test_run_quick_path_prints_the_summary_and_writes_the_report(
     assert [r["no_larger"] for r in run_rows] == ["True"] * 16
 
 
-def test_run_limits_and_ticks_are_robust_to_outliers():
-    values = [1.0] * 19 + [40.0]
-    lo, hi = run.limits(values)
-    assert hi < 40 and lo <= 1 <= hi
-    assert 1 in run.ticks(0.1, 3.0) and run.ticks(0.9, 1.1) == [0.9, 1, 1.1]
+def test_run_plot_clips_an_outlier_and_writes_a_png(monkeypatch, tmp_path):
+    Figure = pytest.importorskip("matplotlib.figure").Figure
+    saved, savefig = [], Figure.savefig  # the figure `plot` saves, kept to look at
+    monkeypatch.setattr(
+        Figure,
+        "savefig",
+        lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k)),
+    )
+    rows = [
+        dict(kind="run", body="cheap", nest=nest, transform="forward", cell=f"{n}x1x1")
+        | dict(ratios=[1.0, 1.1, 0.9], twin=[1.0, 1.02])
+        for n in range(5)
+        for nest in run.NESTS
+    ]
+    rows[0]["ratios"] = [40.0, 41.0, 39.0]  # an outlier
+    one = dict(kind="compile", body="heavy", nest="scan(vmap)", transform="grad")
+    rows.append(one | dict(cell="8x2x4", ratios=[1.4], twin=[0.98]))  # one round
+    run.plot(rows, str(tmp_path / "ours_vs_hand.png"))
+    assert (tmp_path / "ours_vs_hand.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = saved
+    (lo, hi), compile_ylim = fig.axes[0].get_ylim(), fig.axes[1].get_ylim()
+    assert lo < 0.9 and 1.1 < hi < 10, (lo, hi)  # not stretched to 40
+    assert fig.axes[0].get_title().endswith("; 1 beyond the axis")
+    assert compile_ylim[0] < 0.98 and 1.4 < compile_ylim[1]
+    assert not fig.axes[1].get_title().endswith("beyond the axis")
 
 
 def test_reduce_programs_compute_the_same_sum():
