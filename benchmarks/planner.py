@@ -385,6 +385,7 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         simple=nest(simple) if simple else "-",
         simple_ratio=by_key[simple] / by_key[best] if simple else float("nan"),
         measure=by_plan.get("measure", float("nan")) / by_key[best],
+        measure_nest=nest(keys["measure"]) if "measure" in keys else "-",
         flat=by_plan["no hierarchy"] / by_key[best],
         flat_nest=nest(keys["no hierarchy"]),
         cold=cold["auto"] / compile_s[auto_key],
@@ -492,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
             r = rows[-1]
             print(
                 f"{w.name}, {mode}: auto {r['auto']} / best {r['best']} = "
-                f"{r['ratio']:.3f} (twin {r['noise']:.3f}); simple {r['simple']} "
+                f"{r['ratio']:.3f} (twin {r['noise']:.3f}); measured "
+                f"{r['measure_nest']} {r['measure']:.2f}; simple {r['simple']} "
                 f"{r['simple_ratio']:.2f}; one bandwidth {r['flat_nest']} "
                 f"{r['flat']:.2f}; cold plan / compile {r['cold']:.2f}",
                 flush=True,
