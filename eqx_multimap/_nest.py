@@ -102,11 +102,22 @@ def drop_axis(axes: Axes, key: str) -> Axes:
     return {k: (a - 1 if a > removed else a) for k, a in axes.items() if k != key}
 
 
-def _isolated(xs: Leaves, index: Any, length: int) -> Leaves:
-    # `index < length` always holds; the branches differ so that XLA cannot fold
-    # the conditional away, and it keeps the slices out of the body's kernels.
-    zeros = lambda xs: [jnp.zeros_like(x) for x in xs]  # noqa: E731
-    return lax.cond(index < length, lambda xs: list(xs), zeros, xs)
+def _isolated(xs: Leaves, index: Any, length: Any) -> Leaves:
+    # Both branches forward the slices, so the branch taken does not matter.
+    # `lax.cond` would drop a conditional whose branches both forward an input
+    # bare; the barrier's branch is not bare, and XLA drops the barrier itself before
+    # it fuses, so each branch is a forward and compiles no kernel, while XLA keeps
+    # the conditional (tests check the optimised HLO for it).
+    @jax.custom_jvp
+    def isolated(xs: Leaves, index: Any) -> Leaves:
+        barrier = lambda xs: list(lax.optimization_barrier(xs))  # noqa: E731
+        return lax.cond(index < length, list, barrier, xs)
+
+    def tangents(primals: tuple, tangents: tuple) -> tuple:
+        return isolated(*primals), list(tangents[0])
+
+    isolated.defjvp(tangents, symbolic_zeros=True)
+    return isolated(list(xs), index)
 
 
 def isolate_slices(xs: Leaves, index: Any, length: int) -> Leaves:
@@ -117,10 +128,17 @@ def isolate_slices(xs: Leaves, index: Any, length: int) -> Leaves:
     when a kernel reads that slice through two index maps (`outer(x, x)`,
     `x[::-1] * x`), it reloads the slice index in its innermost loop and LLVM does
     not vectorise it: `tanh(outer(x, x)) @ x` ran 4-9x slower per trip. Passing the
-    slices through a conditional makes each its own small copy. The slices are the
-    scan's own, so the gradient stacks their cotangents as `lax.scan` does. Other
-    platforms, and inputs that `inputs_to_isolate` does not name, are sliced as
-    `lax.scan` slices them.
+    slices through a conditional makes each its own small copy. Its branches both
+    forward the slices, and its JVP is the identity (`jax.custom_jvp`): the
+    backward pass has no conditional, and XLA compiles no kernel for either branch.
+    The slices are the scan's own, so the gradient stacks their cotangents as
+    `lax.scan` does. Other platforms, and inputs that `inputs_to_isolate` does not
+    name, are sliced as `lax.scan` slices them.
+
+    The cost is compile time, most of it LLVM's on the kernels it now vectorises:
+    `tanh(outer(x, x)) @ x`, scanned over 100 rows of a vmap over 100 (`x` of 32),
+    compiles in about 1.4x the time of the hand-written `lax.scan` (1.2x under
+    `jax.grad`) and runs in 0.2x (0.8x).
     """
     return lax.platform_dependent(
         xs,
