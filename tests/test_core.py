@@ -356,6 +356,25 @@ def test_scanned_slices_isolated_where_it_pays():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only workaround")
+def test_isolated_loop_of_one_trip_is_the_hand_written_program():
+    # XLA inlines a loop of one trip, and the conditional on its index with it:
+    # index 0 takes the branch that forwards the slices bare, so the program is
+    # `lax.map`'s, HLO for HLO (the barrier's branch reordered the kernels).
+    x = _rand((4, 5, 8), seed=14)
+    w = filter_multi_vmap(
+        _heavy,
+        in_dims="T B K",
+        out_dims="T B K",
+        core="K",
+        scan={"T": 4},
+        vmap="B",
+    )
+    hand = lambda xs: lax.map(jax.vmap(_heavy), xs, batch_size=4)  # noqa: E731
+    assert _optimised_hlo(w, x) == _optimised_hlo(hand, x)
+    _assert_same(w(x), hand(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only workaround")
 @pytest.mark.parametrize(
     "scan, isolated",
     [
