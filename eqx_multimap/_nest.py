@@ -39,7 +39,7 @@ from jax.custom_derivatives import SymbolicZero
 from ._blocks import Block, chunk_key, known, Level, NestSpec, parts, runs_on_slice
 from ._dims import Dims, EllipsisDim, final_axis, NamedDim
 from ._errors import SpecError
-from ._progress_bar import Meter, report_for, Report
+from ._progress_bar import Meter, Report, report_for
 from ._reduce import Reduction
 
 

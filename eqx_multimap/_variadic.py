@@ -36,8 +36,8 @@ from ._dims import (
     FixedDim,
     NamedDim,
     Token,
-    VariadicDim,
     variadic_axes,
+    VariadicDim,
 )
 from ._errors import ShapeError
 from ._text import describe

@@ -14,7 +14,6 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from eqx_multimap import filter_multi_vmap
 
 from .helpers import load_benchmark

@@ -26,11 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.core import ShardingTypeError  # not public in JAX 0.10.2
-from jax.experimental import checkify
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
 from eqx_multimap import (
+    _multi_vmap,
+    _planner,
     explain,
     filter_multi_vmap,
     Monoid,
@@ -38,8 +36,10 @@ from eqx_multimap import (
     Planner,
     TimeModel,
 )
-from eqx_multimap import _multi_vmap, _planner
 from eqx_multimap._planner import default_planner
+from jax._src.core import ShardingTypeError  # not public in JAX 0.10.2
+from jax.experimental import checkify
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
