@@ -102,25 +102,20 @@ def drop_axis(axes: Axes, key: str) -> Axes:
     return {k: (a - 1 if a > removed else a) for k, a in axes.items() if k != key}
 
 
-def _isolated(xs: Leaves, index: Any, length: Any) -> Leaves:
-    # Both branches forward the slices, so the branch taken does not matter.
-    # `lax.cond` would drop a conditional whose branches both forward an input
-    # bare; the barrier's branch is not bare, and XLA drops the barrier itself before
-    # it fuses, so each branch is a forward and compiles no kernel, while XLA keeps
+@jax.custom_jvp
+def _isolated(xs: Leaves, index: Any) -> Leaves:
+    # Both branches forward the slices (`index >= 0` holds anyway). `lax.cond` would
+    # drop a conditional whose branches both forward an input bare; XLA drops the
+    # barrier before it fuses, so neither branch compiles a kernel, while XLA keeps
     # the conditional (tests check the optimised HLO for it).
-    @jax.custom_jvp
-    def isolated(xs: Leaves, index: Any) -> Leaves:
-        barrier = lambda xs: list(lax.optimization_barrier(xs))  # noqa: E731
-        return lax.cond(index < length, list, barrier, xs)
-
-    def tangents(primals: tuple, tangents: tuple) -> tuple:
-        return isolated(*primals), list(tangents[0])
-
-    isolated.defjvp(tangents, symbolic_zeros=True)
-    return isolated(list(xs), index)
+    barrier = lambda xs: list(lax.optimization_barrier(xs))  # noqa: E731
+    return lax.cond(index >= 0, list, barrier, xs)
 
 
-def isolate_slices(xs: Leaves, index: Any, length: int) -> Leaves:
+_isolated.defjvp(lambda p, t: (_isolated(*p), list(t[0])), symbolic_zeros=True)
+
+
+def isolate_slices(xs: Leaves, index: Any) -> Leaves:
     """This iteration's slices of scanned leaves, kept apart from the loop body's
     kernels on CPU.
 
@@ -128,23 +123,18 @@ def isolate_slices(xs: Leaves, index: Any, length: int) -> Leaves:
     when a kernel reads that slice through two index maps (`outer(x, x)`,
     `x[::-1] * x`), it reloads the slice index in its innermost loop and LLVM does
     not vectorise it: `tanh(outer(x, x)) @ x` ran 4-9x slower per trip. Passing the
-    slices through a conditional makes each its own small copy. Its branches both
-    forward the slices, and its JVP is the identity (`jax.custom_jvp`): the
-    backward pass has no conditional, and XLA compiles no kernel for either branch.
-    The slices are the scan's own, so the gradient stacks their cotangents as
-    `lax.scan` does. Other platforms, and inputs that `inputs_to_isolate` does not
-    name, are sliced as `lax.scan` slices them.
+    slices through a conditional makes each its own small copy. Its JVP is the
+    identity (`jax.custom_jvp`): the backward pass has no conditional. The slices
+    are the scan's own, so the gradient stacks their cotangents as `lax.scan` does.
+    Other platforms, and inputs that `inputs_to_isolate` does not name, are sliced
+    as `lax.scan` slices them.
 
-    The cost is compile time, most of it LLVM's on the kernels it now vectorises:
-    `tanh(outer(x, x)) @ x`, scanned over 100 rows of a vmap over 100 (`x` of 32),
-    compiles in about 1.4x the time of the hand-written `lax.scan` (1.2x under
-    `jax.grad`) and runs in 0.2x (0.8x).
+    The cost is compile time, most of it LLVM's on the kernel it now vectorises:
+    `benchmarks/run.py`'s heavy body under `scan(vmap)` compiles in about 1.4x the
+    hand-written nest's time (1.3x under `jax.grad`) and runs in 0.2x (0.7x).
     """
     return lax.platform_dependent(
-        xs,
-        index,
-        cpu=ft.partial(_isolated, length=length),
-        default=lambda xs, _: list(xs),
+        list(xs), index, cpu=_isolated, default=lambda xs, _: list(xs)
     )
 
 
@@ -456,7 +446,7 @@ class _Nest:
                 ax = axes[i][name]
                 current[i] = lax.dynamic_slice_in_dim(values[i], index * k, k, ax)
             if isolated:
-                kept = isolate_slices([current[i] for i in isolated], index, length)
+                kept = isolate_slices([current[i] for i in isolated], index)
                 for i, xi in zip(isolated, kept):
                     current[i] = xi
             return current
