@@ -123,6 +123,15 @@ def test_the_timing_loop_interleaves_and_drops_disturbed_rounds():
     np.testing.assert_allclose(times, [[0.01, 0.01], [0.02, 0.02]])  # round 2 dropped
 
 
+def test_a_probe_slow_only_while_it_warms_up_drops_only_those_rounds():
+    # After a long program the probe runs slower for a few rounds (its threads and
+    # caches cold): judged against its median, not its best, only the outlier goes.
+    probe = measure.Probe(run=lambda: None)
+    probe.times = [2.0, 1.6, 1.2, 1.0, 0.7]
+    assert probe.disturbed() == [True, False, False, False, False]
+    assert probe.disturbed(3) == [False, False]
+
+
 def test_calibrated_levels_are_the_machines(monkeypatch):
     # The calibration measures one bandwidth per level, each inside it, and one
     # past the last; a core's own levels (all but the last) on one core, times the

@@ -28,18 +28,21 @@ CAP = 8.0
 model's search included) has taken this many times the median compile of the
 candidates it timed."""
 TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
+TRIPS = 8  # at least, in a slice: a call's fixed cost (its temporaries' first touch)
 WHOLE = 0.5  # timed whole if a slice would keep at least this share of the trips
 CACHES = 2  # a slice's inputs and outputs fill the last cache level this many times
+FEW = 4  # candidates run, at least, whatever the cap
 CLOSE = 1.3  # those within this factor of the fastest are timed again, side by side
 SAMPLE = 2e-3  # seconds: the shortest sample (a quick program runs several times)
 SPEND = 0.25  # a candidate is timed for up to this share of its compile (3 rounds)
 LONG = 0.05  # seconds: a program that runs longer is timed on one call, once
-DISTURBED = 1.5  # a round whose probe took this many times its best is dropped
+DISTURBED = 1.5  # a round whose probe took this many times its median is dropped
 
 
 class Probe:
     """A program XLA spreads over its threads (a fraction of a ms), timed before each
-    round: if it takes over `DISTURBED` times its best, another job held a core."""
+    round: if it takes over `DISTURBED` times its median, another job held a core
+    (against its best, the first rounds after a long program would be dropped too)."""
 
     def __init__(self, run: Callable[[], Any] | None = None):
         self.run, self.times = run or _probe_loop(), []
@@ -51,8 +54,8 @@ class Probe:
         self.times.append(time.perf_counter() - t0)
 
     def disturbed(self, start: int = 0) -> list[bool]:
-        best = min(self.times, default=0.0)
-        return [t > DISTURBED * best for t in self.times[start:]]
+        usual = statistics.median(self.times) if self.times else 0.0
+        return [t > DISTURBED * usual for t in self.times[start:]]
 
 
 @ft.cache
@@ -192,10 +195,10 @@ class Tuner:
 
     def due(self) -> bool:
         """Whether the next candidate would take planning past `cap` times the
-        median compile (one kept for timing the fastest again), once two have run:
+        median compile (one kept for timing the fastest again), once `FEW` have run:
         then `capped`."""
-        if sum(bool(t.rounds) for t in self.timed.values()) < 2:
-            return False  # two are run, at least: a choice needs a comparison
+        if sum(bool(t.rounds) for t in self.timed.values()) < FEW:
+            return False
         now = time.perf_counter()
         per = (now - self.began) / len(self.timed)  # a candidate, on average
         if now - self.start + per > (self.cap - 1) * self.compiles():
@@ -203,9 +206,10 @@ class Tuner:
         return self.capped
 
     def keep(self, c: PlanCandidate) -> float:
-        """The share of `c`'s loop trips it is timed on (`TARGET`, `WHOLE`): if the
-        call's inputs and outputs do not fit the last cache level, at least `CACHES`
-        times its worth of them, else a slice would run from a cache the call misses."""
+        """The share of `c`'s loop trips it is timed on (`TARGET`, `WHOLE`): at least
+        `TRIPS` trips and, if the call's inputs and outputs do not fit the last cache
+        level, `CACHES` times its worth of them (else a slice would run from a cache
+        the call misses)."""
         if not c.scan:
             return 1.0
         # Before any is timed, judged from the time model's estimate.
@@ -213,7 +217,8 @@ class Tuner:
         levels, io = self.search.model.levels, self.search.ref.io()
         last = levels[-1][0] if levels else math.inf
         floor = CACHES * last / io if io > last else 0.0
-        keep = max(TARGET / max(best, 1e-9), floor)
+        trips = math.prod(self.sizes[name] // (k or 1) for name, k in c.scan)
+        keep = max(TARGET / max(best, 1e-9), floor, TRIPS / trips)
         return 1.0 if keep >= WHOLE else keep
 
     def time(self, c: PlanCandidate) -> float:
@@ -287,9 +292,10 @@ class Tuner:
 
     def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):
         """Time full vmap (if it fits), the model's choice and, in lockstep, a block
-        of one element; then search each ladder that fits the budget: along the
-        fastest's (`along`), then each other order's rung nearest the fastest's
-        block, and along that ladder if faster. The fastest timed that fits."""
+        of one element; then, in each ladder that fits the budget (an order of the
+        dims), the rung nearest the fastest's block; then search `along` each ladder
+        whose fastest is within `CLOSE` of the fastest, fastest first, until the cap.
+        The fastest timed that fits."""
         search, budget = self.search, self.search.budget
         fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
         head = [full] * bool(search.known[full.key].fits)  # full vmap, if it fits
@@ -306,23 +312,27 @@ class Tuner:
             self.time(c)
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
-        done = [first]
-        self.along(first)
+        lone = {c.key for c in one}
+
+        def lead() -> PlanCandidate:  # the fastest timed, of full vmap and the ladders
+            ran = [k for k in self.timed if k not in lone] or list(self.timed)
+            return search.considered[min(ran, key=self.seconds)]
+
+        def fastest(line: list[PlanCandidate]) -> float:  # of its own rungs timed
+            ran = [self.seconds(c.key) for c in mine(line) if c.key in self.timed]
+            return min(ran, default=math.inf)
+
         # Its first scanned dim (every rung of a ladder scans a prefix of its order).
         same = lambda ln: ln[-1].scan[:1] == first[-1].scan[:1]  # noqa: E731
         for line in sorted(lines, key=same):  # those scanning another dim first, first
-            if line in done or self.capped:
-                continue
-            best = min(self.timed, key=self.seconds)
-            block = search.considered[best].block
+            block = lead().block
             near = min(mine(line), key=lambda c: abs(math.log(c.block / block)))
-            if near.key in self.timed:
-                continue
-            if self.due():
+            if near.key not in self.timed and not self.due():
+                self.time(near)
+        for i, line in enumerate(sorted(lines, key=fastest)):  # the fastest's first
+            if self.capped or i and fastest(line) > CLOSE * self.seconds(lead().key):
                 break
-            done.append(line)
-            if self.time(near) < self.seconds(best):
-                self.along(line)
+            self.along(line)
         self.confirm()
         pruned = "a block between it and the fastest, on its ladder or at the "
         pruned += "fastest's block, measured slower"
