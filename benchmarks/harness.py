@@ -155,18 +155,12 @@ def compile_seconds(
     clock: Clock = time.perf_counter,
 ) -> list[list[float]]:
     """Lower + compile seconds of programs, `repeats` each: each maker returns a *new*
-    function object per call. After one untimed compile of each (a kind's first pays
-    one-off costs), the makers take turns, the order rotating."""
-    for make in makers:
-        compiled(make(), *args)
-    out: list[list[float]] = [[] for _ in makers]
-    for r in range(repeats):
-        for k in range(len(makers)):
-            fn = makers[i := (k + r) % len(makers)]()
-            t0 = clock()
-            compiled(fn, *args)
-            out[i].append(clock() - t0)
-    return out
+    function object per call (all made beforehand, untimed). `time_interleaved`:
+    after one untimed compile of each (a kind's first pays one-off costs), the makers
+    take turns, the order rotating."""
+    made = [iter([make() for _ in range(repeats + 1)]) for make in makers]
+    thunks = [lambda fns=fns: compiled(next(fns), *args) for fns in made]
+    return time_interleaved(thunks, 0.0, repeats, repeats, 0.0, 0, clock=clock)
 
 
 _EVENTS = {
