@@ -100,12 +100,8 @@ def program(transform: str, f: Callable) -> Callable:
 
 def makers(body: str, nest: str, transform: str, k: int) -> list[Callable]:
     """Ours, hand-written and its twin, each a maker of new functions."""
-    fn = BODIES[body]
-    return [
-        lambda: program(transform, ours(fn, nest, k)),
-        lambda: program(transform, hand(fn, nest, k)),
-        lambda: program(transform, hand(fn, nest, k)),
-    ]
+    fn, makes = BODIES[body], (ours, hand, hand)
+    return [lambda m=m: program(transform, m(fn, nest, k)) for m in makes]
 
 
 def largest_array(body: str, nest: str, transform: str, cell: tuple) -> int:
