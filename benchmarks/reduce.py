@@ -2,7 +2,6 @@
 details, and how to read the figures: `benchmarks/README.md`):
 
 - `reduce`: `reduce={"T": "sum"}` against materialise-then-sum and a `lax.scan` carry;
-- `budget`: a forward pass's and its derivatives' temporaries under `memory_budget`;
 - `eager`: the resident memory a deleted wrapper leaves, per 100 fresh functions;
 - `gains`: a two-level chunked nest at scale against the hand-written `lax.map` nest
     and full vmap, forward and `jax.grad`: temporaries, times, peak RSS.
@@ -31,24 +30,19 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
-from eqx_multimap import explain, filter_multi_vmap, Planner
+from eqx_multimap import filter_multi_vmap
 from harness import compiled, fmt_bytes, fresh, temp_bytes, time_interleaved
 
 
-SECTIONS = ("reduce", "budget", "eager", "gains")
-MiB = 2**20
-# Per mode (quick or not): the T of `reduce`; n = M = K and the budget of `budget`;
-# the rounds and the iterations per round of `eager`; the antennas and chunk of `gains`.
+SECTIONS = ("reduce", "eager", "gains")
+# Per mode (quick or not): the T of `reduce`; the rounds and the iterations per
+# round of `eager`; the antennas and chunk of `gains`.
 SIZES = {
-    True: dict(
-        ts=(256, 1024, 4096), n=128, budget=MiB, seconds=2.0, eager=(1, 30),
-        gains=(256, 4096),
-    ),
+    True: dict(ts=(256, 1024, 4096), seconds=2.0, eager=(1, 30), gains=(256, 4096)),
     False: dict(
-        ts=(256, 1024, 4096, 16384), n=256, budget=4 * MiB, seconds=4.0,
-        eager=(3, 100), gains=(2048, 65536),
+        ts=(256, 1024, 4096, 16384), seconds=4.0, eager=(3, 100), gains=(2048, 65536)
     ),
-}  # fmt: skip
+}
 
 
 def body(x, y, v):
@@ -130,55 +124,6 @@ def run_reduce(size: dict, max_rounds: int, log) -> list[str]:
         f"{sum(r['same'] for r in rows)} of {len(rows)} T (K = M = {k}, chunk {chunk})"
     )
     return lines
-
-
-def outer_sumexp(x, y):
-    return jnp.sum(jnp.exp(jnp.outer(x, y)) @ y)  # x: (M,), y: (K,)
-
-
-def run_budget(size: dict, max_rounds: int, log) -> list[str]:
-    n = m = k = size["n"]
-    B = size["budget"]
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(0.1 * rng.standard_normal((n, m), dtype=np.float32))
-    y = jnp.asarray(0.1 * rng.standard_normal((k,), dtype=np.float32))
-    dims = dict(in_dims=("N M", None), out_dims="N")
-    planned = filter_multi_vmap(outer_sumexp, **dims, plan=Planner(), memory_budget=B)
-    plan = explain(planned, x, y)
-    assert plan.gradient is not None
-    sizes = dict(plan.sizes)
-    log(
-        f"\nbudget: `plan=Planner(), memory_budget={B}` ({fmt_bytes(B)}), x ({n}, {m}):"
-        f" forward {plan.chosen.nest(sizes)}, grad {plan.gradient.chosen.nest(sizes)}"
-    )
-    nest = dict(scan=plan.scan, vmap=plan.vmap)
-    fixed = filter_multi_vmap(fresh(outer_sumexp), **dims, **nest)
-    vmapped = filter_multi_vmap(fresh(outer_sumexp), **dims, vmap="N")
-    total = lambda f: lambda x, y: f(x, y).sum()  # noqa: E731
-    grad = lambda f: jax.grad(total(f), (0, 1))  # noqa: E731
-    programs = {  # jitted; "fixed": the forward plan's nest, differentiated as it is
-        "forward": planned,
-        "grad": grad(planned),
-        "value_and_grad": jax.value_and_grad(total(planned), (0, 1)),
-        "fixed grad": grad(fixed),
-        "full vmap grad": grad(vmapped),
-    }
-    comp = {what: compiled(fn, x, y) for what, fn in programs.items()}
-    temps = {what: temp_bytes(c) for what, c in comp.items()}
-    grads = [comp[w] for w in ("grad", "fixed grad", "full vmap grad")]
-    agree = harness.agree(*[c(x, y) for c in grads], atol=1e-6)
-    thunks = [lambda c=c: c(x, y) for c in grads]
-    times = time_interleaved(thunks, size["seconds"], 5, max_rounds)
-    vs = [statistics.median(harness.paired_ratios(times[0], t)) for t in times[1:]]
-    of = lambda w: f"{fmt_bytes(temps[w])} ({temps[w] / B:.2f} B)"  # noqa: E731
-    return [
-        f"budget: B = {fmt_bytes(B)}: planned grad {of('grad')}, "
-        f"value_and_grad {of('value_and_grad')}, forward {of('forward')}; "
-        f"grad without backward planning {of('fixed grad')}, full vmap grad "
-        f"{of('full vmap grad')}; planned grad time / forward plan's nest's "
-        f"{vs[0]:.2f}, / full vmap's {vs[1]:.2f} (paired); gradients agree: "
-        f"{'yes' if agree else 'NO'}"
-    ]
 
 
 def element(x):
@@ -333,7 +278,7 @@ def run_gains(size: dict, max_rounds: int, log) -> list[str]:
     return lines
 
 
-RUNS = dict(reduce=run_reduce, budget=run_budget, eager=run_eager, gains=run_gains)
+RUNS = dict(reduce=run_reduce, eager=run_eager, gains=run_gains)
 
 
 def main(argv=None) -> int:
