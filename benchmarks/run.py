@@ -266,21 +266,6 @@ def eager_note(rows: list[dict]) -> str:
     )
 
 
-def detail_table(rows: list[dict]) -> str:
-    head = ["kind", "transform", "body", "nest", "cell", "ours (ms)", "hand (ms)"]
-    head += ["ours / hand", "twin / hand", "rounds", "same HLO", "no larger"]
-    lines, fmt = [head], harness.fmt_ratios
-    yes = {None: "", True: "yes", False: "no"}
-    for r in rows:
-        lines.append(
-            [r["kind"], r["transform"], r["body"], r["nest"], r["cell"]]
-            + [f"{r['ours_ms']:.3f}", f"{r['hand_ms']:.3f}"]
-            + [fmt(r["ratios"]), fmt(r["twin"]), str(len(r["ratios"]))]
-            + [yes[r.get("same_hlo")], yes[r.get("no_larger")]]
-        )
-    return md_table(lines)
-
-
 def write_csv(path: str, rows: list[dict]) -> None:
     fields = list(dict.fromkeys(k for r in rows for k in r))
     joined = lambda xs: " ".join(f"{x:.4g}" for x in xs)  # every round's ratio
@@ -355,7 +340,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     write_csv(os.path.join(args.out, "results.csv"), rows)
     blocks = ["# Ours against hand-written", header, total, md_table(summary)]
-    blocks += [eager_note(rows), detail_table(rows)]
+    blocks.append(eager_note(rows))
     if not args.no_plots:
         plot(rows, os.path.join(args.out, "ours_vs_hand.png"))
         blocks.append("![ours against hand-written](ours_vs_hand.png)")
