@@ -148,21 +148,6 @@ def time_interleaved(
     return times
 
 
-def compile_seconds(
-    makers: Sequence[Callable[[], Callable]],
-    args: Sequence[Any],
-    repeats: int,
-    clock: Clock = time.perf_counter,
-) -> list[list[float]]:
-    """Lower + compile seconds of programs, `repeats` each: each maker returns a *new*
-    function object per call (all made beforehand, untimed). `time_interleaved`:
-    after one untimed compile of each (a kind's first pays one-off costs), the makers
-    take turns, the order rotating."""
-    made = [iter([make() for _ in range(repeats + 1)]) for make in makers]
-    thunks = [lambda fns=fns: compiled(next(fns), *args) for fns in made]
-    return time_interleaved(thunks, 0.0, repeats, repeats, 0.0, 0, clock=clock)
-
-
 _EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "traces",
     "/jax/core/compile/backend_compile_duration": "compiles",
