@@ -51,7 +51,6 @@ def body(x, y, v):
 
 
 DIMS = dict(in_dims=("T K", "T M", "M"), core="K")
-PROGRAMS = ("reduced scan", "reduced chunk", "materialise", "hand scan", "hand twin")
 PAIRS = (
     ("reduced scan", "hand scan"),
     ("reduced chunk", "hand scan"),
@@ -96,15 +95,15 @@ def run_reduce(size: dict, max_rounds: int, log) -> list[str]:
             raise AssertionError(f"the programs disagree at T={t}")
         thunks = [lambda c=c: c(*args) for c in comp.values()]
         times = time_interleaved(thunks, size["seconds"], 5, max_rounds)
-        times = dict(zip(PROGRAMS, times))
+        times = dict(zip(comp, times))
         temps = {n: temp_bytes(c) for n, c in comp.items()}
         ratios = {
             f"{a} / {b}": harness.paired_ratios(times[a], times[b]) for a, b in PAIRS
         }
         same = harness.same_hlo(comp["reduced scan"], comp["hand scan"])
         rows.append(dict(T=t, temps=temps, ratios=ratios, same=same))
-        ms = {n: 1e3 * statistics.median(times[n]) for n in PROGRAMS}
-        cells = [f"{n} {fmt_bytes(temps[n])}, {ms[n]:.3f} ms" for n in PROGRAMS]
+        ms = {n: 1e3 * statistics.median(times[n]) for n in comp}
+        cells = [f"{n} {fmt_bytes(temps[n])}, {ms[n]:.3f} ms" for n in comp]
         cells += [f"{pair} {harness.fmt_ratios(r)}" for pair, r in ratios.items()]
         cells.append(f"same HLO: {'yes' if same else 'no'}")
         log(f"T={t} ({len(times['hand scan'])} rounds): " + "; ".join(cells))
@@ -112,7 +111,8 @@ def run_reduce(size: dict, max_rounds: int, log) -> list[str]:
     lines = [
         f"temp bytes, {n}: {fmt_bytes(lo['temps'][n])} at T={lo['T']}, "
         f"{fmt_bytes(hi['temps'][n])} at T={hi['T']}"
-        for n in PROGRAMS[:4]
+        for n in lo["temps"]
+        if n != "hand twin"
     ]
     for pair in rows[0]["ratios"]:
         per_t = ", ".join(
