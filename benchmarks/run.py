@@ -256,14 +256,13 @@ def md_table(lines: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in [lines[0], rule, *lines[1:]])
 
 
-EAGER_COUNTS = ("traces", "compiles", "calls")
-
-
 def eager_note(rows: list[dict]) -> str:
     counted = [r for r in rows if r["kind"] == "eager"]
     if not counted:
         return ""
-    traces, compiles, calls = (sum(r[k] for r in counted) for k in EAGER_COUNTS)
+    traces, compiles, calls = (
+        sum(r[k] for r in counted) for k in ("traces", "compiles", "calls")
+    )
     return (
         f"Un-jitted forward calls of ours, one wrapper called again: {traces} traces "
         f"and {compiles} compiles in {calls} calls."
