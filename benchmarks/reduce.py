@@ -6,13 +6,8 @@ details, and how to read the figures: `benchmarks/README.md`):
 - `gains`: a two-level chunked nest at scale against the hand-written `lax.map` nest
     and full vmap, forward and `jax.grad`: temporaries, optimised HLO, peak RSS.
 
-Programs are compiled first, checked to agree, then timed interleaved
+Programs are compiled first and checked to agree; `reduce` times them interleaved
 (`harness.py`): medians and paired ratios, never absolute verdicts.
-
-    python benchmarks/reduce.py --quick     # T up to 4096; eager: 1 round of 30
-    python benchmarks/reduce.py             # T up to 16384; eager: 3 rounds of 100
-    python benchmarks/reduce.py --sections eager   # eager alone: about 5 minutes
-    python benchmarks/reduce.py --sections gains   # A = 2048, B = 2,096,128: 512 MiB
 """
 
 import argparse
