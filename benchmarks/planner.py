@@ -494,8 +494,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['flat']:.2f}; cold plan / compile {r['cold']:.2f}",
                 flush=True,
             )
-    print()
-    print(table(rows))
+    print(f"\n{table(rows)}")
     bad, n = sum(opts.probe.disturbed()), len(opts.probe.times)
     print(f"Rounds dropped, another job holding a core (`Probe`): {bad} of {n}")
     print(f"\nTotal: {time.perf_counter() - start:.0f} s")
