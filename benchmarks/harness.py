@@ -148,27 +148,6 @@ def time_interleaved(
     return times
 
 
-def compile_seconds(
-    makers: Sequence[Callable[[], Callable]],
-    args: Sequence[Any],
-    repeats: int,
-    clock: Clock = time.perf_counter,
-) -> list[list[float]]:
-    """Lower + compile seconds of programs, `repeats` each: each maker returns a *new*
-    function object per call. After one untimed compile of each (a kind's first pays
-    one-off costs), the makers take turns, the order rotating."""
-    for make in makers:
-        compiled(make(), *args)
-    out: list[list[float]] = [[] for _ in makers]
-    for r in range(repeats):
-        for k in range(len(makers)):
-            fn = makers[i := (k + r) % len(makers)]()
-            t0 = clock()
-            compiled(fn, *args)
-            out[i].append(clock() - t0)
-    return out
-
-
 _EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "traces",
     "/jax/core/compile/backend_compile_duration": "compiles",

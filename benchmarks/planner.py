@@ -31,11 +31,11 @@ per-round ratios (goal: at most 1.10). Other ratios: the first pass's. `--help`.
 import dataclasses
 import datetime
 import functools as ft
-import importlib.util
 import itertools
 import math
 import os
 import pathlib
+import runpy
 import statistics
 import sys
 import time
@@ -171,14 +171,11 @@ def _newton_sqrt(a):  # the planner page's: a while loop, its cost the data's
 
 
 def _calibration(t: int, f: int, a: int) -> Workload:
-    root = pathlib.Path(__file__).parent.parent / "examples" / "calibration.py"
-    spec = importlib.util.spec_from_file_location("calibration", root)
-    assert spec is not None and spec.loader is not None
-    cal = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cal)
-    obs = cal.simulate(jax.random.key(0), t, f, a)
+    path = pathlib.Path(__file__).parent.parent / "examples" / "calibration.py"
+    cal = runpy.run_path(str(path))  # its globals; its `__main__` block not run
+    obs = cal["simulate"](jax.random.key(0), t, f, a)
     g0 = jnp.ones((a,), jnp.complex64)
-    lm = ft.partial(cal.solve_slot, ref=0, solver=cal.make_solver())
+    lm = ft.partial(cal["solve_slot"], ref=0, solver=cal["make_solver"]())
     lm.__name__ = "solve_slot"  # type: ignore[attr-defined]
     # The example's budget: half of full vmap's temporaries.
     return Workload(f"calibration LM {t}x{f}x{a}", lm, dict(core="A"),
@@ -269,10 +266,8 @@ def _program(w: Workload, full_vmap: Callable, mode: str) -> tuple[Callable, tup
     def of(fn: Callable) -> Callable:
         def pullback(values: list, cts: list) -> Any:
             def inexact(xs: list) -> list:
-                full = list(values)
-                for i, x in zip(diff, xs):
-                    full[i] = x
-                return _inexact(fn(*full))
+                given = dict(zip(diff, xs))
+                return _inexact(fn(*[given.get(i, v) for i, v in enumerate(values)]))
 
             return jax.vjp(inexact, [values[i] for i in diff])[1](cts)
 
@@ -499,8 +494,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['flat']:.2f}; cold plan / compile {r['cold']:.2f}",
                 flush=True,
             )
-    print()
-    print(table(rows))
+    print(f"\n{table(rows)}")
     bad, n = sum(opts.probe.disturbed()), len(opts.probe.times)
     print(f"Rounds dropped, another job holding a core (`Probe`): {bad} of {n}")
     print(f"\nTotal: {time.perf_counter() - start:.0f} s")

@@ -2,18 +2,12 @@
 details, and how to read the figures: `benchmarks/README.md`):
 
 - `reduce`: `reduce={"T": "sum"}` against materialise-then-sum and a `lax.scan` carry;
-- `budget`: a forward pass's and its derivatives' temporaries under `memory_budget`;
 - `eager`: the resident memory a deleted wrapper leaves, per 100 fresh functions;
 - `gains`: a two-level chunked nest at scale against the hand-written `lax.map` nest
-    and full vmap, forward and `jax.grad`: temporaries, times, peak RSS.
+    and full vmap, forward and `jax.grad`: temporaries, optimised HLO, peak RSS.
 
-Programs are compiled first, checked to agree, then timed interleaved
+Programs are compiled first and checked to agree; `reduce` times them interleaved
 (`harness.py`): medians and paired ratios, never absolute verdicts.
-
-    python benchmarks/reduce.py --quick     # T up to 4096; eager: 1 round of 30
-    python benchmarks/reduce.py             # T up to 16384; eager: 3 rounds of 100
-    python benchmarks/reduce.py --sections eager   # eager alone: about 5 minutes
-    python benchmarks/reduce.py --sections gains   # A = 2048, B = 2,096,128: 512 MiB
 """
 
 import argparse
@@ -31,24 +25,19 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
-from eqx_multimap import explain, filter_multi_vmap, Planner
+from eqx_multimap import filter_multi_vmap
 from harness import compiled, fmt_bytes, fresh, temp_bytes, time_interleaved
 
 
-SECTIONS = ("reduce", "budget", "eager", "gains")
-MiB = 2**20
-# Per mode (quick or not): the T of `reduce`; n = M = K and the budget of `budget`;
-# the rounds and the iterations per round of `eager`; the antennas and chunk of `gains`.
+SECTIONS = ("reduce", "eager", "gains")
+# Per mode (quick or not): the T of `reduce`; the rounds and the iterations per
+# round of `eager`; the antennas and chunk of `gains`.
 SIZES = {
-    True: dict(
-        ts=(256, 1024, 4096), n=128, budget=MiB, seconds=2.0, eager=(1, 30),
-        gains=(256, 4096),
-    ),
+    True: dict(ts=(256, 1024, 4096), seconds=2.0, eager=(1, 30), gains=(256, 4096)),
     False: dict(
-        ts=(256, 1024, 4096, 16384), n=256, budget=4 * MiB, seconds=4.0,
-        eager=(3, 100), gains=(2048, 65536),
+        ts=(256, 1024, 4096, 16384), seconds=4.0, eager=(3, 100), gains=(2048, 65536)
     ),
-}  # fmt: skip
+}
 
 
 def body(x, y, v):
@@ -57,7 +46,6 @@ def body(x, y, v):
 
 
 DIMS = dict(in_dims=("T K", "T M", "M"), core="K")
-PROGRAMS = ("reduced scan", "reduced chunk", "materialise", "hand scan", "hand twin")
 PAIRS = (
     ("reduced scan", "hand scan"),
     ("reduced chunk", "hand scan"),
@@ -102,15 +90,15 @@ def run_reduce(size: dict, max_rounds: int, log) -> list[str]:
             raise AssertionError(f"the programs disagree at T={t}")
         thunks = [lambda c=c: c(*args) for c in comp.values()]
         times = time_interleaved(thunks, size["seconds"], 5, max_rounds)
-        times = dict(zip(PROGRAMS, times))
+        times = dict(zip(comp, times))
         temps = {n: temp_bytes(c) for n, c in comp.items()}
         ratios = {
             f"{a} / {b}": harness.paired_ratios(times[a], times[b]) for a, b in PAIRS
         }
         same = harness.same_hlo(comp["reduced scan"], comp["hand scan"])
         rows.append(dict(T=t, temps=temps, ratios=ratios, same=same))
-        ms = {n: 1e3 * statistics.median(times[n]) for n in PROGRAMS}
-        cells = [f"{n} {fmt_bytes(temps[n])}, {ms[n]:.3f} ms" for n in PROGRAMS]
+        ms = {n: 1e3 * statistics.median(times[n]) for n in comp}
+        cells = [f"{n} {fmt_bytes(temps[n])}, {ms[n]:.3f} ms" for n in comp]
         cells += [f"{pair} {harness.fmt_ratios(r)}" for pair, r in ratios.items()]
         cells.append(f"same HLO: {'yes' if same else 'no'}")
         log(f"T={t} ({len(times['hand scan'])} rounds): " + "; ".join(cells))
@@ -118,7 +106,8 @@ def run_reduce(size: dict, max_rounds: int, log) -> list[str]:
     lines = [
         f"temp bytes, {n}: {fmt_bytes(lo['temps'][n])} at T={lo['T']}, "
         f"{fmt_bytes(hi['temps'][n])} at T={hi['T']}"
-        for n in PROGRAMS[:4]
+        for n in lo["temps"]
+        if n != "hand twin"
     ]
     for pair in rows[0]["ratios"]:
         per_t = ", ".join(
@@ -130,55 +119,6 @@ def run_reduce(size: dict, max_rounds: int, log) -> list[str]:
         f"{sum(r['same'] for r in rows)} of {len(rows)} T (K = M = {k}, chunk {chunk})"
     )
     return lines
-
-
-def outer_sumexp(x, y):
-    return jnp.sum(jnp.exp(jnp.outer(x, y)) @ y)  # x: (M,), y: (K,)
-
-
-def run_budget(size: dict, max_rounds: int, log) -> list[str]:
-    n = m = k = size["n"]
-    B = size["budget"]
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(0.1 * rng.standard_normal((n, m), dtype=np.float32))
-    y = jnp.asarray(0.1 * rng.standard_normal((k,), dtype=np.float32))
-    dims = dict(in_dims=("N M", None), out_dims="N")
-    planned = filter_multi_vmap(outer_sumexp, **dims, plan=Planner(), memory_budget=B)
-    plan = explain(planned, x, y)
-    assert plan.gradient is not None
-    sizes = dict(plan.sizes)
-    log(
-        f"\nbudget: `plan=Planner(), memory_budget={B}` ({fmt_bytes(B)}), x ({n}, {m}):"
-        f" forward {plan.chosen.nest(sizes)}, grad {plan.gradient.chosen.nest(sizes)}"
-    )
-    nest = dict(scan=plan.scan, vmap=plan.vmap)
-    fixed = filter_multi_vmap(fresh(outer_sumexp), **dims, **nest)
-    vmapped = filter_multi_vmap(fresh(outer_sumexp), **dims, vmap="N")
-    total = lambda f: lambda x, y: f(x, y).sum()  # noqa: E731
-    grad = lambda f: jax.grad(total(f), (0, 1))  # noqa: E731
-    programs = {  # jitted; "fixed": the forward plan's nest, differentiated as it is
-        "forward": planned,
-        "grad": grad(planned),
-        "value_and_grad": jax.value_and_grad(total(planned), (0, 1)),
-        "fixed grad": grad(fixed),
-        "full vmap grad": grad(vmapped),
-    }
-    comp = {what: compiled(fn, x, y) for what, fn in programs.items()}
-    temps = {what: temp_bytes(c) for what, c in comp.items()}
-    grads = [comp[w] for w in ("grad", "fixed grad", "full vmap grad")]
-    agree = harness.agree(*[c(x, y) for c in grads], atol=1e-6)
-    thunks = [lambda c=c: c(x, y) for c in grads]
-    times = time_interleaved(thunks, size["seconds"], 5, max_rounds)
-    vs = [statistics.median(harness.paired_ratios(times[0], t)) for t in times[1:]]
-    of = lambda w: f"{fmt_bytes(temps[w])} ({temps[w] / B:.2f} B)"  # noqa: E731
-    return [
-        f"budget: B = {fmt_bytes(B)}: planned grad {of('grad')}, "
-        f"value_and_grad {of('value_and_grad')}, forward {of('forward')}; "
-        f"grad without backward planning {of('fixed grad')}, full vmap grad "
-        f"{of('full vmap grad')}; planned grad time / forward plan's nest's "
-        f"{vs[0]:.2f}, / full vmap's {vs[1]:.2f} (paired); gradients agree: "
-        f"{'yes' if agree else 'NO'}"
-    ]
 
 
 def element(x):
@@ -299,11 +239,12 @@ def rss_child(a: str, chunk: str, program: str) -> int:
 
 
 def run_gains(size: dict, max_rounds: int, log) -> list[str]:
+    del max_rounds  # nothing timed: temporaries, HLO and peak RSS
     a, chunk = size["gains"]
     programs, args = gain_programs(a, chunk)
     b, m = a * (a - 1) // 2, fmt_bytes(args[1].nbytes)
     log(f"\ngains: A={a}, B={b}, chunk {chunk}, m {m}\n")
-    log("| program | temp | median | / hand | RSS before, peak |\n|--|--:|--:|--|--|")
+    log("| program | temp | RSS before, peak |\n|--|--:|--|")
     lines = []
     for transform in ("forward", "grad"):
         names = [n for n in programs if n.endswith(transform)]
@@ -311,29 +252,20 @@ def run_gains(size: dict, max_rounds: int, log) -> list[str]:
         outs = [comp[n](*args) for n in names]  # ours, hand, full vmap
         if not harness.agree(outs[1], outs[0], outs[2], rtol=1e-3, atol=1e-3):
             raise AssertionError(f"ours or full vmap differ from hand: {transform}")
-        thunks = [lambda c=comp[n]: c(*args) for n in names]
-        times = time_interleaved(thunks, size["seconds"], 3, max_rounds)
-        times = dict(zip(names, times))
-        temps = {n: temp_bytes(c) for n, c in comp.items()}
+        temps = {n: fmt_bytes(temp_bytes(c)) for n, c in comp.items()}
         same = harness.same_hlo(comp[names[0]], comp[names[1]])  # ours, hand
         del comp, outs
         cells = []
         for n in names:
-            ratios = harness.paired_ratios(times[n], times[f"hand, {transform}"])
             before, peak = (fmt_bytes(b) for b in peak_rss(a, chunk, n))
-            ms = f"{1e3 * statistics.median(times[n]):.1f} ms"
-            ratio = harness.fmt_ratios(ratios)
-            log(f"| {n} | {fmt_bytes(temps[n])} | {ms} | {ratio} | {before}, {peak} |")
-            cells.append(
-                f"{n.split(',')[0]} {statistics.median(ratios):.2f}, temp "
-                f"{fmt_bytes(temps[n])}, peak RSS {peak}"
-            )
-        lines.append(f"gains, {transform}, time / hand: " + "; ".join(cells))
+            log(f"| {n} | {temps[n]} | {before}, {peak} |")
+            cells.append(f"{n.split(',')[0]} temp {temps[n]}, peak RSS {peak}")
+        lines.append(f"gains, {transform}: " + "; ".join(cells))
         lines[-1] += f"; ours has the hand-written HLO: {'yes' if same else 'no'}"
     return lines
 
 
-RUNS = dict(reduce=run_reduce, budget=run_budget, eager=run_eager, gains=run_gains)
+RUNS = dict(reduce=run_reduce, eager=run_eager, gains=run_gains)
 
 
 def main(argv=None) -> int:

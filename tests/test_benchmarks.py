@@ -143,9 +143,7 @@ def test_reduce_programs_compute_the_same_sum():
 
 
 def test_reduce_quick_path_prints_every_section(monkeypatch, capsys):
-    tiny = dict(
-        ts=(32, 64), n=16, budget=8 * 1024, seconds=0.0, eager=(1, 2), gains=(8, 5)
-    )
+    tiny = dict(ts=(32, 64), seconds=0.0, eager=(1, 2), gains=(8, 5))
     monkeypatch.setitem(reduce.SIZES, True, tiny)
     assert reduce.main(["--quick", "--repeats", "3"]) == 0
     out = capsys.readouterr().out
@@ -154,12 +152,11 @@ def test_reduce_quick_path_prints_every_section(monkeypatch, capsys):
         assert f"temp bytes, {name}: " in summary
     assert "time, hand twin / hand scan (paired median): T=32: " in summary
     assert "identical to hand scan's: 2 of 2 T" in summary
-    assert re.search(r"budget: B = 8\.0 KiB: planned grad .* gradients agree: yes", out)
     # One compile per fresh function, un-jitted or jitted, ours or hand-written.
     eager = summary.split("eager: RSS growth per 100 fresh functions")[1]
     for name in reduce.EAGER:
         assert re.search(rf"{re.escape(name)} -?[\d.]+ (B|KiB|MiB|GiB) \(1\)", eager)
-    assert re.search(r"gains, grad, time / hand: ours [\d.]+, temp .*, peak RSS", out)
+    assert re.search(r"gains, grad: ours temp .*, peak RSS .*; ours has the hand", out)
 
 
 def test_sharding_quick_path():

@@ -115,27 +115,6 @@ def test_the_probe_runs_a_threaded_program():
     assert probe.disturbed(3) == []
 
 
-def test_compile_seconds_builds_fresh_programs_in_rotating_turns():
-    clock = FakeClock()
-    made = []
-
-    def maker(name):
-        def make():
-            made.append(name)
-            clock.now += 1.0 if name == "a" else 2.0
-            return lambda x: x + len(made)  # a new function object every time
-
-        return make
-
-    out = harness.compile_seconds(
-        [maker("a"), maker("b")], (jnp.ones(3),), repeats=2, clock=clock
-    )
-    assert made == ["a", "b", "a", "b", "b", "a"]
-    # The making is not timed, only the lower + compile (which the fake clock
-    # does not see).
-    assert out == [[0.0, 0.0], [0.0, 0.0]]
-
-
 def test_ratios_and_quartiles():
     assert harness.paired_ratios([2.0, 6.0, 3.0], [1.0, 2.0, 3.0]) == [2.0, 3.0, 1.0]
     assert harness.quartiles([5.0]) == (5.0, 5.0, 5.0)
