@@ -63,13 +63,13 @@ def fresh(fn: Callable) -> Callable:
     return fresh_fn
 
 
-DISTURBED = 1.5  # a round whose probe took more than this times its best
+DISTURBED = 1.5  # a round whose probe took more than this times its median
 
 
 class Probe:
     """A program whose op XLA spreads over its threads (a loop over 1 MiB, about a
     millisecond), timed before each round of `time_interleaved`: a round in which it
-    took over `DISTURBED` times its best is *disturbed* (another job held a core,
+    took over `DISTURBED` times its median is *disturbed* (another job held a core,
     which slows only such programs). `run`: a thunk to time instead (tests)."""
 
     def __init__(self, run: Callable[[], Any] | None = None):
@@ -82,8 +82,8 @@ class Probe:
         self.times.append(clock() - t0)
 
     def disturbed(self, start: int = 0) -> list[bool]:
-        best = min(self.times, default=0.0)
-        return [t > DISTURBED * best for t in self.times[start:]]
+        usual = float(np.median(self.times)) if self.times else 0.0
+        return [t > DISTURBED * usual for t in self.times[start:]]
 
 
 @ft.cache
