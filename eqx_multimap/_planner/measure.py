@@ -291,11 +291,11 @@ class Tuner:
             self.timed[k].rounds = ts
 
     def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):
-        """Time full vmap (if it fits), the model's choice and, in lockstep, a block
-        of one element; then, in each ladder that fits the budget (an order of the
-        dims), the rung nearest the fastest's block; then search `along` each ladder
-        whose fastest is within `CLOSE` of the fastest, fastest first, until the cap.
-        The fastest timed that fits."""
+        """Time full vmap (if it fits) and the model's choice; then a first step
+        `along` each ladder that fits the budget (an order of the dims), the model's
+        first; in lockstep, a block of one element; then search along each ladder
+        whose fastest is within `CLOSE` of the fastest, fastest first, until the
+        cap. The fastest timed that fits."""
         search, budget = self.search, self.search.budget
         fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
         head = [full] * bool(search.known[full.key].fits)  # full vmap, if it fits
@@ -308,7 +308,7 @@ class Tuner:
         lines = [head + r for r in rungs if r]  # each with a rung of its own
         if len({c.key for c in head + [model] + one + sum(lines, [])}) > 1:
             self.probe = Probe()  # a choice to make: rounds another job held are seen
-        for c in head + [model] + one:
+        for c in head + [model]:
             self.time(c)
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
@@ -324,11 +324,11 @@ class Tuner:
 
         # Its first scanned dim (every rung of a ladder scans a prefix of its order).
         same = lambda ln: ln[-1].scan[:1] == first[-1].scan[:1]  # noqa: E731
-        for line in sorted(lines, key=same):  # those scanning another dim first, first
-            block = lead().block
-            near = min(mine(line), key=lambda c: abs(math.log(c.block / block)))
-            if near.key not in self.timed and not self.due():
-                self.time(near)
+        for line in sorted(lines, key=lambda ln: not same(ln)):  # the model's first
+            if not self.due():
+                self.along(line, 1)  # the middle of its largest untimed gap
+        for c in one if not self.due() else []:
+            self.time(c)
         for i, line in enumerate(sorted(lines, key=fastest)):  # the fastest's first
             if self.capped or i and fastest(line) > CLOSE * self.seconds(lead().key):
                 break
@@ -344,10 +344,11 @@ class Tuner:
             self.why[k] = f"not timed: {why}"
         return self.choose()
 
-    def along(self, line: list[PlanCandidate]) -> None:
+    def along(self, line: list[PlanCandidate], steps: int | None = None) -> None:
         """Search `line` (largest block first): time the middle of the larger
-        untimed gap beside its fastest, until both its neighbours are timed."""
-        while line:
+        untimed gap beside its fastest, until both its neighbours are timed (or,
+        given, `steps` have been timed)."""
+        for _ in range(len(line) if steps is None else steps):
             ran = [i for i, c in enumerate(line) if c.key in self.timed]
             t = {i: self.seconds(line[i].key) for i in ran}
             if not t:  # none timed yet: start in its middle
