@@ -474,8 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     print(model.describe(), flush=True)
     chosen = [] if opts.real else workloads(opts.quick)
     chosen += real_workloads(opts.quick) if opts.real or opts.all else []
+    jax.block_until_ready([w.args for w in chosen])  # all made before a clock starts
     chosen = [w for w in chosen if opts.only is None or opts.only in w.name]
-    jax.block_until_ready([w.args for w in chosen])  # made before any clock starts
     rows = []
     for w in chosen:
         grad = w.grad and not opts.forward
