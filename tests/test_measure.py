@@ -5,7 +5,6 @@ depends on their data."""
 import os
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -431,25 +430,3 @@ def test_tune_searches_when_full_vmap_and_all_but_one_rung_are_over_budget():
     timed = [c for c in plan.candidates if c.measured is not None]
     assert len(timed) >= 2 and all(c.fits for c in timed)
     np.testing.assert_allclose(f(x), jax.vmap(jax.vmap(body))(x), rtol=1e-5)
-
-
-def test_the_quick_candidates_are_all_timed_again_side_by_side(monkeypatch):
-    # A program of a few microseconds is noisiest and cheapest to time again: each
-    # under `QUICK` is confirmed beside the fastest, however slow it first seemed.
-    tuner = object.__new__(measure.Tuner)
-    tuner.probe, tuner.cap, tuner.start, tuner.once = None, 1e9, time.perf_counter(), 0
-    runs = [lambda: None, lambda: None, lambda: None]
-    firsts = [1e-4, 3e-4, 10 * measure.QUICK]  # the fastest; 3x, quick; slow
-    keys = [(k,) for k in "abc"]  # as a candidate's key, a tuple
-    timed = zip(keys, runs, firsts)
-    tuner.timed = {k: measure.Timed(r, {}, 1.0, 1.0, [t]) for k, r, t in timed}
-    seen = []
-
-    def rounds(thunks, *args, **kwargs):
-        seen.append(thunks)
-        return [[2e-4]] * len(thunks)
-
-    monkeypatch.setattr(measure, "rounds", rounds)
-    tuner.confirm()
-    assert seen == [runs[:2]]
-    assert [tuner.seconds(k) for k in keys] == [2e-4, 2e-4, 10 * measure.QUICK]

@@ -36,7 +36,6 @@ CLOSE = 1.3  # those within this factor of the fastest are timed again, side by 
 SAMPLE = 2e-3  # seconds: the shortest sample (a quick program runs several times)
 SPEND = 0.25  # a candidate is timed for up to this share of its compile (3 rounds)
 LONG = 0.05  # seconds: a program that runs longer is timed on one call, once
-QUICK = 1e-3  # seconds: programs quicker than this are all timed again, side by side
 DISTURBED = 1.5  # a round whose probe took this many times its median is dropped
 
 
@@ -274,19 +273,13 @@ class Tuner:
 
     def confirm(self) -> None:
         """Time again, side by side (three rounds at least, for up to `SPEND` of a
-        compile each, within the cap), those within `CLOSE` of the fastest, those
-        whose probe was disturbed (another job held a core) and those under `QUICK`
-        (whose single rounds are noisiest, and cheap)."""
+        compile each, within the cap), those within `CLOSE` of the fastest and those
+        whose probe was disturbed (another job held a core)."""
         best, late = self.best(), self.probe.disturbed() if self.probe else []
-        again = lambda k, t: (  # noqa: E731
-            self.seconds(k) <= CLOSE * best
-            or late
-            and late[t.probe]
-            or statistics.median(t.rounds) <= QUICK
-        )
         close = [
             k for k, t in self.timed.items()
-            if t.rounds and again(k, t) and statistics.median(t.rounds) <= LONG
+            if t.rounds and (self.seconds(k) <= CLOSE * best or late and late[t.probe])
+            and statistics.median(t.rounds) <= LONG
         ]  # fmt: skip
         if len(close) < 2:
             return
