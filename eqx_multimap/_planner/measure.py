@@ -334,8 +334,8 @@ class Tuner:
                 break
             self.along(line)
         self.confirm()
-        pruned = "a block between it and the fastest, on its ladder or at the "
-        pruned += "fastest's block, measured slower"
+        pruned = "a block between it and its ladder's fastest measured slower, or "
+        pruned += f"its ladder's first step over {CLOSE:g}x the fastest"
         in_lines = {c.key for line in lines for c in line}
         for k in search.considered.keys() - self.timed.keys():
             why = "its temporaries predicted over the budget"
