@@ -314,9 +314,9 @@ class Tuner:
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         lone = {c.key for c in one}
 
-        def lead() -> PlanCandidate:  # the fastest timed, of full vmap and the ladders
+        def lead() -> float:  # the fastest time, of full vmap and the ladders
             ran = [k for k in self.timed if k not in lone] or list(self.timed)
-            return search.considered[min(ran, key=self.seconds)]
+            return min(map(self.seconds, ran))
 
         def fastest(line: list[PlanCandidate]) -> float:  # of its own rungs timed
             ran = [self.seconds(c.key) for c in mine(line) if c.key in self.timed]
@@ -330,7 +330,7 @@ class Tuner:
         for c in one if not self.due() else []:
             self.time(c)
         for i, line in enumerate(sorted(lines, key=fastest)):  # the fastest's first
-            if self.capped or i and fastest(line) > CLOSE * self.seconds(lead().key):
+            if self.capped or i and fastest(line) > CLOSE * lead():
                 break
             self.along(line)
         self.confirm()
