@@ -1,9 +1,7 @@
-"""The planner's cache on disk: plans and calibrations, one JSON file per entry.
-
-An entry is `<cache dir>/v<FORMAT_VERSION>/<kind>/<hash of its key>.json`, holding
-its whole key and value. It is used only if its key, format and version match and
-the planner accepts its value; any other file gives a warning and is planned (and
-written) again. Writes replace the file atomically: the last writer wins, whole."""
+"""The planner's cache on disk: one JSON file per plan or calibration, its whole key
+and value at `<cache dir>/v<FORMAT_VERSION>/<kind>/<hash of its key>.json`, used only
+if its key, format and version match and the planner accepts its value (else, with a
+warning, planned and written again). Writes replace it atomically: last writer wins."""
 
 import contextlib
 import dataclasses
@@ -20,14 +18,7 @@ from typing import Any
 
 from .._resolve import Call
 from .plan import Plan, PlanCandidate
-from .search import (
-    auto_plan,
-    candidate,
-    collective_dims,
-    given_dims,
-    no_fit_message,
-    Request,
-)
+from .search import auto_plan, candidate, given_dims, no_fit_message, Request
 
 
 try:
@@ -179,7 +170,7 @@ def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
     _check(all(k is None or 1 <= k <= sizes[n] for n, k in scan), "a bad chunk")
     _check(scan[: len(call.options.scan)] == call.options.scan, "given scans lost")
     planned = {n for n, _ in scan[len(call.options.scan) :]}
-    frozen = set(given_dims(call) + collective_dims(call))
+    frozen = {*given_dims(call), *call.collective_dims}  # `planned` are all mapped
     _check(not planned & frozen, "a candidate scans a dim it must not")
     fields = _typed(d, PlanCandidate, set(_FIELDS) - {"scan", "vmap", "block", "trips"})
     nest = candidate(scan, vmap, sizes, fields.pop("source"))
