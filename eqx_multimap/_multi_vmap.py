@@ -520,7 +520,7 @@ def filter_multi_vmap(
         core=core,
         reduce=reduce,
         shard=parse_shard(shard, mesh, pad),
-        plan=plan_options(plan, memory_budget, verbose),
+        plan=plan_options(plan, memory_budget),
         checkpoint=checkpoint,
         verbose=verbose,
         progress=progress,

@@ -57,7 +57,6 @@ class PlanOptions:
 
     given: "Planner | None"
     memory_budget: MemoryBudget
-    verbose: bool = False
 
     @property
     def planner(self) -> "Planner":
@@ -69,7 +68,7 @@ class PlanOptions:
         return "'auto'" if self.given is None else repr(self.given)
 
 
-def plan_options(plan: Any, memory_budget: Any, verbose: bool) -> "PlanOptions | None":
+def plan_options(plan: Any, memory_budget: Any) -> "PlanOptions | None":
     """Validate `plan=` and `memory_budget=` (which needs `plan=`) when decorating."""
     if plan is not None and plan != "auto" and not isinstance(plan, Planner):
         raise SpecError(
@@ -90,7 +89,7 @@ def plan_options(plan: Any, memory_budget: Any, verbose: bool) -> "PlanOptions |
             f"{b!r} of type `{type(b).__name__}`; e.g. `memory_budget=2**30` is 1 GiB."
         )
     given = None if isinstance(plan, str) else plan
-    return None if plan is None else PlanOptions(given, memory_budget, bool(verbose))
+    return None if plan is None else PlanOptions(given, memory_budget)
 
 
 class Planner:
@@ -164,10 +163,6 @@ class Planner:
     @property
     def measure(self) -> bool:
         return self._config["measure"]
-
-    @property
-    def max_cache(self) -> int:
-        return self._config["max_cache"]
 
     def __repr__(self) -> str:
         return "Planner(measure=True)" if self.measure else "Planner()"
@@ -302,7 +297,7 @@ class Planner:
             self._store(key, plan, earlier)
         else:
             plan = self._plan_now(request, key, disk_key, note, data)
-        if options.verbose:
+        if call.options.verbose:
             print(plan)
         return plan
 
@@ -313,7 +308,7 @@ class Planner:
         cost depends on its data, if it does) and cache it, or the no-fit error."""
         call, disk = request.call, self._disk
         what = f"{call.fun_name}: planning" + " (backward)" * request.backward
-        progress = Progress(what, call.options.plan.verbose)
+        progress = Progress(what, call.options.verbose)
         search = Search(request, progress)
         try:
             # One device's nest, compiled on its own: not on the mesh of a
@@ -360,7 +355,7 @@ class Planner:
 
     def _keep(self, cache: co.OrderedDict, key: Any, value: Any) -> None:
         cache[key] = value
-        if len(cache) > self.max_cache:
+        if len(cache) > self._config["max_cache"]:
             cache.popitem(last=False)
 
 
@@ -460,8 +455,7 @@ def describe_fixed(call: Call) -> Plan:
     """A `Plan` for a fixed nest: its one candidate compiled, with no budget."""
     start = time.perf_counter()
     sizes, shard = localize(call)
-    model = TimeModel.for_backend(jax.default_backend())
-    compiler = Compiler(call, sizes, model, backward=False)
+    compiler = Compiler(call, sizes, TimeModel.for_backend(jax.default_backend()))
     given = call.given_nest()
     cand = candidate(given.scan, given.vmap, sizes, "given")
     if all(sizes[n] > 0 for n in call.mapped):
