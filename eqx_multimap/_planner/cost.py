@@ -78,11 +78,9 @@ class Reference:
     def _output_blocks(self, scan: ScanNest, y: Leaf) -> float:
         """The bytes of an output leaf a nest of scans holds: each level's block, and a
         transposed copy of the whole when the scanned dims do not lead it."""
-        total = sum(self._bytes(scan[: i + 1], y) for i in range(len(scan)))
         in_y = [n for n, _ in scan if n in y.axes]
-        if list(y.axes)[: len(in_y)] != in_y:
-            total += y.nbytes
-        return total
+        copy = y.nbytes if list(y.axes)[: len(in_y)] != in_y else 0
+        return sum(self._bytes(scan[: i + 1], y) for i in range(len(scan))) + copy
 
     def _body(self, c: PlanCandidate) -> float:
         return self.temp * c.block / max(self.full.block, 1)
@@ -135,10 +133,9 @@ def analysed(lowered: Any) -> Any:
 
 
 class Compiler:
-    """Compiles candidate nests of one resolved call, every input leaf an argument
-    (a `ShapeDtypeStruct` at the sizes planned for). With `backward`, a candidate's
-    program (its memory; what measured mode runs) is the reverse-mode derivative of
-    the nest, every scan body checkpointed."""
+    """Compiles candidate nests of one call, each input leaf an argument at the sizes
+    planned for. With `backward`, a candidate's program (its memory; what measured
+    mode runs) is the nest's reverse-mode derivative, every scan body checkpointed."""
 
     def __init__(
         self,
@@ -168,8 +165,7 @@ class Compiler:
     def compile(
         self, fn: Callable[[list], Any], specs: Any, what: str = "", runs: bool = False
     ) -> Any:
-        """Compile `fn` for `specs`; with `runs`, as a program to run, else for its
-        memory and cost analyses only (`analysed`)."""
+        """Compile `fn` for `specs`: to run (`runs`), else to analyse (`analysed`)."""
         return self._compiled(jax.jit(fn).trace(specs), what, runs)
 
     def _compiled(self, traced: Any, what: str, runs: bool = False) -> Any:
