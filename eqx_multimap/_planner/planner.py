@@ -249,8 +249,7 @@ class Planner:
         differentiation runs. With `tune`, the call's values are concrete and
         candidates are timed on them, unless a plan so timed is cached; with `again`
         too, always, the plan replacing any cached for the signature."""
-        options = call.options.plan
-        budget, src = resolve_budget(options.memory_budget)
+        budget, src = resolve_budget(call.options.plan.memory_budget)
         sizes, shard = localize(call)
         # Nothing in a key refers back to the planner; `progress=` plans alike.
         kept = dataclasses.replace(
@@ -262,9 +261,8 @@ class Planner:
         key += (body, collective_dims(call))
         start = time.perf_counter()
         data = data_dependent(call.body.standalone.jaxpr.jaxpr)
-        # The plans that will do: timed on arguments to tune (none to tune again);
-        # on made-up inputs to measure a body whose cost does not depend on its
-        # data; else any.
+        # The plans that will do: timed on arguments to tune (none to tune again); on
+        # made-up inputs to measure a body whose cost does not depend on its data.
         wanted = [] if again else ["arguments"] if tune else ["arguments", "inputs"]
         wanted += ["model"] if not tune and (not self.measure or data) else []
         with self._lock:
