@@ -146,7 +146,7 @@ class Planner:
                 f"`None`, but got {time_model!r}."
             )
         where = os.fspath(cache_dir) if path else cache_dir
-        self._config = dict(
+        self._config: dict[str, Any] = dict(
             measure=measure, cache_dir=where, time_model=time_model, max_cache=max_cache
         )
         # The time model as plan keys hold it: a calibrated one by its terms, not its
