@@ -48,11 +48,12 @@ traceback_util.register_exclusion(__file__)
 
 
 def struct(x: Any, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
-    """`x` as a `ShapeDtypeStruct` (with its weak type), optionally reshaped."""
+    """`x` as a `ShapeDtypeStruct` (with its weak type), optionally reshaped. Its
+    dtype is the one JAX computes in (a NumPy `float64` is `float32` without x64)."""
     weak = bool(getattr(jax.typeof(x), "weak_type", False))
-    return jax.ShapeDtypeStruct(
-        np.shape(x) if shape is None else shape, x.dtype, weak_type=weak
-    )
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True)
+    shape = np.shape(x) if shape is None else shape
+    return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
