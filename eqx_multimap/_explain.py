@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 from jax._src import traceback_util
 
 from ._errors import SpecError
-from ._multi_vmap import _has_tracer, _MultiVmapWrapper, _tune
+from ._multi_vmap import _has_tracer, _MultiVmapWrapper, _tune, gradient_plan
 from ._planner import describe_fixed, Plan
 from ._resolve import fun_name_of, resolve
 from ._shard import shardings_seen
@@ -77,12 +77,7 @@ def explain(fn: Callable, /, *args, **kwargs) -> Plan:
                 return describe_fixed(call)
             planner = call.options.plan.planner
             plan = planner.plan(call)
-            try:
-                gradient: Plan | str = planner.plan(call, backward=True)
-            except SpecError as e:  # only differentiating the map would raise it
-                gradient = str(e)
-            except Exception as e:  # a body JAX cannot differentiate (a while loop)
-                gradient = f"Not differentiable: {type(e).__name__}: {e}"
+            gradient = gradient_plan(planner, call)
         return dataclasses.replace(plan, gradient=gradient)
 
     # A `Plan` is not an array: `filter_eval_shape` returns it as it is.

@@ -8,7 +8,6 @@ the devices are combined, and a mean divided (`_reduce`); the wrapper rebuilds t
 output.
 """
 
-import contextlib
 import dataclasses
 import functools as ft
 import weakref
@@ -28,7 +27,7 @@ from ._body import struct
 from ._errors import SpecError
 from ._nest import Build, mapped_axes, mapped_function, Problem
 from ._options import explicit_mapped, Options, parse_options, ScanSpec
-from ._planner import plan_options, PlanMode, Planner
+from ._planner import Plan, plan_options, PlanMode, Planner
 from ._progress_bar import make_meter
 from ._reduce import op_name, ReduceSpec
 from ._resolve import Call, fun_name_of, resolve
@@ -556,12 +555,23 @@ def _tune(
 ):
     """Plan a call by timing candidates on its arguments; with `again`
     (`eqx_multimap.tune`), even if a plan so timed is cached, which it replaces,
-    and its derivative's nest too. The forward plan."""
+    and its derivative's nest too (the plan's `gradient`). The forward plan."""
     call = resolve(wrapper._fun, wrapper._options, bound + args, kwargs)
     assert call.options.plan is not None
     planner = call.options.plan.planner
     plan = planner.plan(call, tune=True, again=again)
     if again:
-        with contextlib.suppress(Exception):  # a body JAX cannot differentiate
-            planner.plan(call, backward=True, tune=True, again=True)
+        gradient = gradient_plan(planner, call, tune=True, again=True)
+        plan = dataclasses.replace(plan, gradient=gradient)
     return plan
+
+
+def gradient_plan(planner: Planner, call: Call, **kwargs) -> Plan | str:
+    """The plan of differentiating `call` (`planner.plan`'s `kwargs`), or why there
+    is none: `Plan.gradient`."""
+    try:
+        return planner.plan(call, backward=True, **kwargs)
+    except SpecError as e:  # only differentiating the map would raise it
+        return str(e)
+    except Exception as e:  # a body JAX cannot differentiate (a while loop)
+        return f"Not differentiable: {type(e).__name__}: {e}"
