@@ -218,6 +218,10 @@ class _EagerRunner:
 
         self._jitted = jax.jit(run, static_argnums=1)
 
+    def forget(self) -> None:
+        """Drop the compiled programs: the next calls trace again (and plan anew)."""
+        self._jitted.clear_cache()
+
     def __call__(self, fun: Callable, options: Options, args: tuple, kwargs: dict):
         # A callable with a runner of its own is not a static argument: the compile
         # cache would hold it, and so keep it alive in `_RUNNERS`.
@@ -563,6 +567,9 @@ def _tune(
     if again:
         gradient = gradient_plan(planner, call, tune=True, again=True)
         plan = dataclasses.replace(plan, gradient=gradient)
+        # Un-jitted calls compiled before run the nest planned then: trace them again.
+        # (A shared runner's other functions compile again too.)
+        _eager_runner(wrapper._fun).forget()
     return plan
 
 
