@@ -13,6 +13,7 @@ import pytest
 from eqx_multimap import (
     explain,
     filter_multi_vmap,
+    Plan,
     Planner,
     SpecError,
     TimeModel,
@@ -308,6 +309,88 @@ def test_tune_times_the_arguments_and_is_reused():
     assert (planner.n_plans, planner.n_compiles) == (n_plans, n_compiles)
     again = explain(f, rate, y)  # (which plans the derivative's nest too)
     assert again.chosen.key == plan.chosen.key and again.basis == "arguments"
+
+
+def test_an_un_jitted_call_made_before_tune_runs_the_tuned_nest(monkeypatch, capsys):
+    traced = []
+
+    def body(x):
+        traced.append(x)
+        return jnp.sin(x)
+
+    x = jnp.linspace(-3.0, 3.0, 64 * 32).reshape(64, 32)
+    want = jax.vmap(jax.vmap(jnp.sin))(x)
+    f = filter_multi_vmap(
+        body, in_dims="T F", out_dims="T F", plan="auto", verbose=True
+    )
+    np.testing.assert_allclose(f(x), want, rtol=1e-6)  # compiled with the model's nest
+    before = explain(f, x).chosen
+    _landscape(monkeypatch, _valley(1 if before.block > 1 else 64 * 32))
+    tuned = tune(f, x)
+    assert tuned.chosen.key != before.key
+    capsys.readouterr()
+    traced.clear()
+    np.testing.assert_allclose(f(x), want, rtol=1e-6)
+    eager = capsys.readouterr().out
+    assert traced  # traced again, with the tuned plan
+    np.testing.assert_allclose(jax.jit(f)(x), want, rtol=1e-6)
+    assert eager and eager == capsys.readouterr().out
+    assert tuned.chosen.nest({"T": 64, "F": 32}) in " ".join(eager.split())
+
+
+def test_tune_returns_the_plan_with_its_gradient_as_explain_does():
+    x = jax.random.normal(jax.random.key(0), (32, 16))
+    y = jnp.linspace(0.0, 1.0, 16)
+    f = filter_multi_vmap(
+        lambda x, y: jnp.sin(x) * y,
+        in_dims=("T F", "F"),
+        out_dims="T F",
+        plan=Planner(cache_dir=False),
+    )
+    tuned = tune(f, x, y)
+    explained = explain(f, x, y)
+    assert isinstance(tuned.gradient, Plan) and tuned.gradient.basis == "arguments"
+    assert isinstance(explained.gradient, Plan)
+    assert tuned.gradient.chosen.key == explained.gradient.chosen.key
+    assert "under differentiation" in str(tuned)
+    grad = jax.grad(lambda x: jnp.sum(f(x, y)))(x)
+    want = np.cos(np.asarray(x)) * np.asarray(y)
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6)
+    # A body JAX cannot differentiate (a while loop): why, as `explain` says it.
+    rate, y = _args()
+    g = _wrapper(Planner(cache_dir=False))
+    tuned = tune(g, rate, y)
+    assert isinstance(tuned.gradient, str)
+    assert tuned.gradient == explain(g, rate, y).gradient
+    with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):
+        jax.grad(lambda r: jnp.sum(g(r, y)))(rate)
+    assert tuned.gradient.startswith("Not differentiable: ValueError: Reverse-mode")
+
+
+def test_a_plan_tuned_on_numpy_float64_is_used_without_x64():
+    # Without x64 JAX computes NumPy float64 in float32: one signature, one plan.
+    assert not jax.config.jax_enable_x64
+    x = np.random.default_rng(0).normal(size=(12, 8))
+    nu = np.linspace(1.0, 2.0, 8)
+    want = np.tanh(x * nu)
+    kw = dict(in_dims=("T F", "F"), out_dims="T F")
+    body = lambda x, nu: jnp.tanh(x * nu)  # noqa: E731
+    planner = Planner(cache_dir=False)
+    f = filter_multi_vmap(body, **kw, plan=planner)
+    tune(f, x, nu)
+    n = planner.n_plans
+    for args in ((x, nu), (jnp.asarray(x), jnp.asarray(nu))):
+        np.testing.assert_allclose(f(*args), want, rtol=1e-5)
+        np.testing.assert_allclose(jax.jit(f)(*args), want, rtol=1e-5)
+        assert explain(f, *args).basis == "arguments"
+    assert planner.n_plans == n
+    # A measuring planner's un-jitted call times on its arguments, and uses that plan.
+    planner = Planner(measure=True, cache_dir=False)
+    f = filter_multi_vmap(body, **kw, plan=planner)
+    np.testing.assert_allclose(f(x, nu), want, rtol=1e-5)
+    n = planner.n_plans
+    assert explain(f, jnp.asarray(x), jnp.asarray(nu)).basis == "arguments"
+    assert planner.n_plans == n + 1  # the derivative's nest only
 
 
 def test_measured_values_reach_the_body(monkeypatch):
