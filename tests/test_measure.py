@@ -513,3 +513,53 @@ def test_tune_searches_when_full_vmap_and_all_but_one_rung_are_over_budget():
     timed = [c for c in plan.candidates if c.measured is not None]
     assert len(timed) >= 2 and all(c.fits for c in timed)
     np.testing.assert_allclose(f(x), jax.vmap(jax.vmap(body))(x), rtol=1e-5)
+
+
+def test_a_measured_plan_says_what_was_timed_when_full_vmap_sufficed():
+    # Full vmap's working set is small, so the model compiles nothing else; measured
+    # mode still times the ladders, and the summary says so.
+    f = filter_multi_vmap(
+        lambda x, y: jnp.sin(x) * y, in_dims=("T F", "F"), out_dims="T F", plan="auto"
+    )
+    x, y = jnp.ones((8, 4)), jnp.linspace(0.0, 1.0, 4)
+    plan = tune(f, x, y)
+    n = sum(c.measured is not None for c in plan.candidates)
+    assert n > 1 and plan.measured and plan.basis == "arguments"
+    assert "nothing else was compiled" not in plan.summary
+    assert f"the fastest of the {n} timed" in plan.summary
+    np.testing.assert_allclose(f(x, y), np.sin(np.asarray(x)) * np.asarray(y))
+
+
+def test_a_plan_whose_timing_failed_says_so_and_rests_on_the_model(monkeypatch):
+    def fail(self, *args):
+        raise RuntimeError("no timer here\nand a second line")
+
+    monkeypatch.setattr(measure.Tuner, "run", fail)
+    f = filter_multi_vmap(
+        lambda x: jnp.sin(x), in_dims="T F", out_dims="T F", plan="auto"
+    )
+    plan = tune(f, jnp.ones((8, 4)))
+    assert plan.basis == "model" and not plan.measured
+    assert "(could not measure (RuntimeError: no timer here), so estimated)" in (
+        plan.summary
+    )
+    assert "second line" not in plan.summary
+
+
+def test_under_jit_measuring_runs_a_callback_on_arrays():
+    # Candidates timed while the outer function is traced: the body's callbacks
+    # get arrays, not the outer trace's tracers.
+    seen = []
+
+    def body(v):
+        jax.debug.callback(lambda a: seen.append(isinstance(a, jax.core.Tracer)), v)
+        return v * 2
+
+    f = filter_multi_vmap(
+        body, in_dims="T F", out_dims="T F", plan=Planner(measure=True, cache_dir=False)
+    )
+    x = jnp.arange(8.0).reshape(4, 2)
+    out = jax.jit(f)(x)
+    jax.effects_barrier()
+    assert seen and not any(seen) and explain(f, x).basis == "inputs"
+    np.testing.assert_array_equal(out, 2 * np.arange(8.0).reshape(4, 2))

@@ -384,9 +384,10 @@ class Tuner:
         cap = fmt_seconds(self.cap * self.compiles())
         cap = f"{self.cap:g}x the median compile, {cap}"
         stop = "stopped the search" if self.capped else "was not reached"
+        again = f"; those within {CLOSE:g}x of the fastest again side by side"
         return (
-            f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}; those within "
-            f"{CLOSE:g}x of the fastest again side by side. The cap ({cap}) {stop}."
+            f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}"
+            f"{again * (len(ran) > 1)}. The cap ({cap}) {stop}."
         )
 
 
@@ -395,10 +396,12 @@ def measured(
 ) -> tuple[Choice, str]:
     """`Tuner.run`'s choice, and what it timed; the model's if timing fails."""
     tuner = Tuner(search)
-    try:
-        choice = tuner.run(full, ladders, model)
+    try:  # run eagerly, not in the trace planning may run in (a callback's values)
+        with jax.ensure_compile_time_eval():
+            choice = tuner.run(full, ladders, model)
     except Exception as e:  # e.g. inputs of a dtype that cannot be made up
-        note = f"could not measure ({type(e).__name__}: {e}), so estimated"
+        first = (str(e).splitlines() or [""])[0]
+        note = f"could not measure ({type(e).__name__}: {first}), so estimated"
         return Choice(model, [model], {}, note), ""
     search.notes.update(tuner.why)
     return choice, tuner.describe()

@@ -257,7 +257,7 @@ def summary(
         how = f"it needs {temp} of the {b} budget"
     elif not searched:
         why += " and its working set is within the fastest levels of memory"
-        how = "nothing else was compiled"
+        how = how if timed else "nothing else was compiled"
     elif not full.fits:
         why = f"{whole} needs {temp} > {b} budget"
     elif not timed and (full.working_set or 0) > fast:
@@ -271,8 +271,8 @@ def summary(
             )
         if chosen.predicted:
             how += ", its temporaries predicted far within the budget"
-        if measure_note:  # could not measure
-            how += f" ({measure_note})"
+    if measure_note:  # could not measure
+        how += f" ({measure_note})"
     return f"Chose {chosen.nest(request.sizes)}: {why}; {how}."
 
 
@@ -517,14 +517,16 @@ class Search:
             for k, c in self.considered.items()
         )
         chosen = next(c for c in candidates if c.key == choice.chosen.key)
-        r = self.request  # timed on the call's own arguments, or on made-up inputs
-        basis = "model" if not r.measure else "arguments" if r.values else "inputs"
+        # Timed on the call's own arguments, or on made-up inputs; else estimated.
+        ran = bool(choice.timed)
+        basis = "inputs" if ran else "model"
+        basis = "arguments" if ran and self.request.values else basis
         return auto_plan(
             self.request, chosen, candidates,
             n_compiled=self.compiler.n_compiled,
             seconds=time.perf_counter() - self.start,
             checkpoint=self.compiler.build(chosen.spec).checkpoint,
-            time_model=self.model, summary=text, measured=self.measure, basis=basis,
+            time_model=self.model, summary=text, measured=ran, basis=basis,
         )  # fmt: skip
 
     def _choose(self, full: PlanCandidate, ladders: list[Steps]) -> Choice:
