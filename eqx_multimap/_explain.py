@@ -104,7 +104,8 @@ def tune(fn: Callable, /, *args, **kwargs) -> Plan:
     any plan cached for the signature: later calls of `fn` with arguments of the
     same shapes, in this process or another, use it without planning again. The
     nest that differentiating `fn` runs is timed too, on these arguments (the
-    cotangents made up), and kept as `plan.gradient` is.
+    cotangents made up), and kept as `plan.gradient` is. Timing runs the body many
+    times (thousands, for a quick one): a callback in it runs as often.
 
     !!! example
 
