@@ -172,6 +172,14 @@ class _Params:
             )
             raise TypeError(wrap(message, len("TypeError: "))) from None
 
+    def in_order(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call as the signature binds it, a positional parameter given by keyword
+        passed by position: both spellings give the same leaves, body and plan."""
+        if self.signature is None or not kwargs:
+            return args, kwargs
+        bound = self.signature.bind(*args, **kwargs)
+        return bound.args, bound.kwargs
+
     def check_keys(self, in_dims: Any, fun_name: str) -> None:
         """Every key of a dict `in_dims` names a parameter (unless the function
         takes `**kwargs`, or has no signature to tell)."""
@@ -383,6 +391,10 @@ def bind_call(
     params = _Params.of(fun)
     params.check_call(fun_name, args, kwargs)
     arg_specs, kw_specs = _specs(in_dims, params, args, kwargs, fun_name)
+    # Specs as the call spells it (a tuple `in_dims` is by position); leaves in order.
+    args, kwargs = params.in_order(args, kwargs)
+    moved = range(len(arg_specs), len(args))
+    arg_specs += [kw_specs.pop(params.positional[i]) for i in moved]
 
     def spec_of(param: str | None, value: Any, spec: Any, path: str) -> Any:
         if spec is not _UNSET:

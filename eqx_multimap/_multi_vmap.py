@@ -567,8 +567,7 @@ def _tune(
     if again:
         gradient = gradient_plan(planner, call, tune=True, again=True)
         plan = dataclasses.replace(plan, gradient=gradient)
-        # Un-jitted calls compiled before run the nest planned then: trace them again.
-        # (A shared runner's other functions compile again too.)
+        # Un-jitted calls compiled before (by a shared runner too) trace again.
         _eager_runner(wrapper._fun).forget()
     return plan
 

@@ -2,10 +2,12 @@
 slices of loop trips, the search over every ladder, the cap, and bodies whose cost
 depends on their data."""
 
+import functools as ft
 import os
 import subprocess
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -391,6 +393,73 @@ def test_a_plan_tuned_on_numpy_float64_is_used_without_x64():
     n = planner.n_plans
     assert explain(f, jnp.asarray(x), jnp.asarray(nu)).basis == "arguments"
     assert planner.n_plans == n + 1  # the derivative's nest only
+
+
+def _loop_y_first(y, rate):
+    """`_loop` with its parameters in another order than their names sort in."""
+    return _loop(rate, y)
+
+
+@pytest.mark.parametrize("tune_by_keyword", (True, False))
+def test_a_tuned_plan_is_found_by_either_spelling_of_the_call(
+    tune_by_keyword, tmp_path
+):
+    # Positional and keyword spellings of one call are one signature: the same
+    # leaves in the same order, so the same body, the same plan in memory and on
+    # disk, and values equal to `jax.vmap`'s either way.
+    rate, y = _args()
+
+    def call(g, by_keyword):
+        return g(y=y, rate=rate) if by_keyword else g(y, rate)
+
+    def wrapper(planner):
+        in_dims = {"y": "T F", "rate": "T F"}
+        return filter_multi_vmap(
+            _loop_y_first, in_dims=in_dims, out_dims="T F", plan=planner
+        )
+
+    planner = Planner(cache_dir=tmp_path, time_model=TimeModel())
+    f = wrapper(planner)
+    plan = call(ft.partial(tune, f), tune_by_keyword)
+    n_plans = planner.n_plans
+    reference = jax.vmap(jax.vmap(_loop_y_first))(y, rate)
+    for by_keyword in (True, False):
+        out = call(jax.jit(f), by_keyword)
+        np.testing.assert_allclose(out, reference, rtol=1e-6)
+    assert planner.n_plans == n_plans
+    again = call(ft.partial(explain, f), not tune_by_keyword)
+    assert again.basis == "arguments" and again.chosen.key == plan.chosen.key
+    # A new planner (as in a new process) reads the tuned plan from disk (one: a
+    # while loop has no derivative to plan).
+    fresh = Planner(cache_dir=tmp_path, time_model=TimeModel())
+    from_disk = call(ft.partial(explain, wrapper(fresh)), not tune_by_keyword)
+    assert from_disk.basis == "arguments" and from_disk.chosen.key == plan.chosen.key
+    assert fresh.n_disk_hits == 1 and fresh.n_compiles == 0
+
+
+def test_a_tuned_method_is_found_by_either_spelling_of_the_call():
+    planner = Planner(cache_dir=False, time_model=TimeModel())
+
+    class Model(eqx.Module):
+        offset: jax.Array
+
+        @filter_multi_vmap(
+            in_dims={"y": "T F", "rate": "T F"}, out_dims="T F", plan=planner
+        )
+        def __call__(self, y, rate):
+            return _loop(rate, y) + self.offset
+
+    model = Model(jnp.asarray(0.5))
+    rate, y = _args()
+    reference = jax.vmap(jax.vmap(_loop))(rate, y) + 0.5
+    plan = tune(model.__call__, y, rate=rate)
+    n_plans = planner.n_plans
+    jitted = eqx.filter_jit(model)
+    for out in (jitted(y, rate), jitted(y=y, rate=rate)):
+        np.testing.assert_allclose(out, reference, rtol=1e-6)
+    assert planner.n_plans == n_plans
+    again = explain(model.__call__, y=y, rate=rate)
+    assert again.basis == "arguments" and again.chosen.key == plan.chosen.key
 
 
 def test_measured_values_reach_the_body(monkeypatch):
