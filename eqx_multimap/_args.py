@@ -391,7 +391,7 @@ def bind_call(
     params = _Params.of(fun)
     params.check_call(fun_name, args, kwargs)
     arg_specs, kw_specs = _specs(in_dims, params, args, kwargs, fun_name)
-    # Specs as the call spells it (a tuple `in_dims` is by position); leaves in order.
+    # Specs as spelt (a tuple `in_dims` is by position); leaves in signature order.
     args, kwargs = params.in_order(args, kwargs)
     moved = range(len(arg_specs), len(args))
     arg_specs += [kw_specs.pop(params.positional[i]) for i in moved]
