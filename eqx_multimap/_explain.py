@@ -102,8 +102,9 @@ def tune(fn: Callable, /, *args, **kwargs) -> Plan:
     The [`eqx_multimap.Plan`][] chosen, as [`eqx_multimap.explain`][] gives it. It
     is kept in the plan cache of `fn`'s planner, in memory and on disk, replacing
     any plan cached for the signature: later calls of `fn` with arguments of the
-    same shapes, in this process or another, use it without planning again. The
-    nest that differentiating `fn` runs is timed too, on these arguments (the
+    same shapes, in this process or another, use it without planning again (if its
+    nest differs, `jax.clear_caches()` drops the programs traced with the old one).
+    The nest that differentiating `fn` runs is timed too, on these arguments (the
     cotangents made up), and kept as `plan.gradient` is. Timing runs the body many
     times (thousands, for a quick one): a callback in it runs as often.
 

@@ -22,7 +22,7 @@ from eqx_multimap import (
     tune,
 )
 from eqx_multimap._jaxpr import data_dependent
-from eqx_multimap._planner import cost, measure
+from eqx_multimap._planner import cost, measure, planner as planner_module
 from eqx_multimap._planner.plan import PlanCandidate
 
 
@@ -632,3 +632,80 @@ def test_under_jit_measuring_runs_a_callback_on_arrays():
     jax.effects_barrier()
     assert seen and not any(seen) and explain(f, x).basis == "inputs"
     np.testing.assert_array_equal(out, 2 * np.arange(8.0).reshape(4, 2))
+
+
+def test_a_function_jitted_before_tune_runs_the_tuned_nest(monkeypatch):
+    # JAX keeps a trace by function: `jax.jit(f)` after `tune` would reuse the one
+    # made with the model's plan, unless replacing the plan drops it.
+    traced = []
+
+    def body(x):
+        traced.append(x)
+        return jnp.sin(x)
+
+    x = jnp.linspace(-3.0, 3.0, 64 * 32).reshape(64, 32)
+    f = filter_multi_vmap(body, in_dims="T F", out_dims="T F", plan="auto")
+    want = np.sin(np.asarray(x))
+    np.testing.assert_allclose(jax.jit(f)(x), want, rtol=1e-6)
+    before = explain(f, x).chosen
+    _landscape(monkeypatch, _valley(1 if before.block > 1 else 64 * 32))
+    tuned = tune(f, x)
+    assert tuned.chosen.key != before.key
+    traced.clear()
+    np.testing.assert_allclose(jax.jit(f)(x), want, rtol=1e-6)
+    assert traced  # traced again, with the tuned plan
+    loops = str(jax.jit(f).lower(x).as_text()).count("while")
+    assert loops == len(tuned.chosen.scan) > 0 or loops == 0 == len(tuned.chosen.scan)
+
+
+def test_calibration_runs_on_one_device_under_a_mesh(monkeypatch):
+    seen = []
+
+    def calibrate():
+        seen.append(jax.sharding.get_abstract_mesh())
+        return TimeModel.for_backend("cpu")
+
+    monkeypatch.setattr(planner_module, "calibrate", calibrate)
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    f = filter_multi_vmap(
+        jnp.sin, in_dims="T F", out_dims="T F", plan=Planner(cache_dir=False)
+    )  # no time model given: it is calibrated at the first plan
+    with jax.set_mesh(mesh):
+        plan = explain(f, jnp.ones((8, 4)))
+    assert seen and seen[0].empty and plan.chosen is not None
+
+
+_MODEL = TimeModel.for_backend("cpu")  # no calibration
+
+
+def predict_visibilities_per_baseline_and_channel(x):
+    return jnp.tanh(x)
+
+
+def test_a_plan_header_fits_the_page():
+    f = filter_multi_vmap(
+        predict_visibilities_per_baseline_and_channel,
+        in_dims="T F",
+        out_dims="T F",
+        plan=Planner(measure=True, cache_dir=False, time_model=_MODEL),
+    )
+    text = explain(f, jnp.ones((8, 4))).describe(full=True)
+    assert "predict_visibilities_per_baseline_and_channel): plan=" in " ".join(
+        text.split()
+    )
+    assert max(map(len, text.splitlines())) <= 100
+
+
+def test_no_fit_names_the_planner_given():
+    # Each element's K x K intermediate (4 KiB) is over the budget.
+    f = filter_multi_vmap(
+        lambda a, b: jnp.sum(jnp.exp(a[:, None] * b[None, :]) @ b),
+        in_dims=("T K", "K"),
+        out_dims="T",
+        plan=Planner(measure=True, cache_dir=False, time_model=_MODEL),
+        memory_budget=64,
+    )
+    with pytest.raises(
+        SpecError, match=r"with `plan=Planner\(measure=True\)`: no nest fits"
+    ):
+        f(jnp.ones((8, 32)), jnp.ones(32))

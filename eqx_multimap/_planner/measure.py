@@ -383,7 +383,8 @@ class Tuner:
         what = "the call's arguments" if self.values else "made-up inputs of its shapes"
         cap = fmt_seconds(self.cap * self.compiles())
         cap = f"{self.cap:g}x the median compile, {cap}"
-        stop = "stopped the search" if self.capped else "was not reached"
+        stop = "stopped the search: one more candidate would have passed it"
+        stop = stop if self.capped else "was not reached"
         again = f"; those within {CLOSE:g}x of the fastest again side by side"
         return (
             f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}"

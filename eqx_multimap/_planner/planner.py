@@ -213,8 +213,9 @@ class Planner:
             if model is not None:
                 return model
             logger.info("eqx_multimap: calibrating the planner's time model")
-            try:
-                model = calibrate()
+            try:  # on one device, whatever mesh the call is traced under
+                with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+                    model = calibrate()
             except Exception as e:  # a backend that cannot run the micro-benchmark
                 logger.warning(
                     "eqx_multimap: could not calibrate the planner's time model (%s); "
@@ -266,7 +267,8 @@ class Planner:
         wanted = [] if again else ["arguments"] if tune else ["arguments", "inputs"]
         wanted += ["model"] if not tune and (not self.measure or data) else []
         with self._lock:
-            cached = None if again else self._cache.get(key)
+            old = self._cache.get(key)  # replaced, with `again`
+            cached = None if again else old
             if isinstance(cached, Plan) and cached.basis in wanted:
                 self._cache.move_to_end(key)
                 return cached
@@ -295,6 +297,10 @@ class Planner:
             self._store(key, plan, earlier)
         else:
             plan = self._plan_now(request, key, disk_key, note, data)
+        if isinstance(old, Plan) and again and old.spec != plan.spec:
+            # Traces made with the plan replaced (JAX's, kept by function) would run
+            # its nest: JAX can only forget them all.
+            jax.clear_caches()
         if call.options.verbose:
             print(plan)
         return plan

@@ -289,7 +289,7 @@ def no_fit_message(request: Request, smallest: PlanCandidate, n: int) -> str:
     under = " under differentiation" if request.backward else ""
     hint = " (or give fewer dims a strategy in `scan=`/`vmap=`)"
     return (
-        f"`{call.fun_name}` with `plan='auto'`: no nest fits "
+        f"`{call.fun_name}` with `plan={call.options.plan.mode}`: no nest fits "
         f"`memory_budget={call.options.plan.memory_budget!r}` "
         f"({fmt_bytes(request.budget)} of temporary memory){under}. The smallest of "
         f"the {n} compiled candidates needs {fmt_bytes(smallest.temp_bytes or 0)} "
