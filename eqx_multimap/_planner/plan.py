@@ -224,7 +224,7 @@ class Plan:
         auto = "plan='auto'" + (", measured" if self.measured else "")
         back = ", under differentiation (reverse mode)" if self.backward else ""
         head = f"{self.fun_name}: {auto if self.auto else 'fixed nest'}{back}"
-        lines = [fill(head, PROSE), fill(self.summary, PROSE)]
+        lines = [fill(head, WIDTH), fill(self.summary, PROSE)]
         if self.budget_bytes is not None:
             what = "of the derivative" if self.backward else "of temporary memory"
             budget = f"{fmt_bytes(self.budget_bytes)} {what} ({self.budget_source})"
