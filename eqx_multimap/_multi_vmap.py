@@ -218,10 +218,6 @@ class _EagerRunner:
 
         self._jitted = jax.jit(run, static_argnums=1)
 
-    def forget(self) -> None:
-        """Drop the compiled programs: the next calls trace again (and plan anew)."""
-        self._jitted.clear_cache()
-
     def __call__(self, fun: Callable, options: Options, args: tuple, kwargs: dict):
         # A callable with a runner of its own is not a static argument: the compile
         # cache would hold it, and so keep it alive in `_RUNNERS`.
@@ -567,8 +563,6 @@ def _tune(
     if again:
         gradient = gradient_plan(planner, call, tune=True, again=True)
         plan = dataclasses.replace(plan, gradient=gradient)
-        # Un-jitted calls compiled before (by a shared runner too) trace again.
-        _eager_runner(wrapper._fun).forget()
     return plan
 
 

@@ -519,8 +519,7 @@ class Search:
         chosen = next(c for c in candidates if c.key == choice.chosen.key)
         # Timed on the call's own arguments, or on made-up inputs; else estimated.
         ran = bool(choice.timed)
-        basis = "inputs" if ran else "model"
-        basis = "arguments" if ran and self.request.values else basis
+        basis = ("arguments" if self.request.values else "inputs") if ran else "model"
         return auto_plan(
             self.request, chosen, candidates,
             n_compiled=self.compiler.n_compiled,
