@@ -298,7 +298,7 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         planners["measure"] = Planner(cache_dir=False, time_model=model, measure=True)
     flat = model.levels[-1][1] if model.levels else model.bandwidth
     one = dataclasses.replace(model, levels=(), bandwidth=flat)
-    planners["no hierarchy"] = Planner(cache_dir=False, time_model=one)
+    planners["no hierarchy"] = Planner(cache_dir=False, time_model=one, measure=False)
     programs, plans, picks, cold = {}, {}, {}, {}
     for name, planner in planners.items():
         mapped = filter_multi_vmap(w.body, plan=planner, memory_budget=budget, **w.kw)

@@ -291,7 +291,7 @@ class _MultiVmapWrapper(eqx.Module):
         )
         if eager:
             plan = self._options.plan
-            if plan is not None and plan.planner.measure:
+            if plan is not None and plan.planner.measure is True:
                 _tune_once(self, plan.planner, args, kwargs)
             return _eager_runner(self._fun)(self._fun, self._options, args, kwargs)
         return self._traced_call(args, kwargs)

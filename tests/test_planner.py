@@ -46,9 +46,11 @@ _SEARCH_AS_MEASURED = pytest.mark.skipif(
 
 
 def _planner_of(tmp_path=None, **kwargs) -> Planner:
-    """A planner of its own: the default (uncalibrated) time model, and a disk cache
-    in `tmp_path` (none without it), so that nothing depends on other tests."""
+    """A planner of its own: the default (uncalibrated) time model alone (no short
+    list timed, unless `measure=` is given), and a disk cache in `tmp_path` (none
+    without it), so that nothing depends on other tests or on the machine's load."""
     kwargs.setdefault("time_model", TimeModel())
+    kwargs.setdefault("measure", False)
     return Planner(cache_dir=False if tmp_path is None else tmp_path, **kwargs)
 
 
@@ -92,7 +94,8 @@ _ONE = 32 * 32 * 4
 
 def test_generous_budget_is_full_vmap(getkey):
     a, b = _sumexp_args(getkey)
-    f = _sumexp_wrapper(plan="auto", memory_budget=2**30)
+    # The time model alone: its working set fits, so nothing else is compiled.
+    f = _sumexp_wrapper(plan=Planner(measure=False), memory_budget=2**30)
     plan = explain(f, a, b)
     assert plan.auto
     assert plan.scan == {}
@@ -260,9 +263,12 @@ def test_auto_matches_reference(getkey, workload, budget_kind):
     print(full_temp, plan)
     if budget_kind == "generous" or full_temp == 0:
         # Full vmap, unless a block is est. faster (its working set in a faster
-        # level of memory).
+        # level of memory), or was measured faster (the short list timed both).
         (whole,) = [c for c in plan.candidates if c.source == "full vmap"]
-        assert plan.scan == {} or plan.chosen.seconds < whole.seconds
+        if plan.measured:
+            assert plan.chosen.measured <= whole.measured
+        else:
+            assert plan.scan == {} or plan.chosen.seconds < whole.seconds
     else:
         assert plan.scan and plan.chosen.temp_bytes <= budget
     out = f(*args, **kwargs)
@@ -466,9 +472,7 @@ def test_explain_same_gradient_nest_in_one_line(getkey):
     assert "\nunder differentiation: the same nest" in text
     assert "reverse mode" not in text
     assert plan.describe(gradient=True).endswith("\n\n" + str(plan.gradient))
-    assert plan.describe(full=True).endswith(
-        "\n\n" + plan.gradient.describe(full=True)
-    )
+    assert plan.describe(full=True).endswith("\n\n" + plan.gradient.describe(full=True))
 
 
 def test_explain_fixed_nest(getkey):
@@ -1021,8 +1025,7 @@ def test_every_row_carries_a_reason(getkey):
                 assert c.reason.startswith("not compiled: ")
             elif not c.fits:
                 assert c.reason == (
-                    f"over budget: {fmt_bytes(c.temp_bytes)} > "
-                    f"{fmt_bytes(budget)}"
+                    f"over budget: {fmt_bytes(c.temp_bytes)} > {fmt_bytes(budget)}"
                 )
             else:
                 assert c.reason.startswith(("slower (est. ", "fits, not costed"))
@@ -1089,6 +1092,75 @@ def test_measured_mode_when_full_vmap_fits(getkey):
     assert sum(c.measured is not None for c in plan.candidates) >= 2
     fastest = min(c.measured for c in plan.candidates if c.measured is not None)
     assert plan.chosen.measured == fastest
+
+
+# `plan="auto"`'s short list: the model's choice checked by timing.
+_SMALL_CACHE = TimeModel(levels=((64 * 1024, 2e11),), bandwidth=1e9)  # it searches
+
+
+def test_auto_times_a_short_list_where_the_model_searched(getkey):
+    a, b = _sumexp_args(getkey)
+    planner = Planner(cache_dir=False, time_model=_SMALL_CACHE)
+    assert repr(planner) == "Planner()" and planner.measure == "short"
+    plan = explain(_sumexp_wrapper(plan=planner, memory_budget=2**30), a, b)
+    model = _planner_of(time_model=_SMALL_CACHE)
+    by_model = explain(_sumexp_wrapper(plan=model, memory_budget=2**30), a, b)
+    assert by_model.basis == "model" and by_model.chosen.source != "full vmap"
+    assert plan.basis == "short" and plan.measured
+    timed = {c.key: c.measured for c in plan.candidates if c.measured is not None}
+    # Full vmap (it fits) and the model's pick, on made-up inputs; the fastest won.
+    assert plan.candidates[0].key in timed and by_model.chosen.key in timed
+    assert plan.chosen.measured == min(timed.values())
+    assert str(plan).startswith("filter_multi_vmap(_sumexp): plan='auto', measured")
+    assert "The time model's choice checked: a short list timed on made-up inputs" in (
+        " ".join(plan.summary.split())
+    )
+    np.testing.assert_allclose(
+        _fixed(_sumexp, plan, in_dims=("T B K", "T K"), out_dims="T B")(a, b),
+        _sumexp_reference(a, b),
+        rtol=1e-5,
+    )
+
+
+def test_no_short_list_where_the_model_kept_full_vmap(getkey):
+    # Full vmap's working set (16 KiB) is within the fastest level of memory.
+    a, b = _sumexp_args(getkey, t=2, bsize=2, k=32)
+    planner = Planner(cache_dir=False, time_model=TimeModel())
+    plan = explain(_sumexp_wrapper(plan=planner, memory_budget=2**30), a, b)
+    assert plan.basis == "model" and not plan.measured
+    assert plan.n_compiled == 1 and "nothing else was compiled" in plan.summary
+
+
+def test_no_short_list_for_a_body_whose_cost_depends_on_its_data(getkey):
+    def halvings(x):  # a while loop: its trips are the data's
+        halve = lambda s: (s[0] / 2, s[1] + 1)  # noqa: E731
+        return jax.lax.while_loop(lambda s: s[0] > 1, halve, (x, 0))[1]
+
+    x = jnp.exp(5 * jax.random.uniform(getkey(), (64, 32)))
+    planner = Planner(cache_dir=False, time_model=_SMALL_CACHE)
+    f = filter_multi_vmap(
+        halvings, in_dims="T F", out_dims="T F", plan=planner, memory_budget=2**30
+    )
+    plan = explain(f, x)
+    assert plan.basis == "model" and not plan.measured
+    assert not any(c.measured is not None for c in plan.candidates)
+
+
+def test_a_short_list_on_disk_does_for_the_model_but_not_for_measured_mode(
+    getkey, tmp_path
+):
+    a, b = _sumexp_args(getkey)
+    short = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE)
+    first = explain(_sumexp_wrapper(plan=short, memory_budget=2**30), a, b)
+    assert first.basis == "short"
+    model = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE, measure=False)
+    assert repr(model) == "Planner(measure=False)"
+    read = explain(_sumexp_wrapper(plan=model, memory_budget=2**30), a, b)
+    assert model.n_disk_hits >= 1 and model.n_plans == 0
+    assert read.basis == "short" and read.chosen == first.chosen
+    measuring = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE, measure=True)
+    timed = explain(_sumexp_wrapper(plan=measuring, memory_budget=2**30), a, b)
+    assert timed.basis == "inputs" and measuring.n_plans >= 1
 
 
 #
@@ -1519,19 +1591,14 @@ def test_other_ladders_are_searched_only_if_materially_faster(getkey):
     budget = full // 10
     want = np.array(
         [
-            [
-                [_mixed_sizes(x[p, q, r], y[r, p]) for p in range(3)]
-                for q in range(40)
-            ]
+            [[_mixed_sizes(x[p, q, r], y[r, p]) for p in range(3)] for q in range(40)]
             for r in range(7)
         ]
     )
     plans = {}
     for measure in (False, True):
         planner = _planner_of(measure=measure)
-        f = filter_multi_vmap(
-            _mixed_sizes, plan=planner, memory_budget=budget, **kw
-        )
+        f = filter_multi_vmap(_mixed_sizes, plan=planner, memory_budget=budget, **kw)
         plans[measure] = plan = explain(f, x, y)
         assert plan.chosen.temp_bytes <= budget
         fixed = _fixed(_mixed_sizes, plan, **kw)
@@ -1551,9 +1618,7 @@ def test_differentiated_call_plans_only_the_derivative(getkey):
     f = _sumexp_wrapper(plan=planner, memory_budget=20 * _ONE)
     got = jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1))(a, b)
     assert planner.n_plans == 1  # the nest under differentiation only
-    want = jax.grad(
-        lambda a, b: jnp.sum(_sumexp_reference(a, b)), argnums=(0, 1)
-    )(a, b)
+    want = jax.grad(lambda a, b: jnp.sum(_sumexp_reference(a, b)), argnums=(0, 1))(a, b)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

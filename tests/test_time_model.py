@@ -208,7 +208,7 @@ def _reference(x, w):
 
 def _plan(model, getkey, budget=2**30):
     x, w = _args(getkey)
-    f = _map(Planner(cache_dir=False, time_model=model), budget)
+    f = _map(Planner(cache_dir=False, time_model=model, measure=False), budget)
     plan = explain(f, x, w)
     np.testing.assert_allclose(f(x, w), _reference(x, w), rtol=1e-4, atol=1e-5)
     return plan
@@ -365,7 +365,7 @@ def test_a_block_whose_ops_split_over_cores_wins(getkey, cores):
     levels = ((2**20, 2.1e11), (32 * 2**20, 8e10))
     model = TimeModel(levels=levels, bandwidth=1.3e10, cores=cores)
     kw = dict(in_dims=("B L K J", "B J"), out_dims="B K", core="K")
-    planner = Planner(cache_dir=False, time_model=model)
+    planner = Planner(cache_dir=False, time_model=model, measure=False)
     f = filter_multi_vmap(_mlp, plan=planner, memory_budget=2**30, **kw)
     plan = explain(f, w, h)
     assert set(plan.scan) == {"B"}
@@ -381,7 +381,7 @@ def test_a_while_loop_in_lockstep_plans_one_element_per_trip(getkey, body):
     scale = 10.0 ** jnp.arange(6, dtype=jnp.float32)[None, :, None]
     x = jax.random.normal(getkey(), (8, 6, 16)) * scale
     model = TimeModel(loop_overhead=1e-12)
-    planner = Planner(cache_dir=False, time_model=model)
+    planner = Planner(cache_dir=False, time_model=model, measure=False)
     kw = dict(in_dims="T B K", out_dims="T B K", core="K")
     f = filter_multi_vmap(body, plan=planner, **kw)
     plan = planner.plan(resolve(f._fun, f._options, (x,), {}))  # forward only

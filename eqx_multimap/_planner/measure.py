@@ -27,6 +27,11 @@ CAP = 8.0
 """The search's default cap: it times no further candidate once planning (the time
 model's search included) has taken this many times the median compile of the
 candidates it timed."""
+SHORT = 3.0
+"""The cap of `plan="auto"`'s short list: after full vmap and the model's pick, it
+times no further candidate once planning has taken this many times the median
+compile."""
+SHORT_SPEND = 0.1  # the short list times a candidate for this share of its compile
 TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
 TRIPS = 8  # at least, in a slice: a call's fixed cost (its temporaries' first touch)
 WHOLE = 0.5  # timed whole if a slice would keep at least this share of the trips
@@ -171,7 +176,10 @@ class Tuner:
 
     def __init__(self, search: Search):
         self.search, self.call, self.sizes = search, search.call, search.sizes
-        self.values, self.cap = search.request.values, CAP
+        self.values, self.short = search.request.values, search.request.short
+        self.cap = SHORT if self.short else CAP
+        self.spend = SHORT_SPEND if self.short else SPEND
+        self.made: dict[str, Any] = {}  # made-up inputs, by their shapes
         self.start = search.start  # the cap bounds the whole planning
         self.began = time.perf_counter()
         self.timed: dict[tuple, Timed] = {}
@@ -195,13 +203,14 @@ class Tuner:
 
     def due(self) -> bool:
         """Whether the next candidate would take planning past `cap` times the
-        median compile (one kept for timing the fastest again), once `FEW` have run:
-        then `capped`."""
-        if sum(bool(t.rounds) for t in self.timed.values()) < FEW:
+        median compile (one kept for timing the fastest again, but in a short list),
+        once `FEW` have run (two in a short list): then `capped`."""
+        few = 2 if self.short else FEW
+        if sum(bool(t.rounds) for t in self.timed.values()) < few:
             return False
         now = time.perf_counter()
         per = (now - self.began) / len(self.timed)  # a candidate, on average
-        if now - self.start + per > (self.cap - 1) * self.compiles():
+        if now - self.start + per > (self.cap - (not self.short)) * self.compiles():
             self.capped = True
         return self.capped
 
@@ -247,7 +256,12 @@ class Tuner:
             search.known[c.key] = costed if fits else exact
             if not fits:
                 return math.inf
-        args = _sliced(self.call, index, sub) if self.values else concrete_inputs(specs)
+        if self.values:
+            args = _sliced(self.call, index, sub)
+        else:  # made once for each shape (candidates timed whole share them)
+            if str(specs) not in self.made:
+                self.made[str(specs)] = concrete_inputs(specs)
+            args = self.made[str(specs)]
         if self.values and compiler.backward:  # the cotangents made up
             args = [args, concrete_inputs(specs[1])]
         args = jax.block_until_ready(args)
@@ -260,9 +274,9 @@ class Tuner:
         ran = [k for k, t in self.timed.items() if t.rounds]
         lead = self.timed[min(ran, key=self.seconds)] if ran else None
         if lead is None or statistics.median(lead.rounds) > TARGET:
-            (times,) = rounds([run], 3, 15, SPEND * compile_seconds)
+            (times,) = rounds([run], 3, 15, self.spend * compile_seconds)
         else:  # side by side with the fastest so far: the machine's drift taken out
-            spend = 2 * SPEND * compile_seconds
+            spend = 2 * self.spend * compile_seconds
             times, again = rounds([run, lead.run], 3, 15, spend)
             base = statistics.median(lead.rounds)
             times = [t * base / a for t, a in zip(times, again)]
@@ -333,9 +347,13 @@ class Tuner:
             if self.capped or i and fastest(line) > CLOSE * lead():
                 break
             self.along(line)
-        self.confirm()
+        if not self.short:
+            self.confirm()
         pruned = "a block between it and its ladder's fastest measured slower, or "
         pruned += f"its ladder's first step over {CLOSE:g}x the fastest"
+        if self.short:
+            pruned = "not on the short list (full vmap, the model's pick, a block of "
+            pruned += "each ladder the model searched, while within the cap)"
         in_lines = {c.key for line in lines for c in line}
         for k in search.considered.keys() - self.timed.keys():
             why = "its temporaries predicted over the budget"
@@ -386,9 +404,11 @@ class Tuner:
         stop = "stopped the search: one more candidate would have passed it"
         stop = stop if self.capped else "was not reached"
         again = f"; those within {CLOSE:g}x of the fastest again side by side"
+        again *= len(ran) > 1 and not self.short
+        short = "The time model's choice checked: a short list t" if self.short else "T"
         return (
-            f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}"
-            f"{again * (len(ran) > 1)}. The cap ({cap}) {stop}."
+            f" {short}imed on {what}: {plural(len(ran), 'candidate')}, {how}{again}. "
+            f"The cap ({cap}) {stop}."
         )
 
 

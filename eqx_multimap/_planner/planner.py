@@ -101,9 +101,13 @@ class Planner:
 
     **Arguments:**
 
-    - `measure`: `False` (the default) ranks the candidates that fit the budget by
-        the time model's estimate. `True` times them and takes the fastest, within
-        a cap of 8x a compile: an un-jitted call on its own arguments, as
+    - `measure`: `"short"` (the default) ranks the candidates that fit the budget
+        by the time model's estimate and, where the model searched and the body's
+        cost does not depend on its data, times a short list on made-up inputs
+        (full vmap, the model's pick, then more while planning stays within 3x a
+        compile) and takes the fastest. `False`: the model's estimate alone. `True`
+        times every candidate it may and takes the fastest, within a cap of 8x a
+        compile: an un-jitted call on its own arguments, as
         [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
         unless the body's cost depends on its data (see
         [Measured mode](../planner.md#measured-mode)).
@@ -124,15 +128,16 @@ class Planner:
     def __init__(
         self,
         *,
-        measure: bool = False,
+        measure: bool | Literal["short"] = "short",
         cache_dir: Any = None,  # a path, `False` or `None`; checked below
         time_model: TimeModel | None = None,
         max_cache: int = 256,
     ):
         what = "`eqx_multimap.Planner("
-        if not isinstance(measure, bool):
+        if not (isinstance(measure, bool) or measure == "short"):
             raise SpecError(
-                f"{what}measure=...)` must be `True` or `False`, but got {measure!r}."
+                f"{what}measure=...)` must be `True`, `False` or 'short', but got "
+                f"{measure!r}."
             )
         path = isinstance(cache_dir, (str, os.PathLike))
         if not (cache_dir is None or cache_dir is False or path):
@@ -161,11 +166,12 @@ class Planner:
         self.n_plans = self.n_compiles = self.n_disk_hits = self.n_calibrations = 0
 
     @property
-    def measure(self) -> bool:
+    def measure(self) -> bool | str:
         return self._config["measure"]
 
     def __repr__(self) -> str:
-        return "Planner(measure=True)" if self.measure else "Planner()"
+        short = self.measure == "short"
+        return "Planner()" if short else f"Planner(measure={self.measure})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Planner):
@@ -264,8 +270,9 @@ class Planner:
         data = data_dependent(call.body.standalone.jaxpr.jaxpr)
         # The plans that will do: timed on arguments to tune (none to tune again); on
         # made-up inputs to measure a body whose cost does not depend on its data.
+        measure = tune or (self.measure is True and not data)
         wanted = [] if again else ["arguments"] if tune else ["arguments", "inputs"]
-        wanted += ["model"] if not tune and (not self.measure or data) else []
+        wanted += ["short", "model"] if not tune and not measure else []
         with self._lock:
             old = self._cache.get(key)  # replaced, with `again`
             cached = None if again else old
@@ -274,11 +281,12 @@ class Planner:
                 return cached
         if isinstance(cached, str):  # no nest fit this signature
             raise SpecError(cached)
-        measure = tune or (self.measure and not data)
         model, model_key = self.time_model, self._model_key
+        short = self.measure == "short" and not measure and not data
         request = Request(
-            call, sizes, shard, budget, src, backward, model, measure, model_key, tune
-        )
+            call, sizes, shard, budget, src, backward, model, measure, model_key, tune,
+            short,
+        )  # fmt: skip
         disk, found = self._disk, None
         disk_key = None if disk is None else plan_key(request, body)
         if disk is not None and not again:
@@ -318,7 +326,8 @@ class Planner:
             # One device's nest, compiled on its own: not on the mesh of a
             # `shard_map` that the call may be traced in (its axes `Manual`).
             with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-                plan = search.run(measured if request.measure else None)
+                timed = request.measure or request.short
+                plan = search.run(measured if timed else None)
         except NoFit as e:
             if disk is not None:
                 no_fit = {"smallest": cand_json(e.smallest), "n": e.n}
@@ -331,7 +340,7 @@ class Planner:
                 self.n_compiles += search.compiler.n_compiled
             progress.close()
         summary = note + plan.summary
-        if self.measure and not request.measure:  # the body's cost depends on its data
+        if self.measure is True and not request.measure:  # its cost depends on data
             summary += (
                 f" The body's cost depends on its data ({data}): planned by the "
                 "model; call `eqx_multimap.tune(f, *args)` with real arguments "

@@ -155,7 +155,8 @@ def collective_dims(call: Call) -> Names:
 class Request:
     """What one plan is for: `localize`'s sizes and shards, the budget and its source,
     and how it is planned (`model_key`: the time model in the disk cache's keys,
-    `None` for its constants; `values`: measured mode times the call's own)."""
+    `None` for its constants; `values`: measured mode times the call's own;
+    `short`: the model's choice checked by timing a short list)."""
 
     call: Call
     sizes: Sizes
@@ -167,6 +168,7 @@ class Request:
     measure: bool = False
     model_key: Any = None
     values: bool = False
+    short: bool = False
 
 
 def plan_for(
@@ -504,11 +506,13 @@ class Search:
             text += "was compiled."
         else:
             choice, timed = self._choose(full, ladders), ""
-            if measure is not None and free:  # every order of the dims
+            short = self.request.short
+            if measure is not None and free and not short:  # every order of the dims
                 orders = dim_orders(call, sizes, free, every=True)
                 ladders = [ladder(o, layout, sizes, fixed, frozen) for o in orders]
                 for c in (c for steps in ladders for c in steps):
                     self.considered.setdefault(c.key, c)
+            if measure is not None and free and (self.searched or not short):
                 choice, timed = measure(self, full, ladders, choice.chosen)
             f = self.known[full.key]
             text = summary(choice, f, self.searched, bool(free), self.request) + timed
@@ -519,7 +523,8 @@ class Search:
         chosen = next(c for c in candidates if c.key == choice.chosen.key)
         # Timed on the call's own arguments, or on made-up inputs; else estimated.
         ran = bool(choice.timed)
-        basis = ("arguments" if self.request.values else "inputs") if ran else "model"
+        made_up = "short" if self.request.short else "inputs"
+        basis = ("arguments" if self.request.values else made_up) if ran else "model"
         return auto_plan(
             self.request, chosen, candidates,
             n_compiled=self.compiler.n_compiled,
