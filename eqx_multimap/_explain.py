@@ -42,14 +42,15 @@ def _unwrap(fn: Callable, caller: str) -> tuple[_MultiVmapWrapper, tuple]:
 
 @traceback_util.api_boundary
 def explain(fn: Callable, /, *args, **kwargs) -> Plan:
-    """Plan a call of a `filter_multi_vmap` function without running it.
+    """Plan a call of a `filter_multi_vmap` function, without calling it.
 
     **Arguments:**
 
     - `fn`: a function returned by [`eqx_multimap.filter_multi_vmap`][] (or a method
         defined with it, accessed on an instance).
     - `*args`, `**kwargs`: the arguments it would be called with. Arrays may be
-        given as `jax.ShapeDtypeStruct`s; nothing is executed.
+        given as `jax.ShapeDtypeStruct`s; the function is not run on them (a
+        planner may time candidate nests on made-up inputs of their shapes).
 
     **Returns:**
 

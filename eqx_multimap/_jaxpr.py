@@ -26,6 +26,8 @@ _NOT_COLLECTIVES = frozenset({"pvary", "pcast"})
 _DATA_DEPENDENT = {"while": "a while loop", "cond": "a `lax.cond`"}
 # Primitives of `checkify.check`.
 _CHECKS = frozenset({"check"})
+# Primitives that call back into Python (any named `*callback*` too).
+_CALLBACKS = frozenset({"debug_print", "debug_callback", "pure_callback"})
 # Calls, with the parameter that holds their jaxpr, whose inputs and outputs are the
 # equation's own. Every other equation with jaxprs is a kernel of its own: control
 # flow (`cond`, `while`, `scan`: a scan's outputs are stacked, a loop's carried),
@@ -202,6 +204,17 @@ def data_dependent(jaxpr: Any) -> str | None:
     except Exception:  # an unfamiliar jaxpr: the conservative answer
         return "a body the planner cannot read"
     return None if eqn is None else _DATA_DEPENDENT[eqn.primitive.name]
+
+
+def calls_back(jaxpr: Any) -> bool:
+    """Whether `jaxpr` (or a jaxpr in it) calls back into Python (`jax.debug.print`,
+    `jax.pure_callback`...), which each timed run would call again. Total: a jaxpr
+    it cannot read is taken to."""
+    try:
+        names = {e.primitive.name for e in eqns(jaxpr)}
+    except Exception:  # an unfamiliar jaxpr: the conservative answer
+        return True
+    return any(n in _CALLBACKS or "callback" in n for n in names)
 
 
 def lockstep(jaxpr: Any) -> bool:

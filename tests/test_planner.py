@@ -1112,9 +1112,12 @@ def test_auto_times_a_short_list_where_the_model_searched(getkey):
     assert plan.candidates[0].key in timed and by_model.chosen.key in timed
     assert plan.chosen.measured == min(timed.values())
     assert str(plan).startswith("filter_multi_vmap(_sumexp): plan='auto', measured")
-    assert "The time model's choice checked: a short list timed on made-up inputs" in (
-        " ".join(plan.summary.split())
+    summary = " ".join(plan.summary.split())
+    assert (
+        "The time model's choice checked: a short list of 2 candidates timed on "
+        in (summary)
     )
+    assert sum(c.measured is not None for c in plan.candidates) == 2
     np.testing.assert_allclose(
         _fixed(_sumexp, plan, in_dims=("T B K", "T K"), out_dims="T B")(a, b),
         _sumexp_reference(a, b),
@@ -1146,21 +1149,71 @@ def test_no_short_list_for_a_body_whose_cost_depends_on_its_data(getkey):
     assert not any(c.measured is not None for c in plan.candidates)
 
 
-def test_a_short_list_on_disk_does_for_the_model_but_not_for_measured_mode(
-    getkey, tmp_path
+def test_no_short_list_when_several_processes_run_the_program(
+    getkey, monkeypatch, tmp_path
 ):
+    # Each process plans on its own: a timed choice could differ between them.
     a, b = _sumexp_args(getkey)
-    short = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE)
-    first = explain(_sumexp_wrapper(plan=short, memory_budget=2**30), a, b)
-    assert first.basis == "short"
-    model = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE, measure=False)
-    assert repr(model) == "Planner(measure=False)"
-    read = explain(_sumexp_wrapper(plan=model, memory_budget=2**30), a, b)
-    assert model.n_disk_hits >= 1 and model.n_plans == 0
-    assert read.basis == "short" and read.chosen == first.chosen
-    measuring = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE, measure=True)
-    timed = explain(_sumexp_wrapper(plan=measuring, memory_budget=2**30), a, b)
-    assert timed.basis == "inputs" and measuring.n_plans >= 1
+    first = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE)
+    assert explain(_sumexp_wrapper(plan=first, memory_budget=2**30), a, b).measured
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    planner = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE)
+    plan = explain(_sumexp_wrapper(plan=planner, memory_budget=2**30), a, b)
+    # Not even the short list's plan on disk: the other process may have another.
+    assert plan.basis == "model" and not plan.measured and planner.n_plans == 2
+
+
+def test_a_planner_takes_from_disk_the_plans_it_would_make(getkey, tmp_path):
+    a, b = _sumexp_args(getkey)
+
+    def explained(**kwargs):
+        planner = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE, **kwargs)
+        plan = explain(_sumexp_wrapper(plan=planner, memory_budget=2**30), a, b)
+        return plan, planner.n_plans  # 2 made (the plan, its gradient's), or 0 read
+
+    # The model alone does not take a short list's plan, nor the reverse.
+    plan, n = explained(measure=False)
+    assert plan.basis == "model" and n == 2
+    plan, n = explained()
+    assert plan.basis == "short" and n == 2
+    assert explained()[1] == 0  # a short list's plan, read back
+    plan, n = explained(measure=False)
+    assert plan.basis == "model" and n == 2
+    # Measured mode takes neither; every planner takes its plan.
+    plan, n = explained(measure=True)
+    assert plan.basis == "inputs" and n == 2
+    for measure in (False, "short", True):
+        read, n = explained(measure=measure)
+        assert n == 0 and read.basis == "inputs" and read.chosen == plan.chosen
+
+
+def test_no_short_list_for_a_body_that_calls_back(getkey):
+    seen = []
+
+    def body(a, b):
+        jax.debug.callback(lambda x: seen.append(x), b[0])
+        return _sumexp(a, b)
+
+    a, b = _sumexp_args(getkey)
+    planner = Planner(cache_dir=False, time_model=_SMALL_CACHE)
+    f = filter_multi_vmap(
+        body,
+        in_dims=("T B K", "T K"),
+        out_dims="T B",
+        plan=planner,
+        memory_budget=2**30,
+    )
+    plan = explain(f, a, b)
+    assert plan.basis == "model" and not plan.measured and not seen
+
+
+def test_no_short_list_when_only_one_nest_fits(getkey):
+    # T of 2, B of 1 (never scanned): only `scan(T)` fits, so there is nothing to time.
+    a, b = _sumexp_args(getkey, t=2, bsize=1)
+    planner = Planner(cache_dir=False, time_model=_SMALL_CACHE)
+    plan = explain(_sumexp_wrapper(plan=planner, memory_budget=_ONE + _ONE // 2), a, b)
+    assert plan.scan == {"T": None}
+    assert plan.basis == "model" and not plan.measured and plan.n_compiled <= 2
 
 
 #

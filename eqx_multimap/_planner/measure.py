@@ -27,10 +27,6 @@ CAP = 8.0
 """The search's default cap: it times no further candidate once planning (the time
 model's search included) has taken this many times the median compile of the
 candidates it timed."""
-SHORT = 3.0
-"""The cap of `plan="auto"`'s short list: after full vmap and the model's pick, it
-times no further candidate once planning has taken this many times the median
-compile."""
 SHORT_SPEND = 0.1  # the short list times a candidate for this share of its compile
 TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
 TRIPS = 8  # at least, in a slice: a call's fixed cost (its temporaries' first touch)
@@ -177,8 +173,7 @@ class Tuner:
     def __init__(self, search: Search):
         self.search, self.call, self.sizes = search, search.call, search.sizes
         self.values, self.short = search.request.values, search.request.short
-        self.cap = SHORT if self.short else CAP
-        self.spend = SHORT_SPEND if self.short else SPEND
+        self.cap, self.spend = CAP, SHORT_SPEND if self.short else SPEND
         self.made: dict[str, Any] = {}  # made-up inputs, by their shapes
         self.start = search.start  # the cap bounds the whole planning
         self.began = time.perf_counter()
@@ -203,14 +198,13 @@ class Tuner:
 
     def due(self) -> bool:
         """Whether the next candidate would take planning past `cap` times the
-        median compile (one kept for timing the fastest again, but in a short list),
-        once `FEW` have run (two in a short list): then `capped`."""
-        few = 2 if self.short else FEW
-        if sum(bool(t.rounds) for t in self.timed.values()) < few:
+        median compile (one kept for timing the fastest again), once `FEW` have run:
+        then `capped`."""
+        if sum(bool(t.rounds) for t in self.timed.values()) < FEW:
             return False
         now = time.perf_counter()
         per = (now - self.began) / len(self.timed)  # a candidate, on average
-        if now - self.start + per > (self.cap - (not self.short)) * self.compiles():
+        if now - self.start + per > (self.cap - 1) * self.compiles():
             self.capped = True
         return self.capped
 
@@ -309,7 +303,9 @@ class Tuner:
         `along` each ladder that fits the budget (an order of the dims), the model's
         first; in lockstep, a block of one element; then search along each ladder
         whose fastest is within `CLOSE` of the fastest, fastest first, until the
-        cap. The fastest timed that fits."""
+        cap. The fastest timed that fits. A short list stops at two: full vmap (else
+        a step along the model's ladder) and the model's choice; `None` if there is
+        no choice to make."""
         search, budget = self.search, self.search.budget
         fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
         head = [full] * bool(search.known[full.key].fits)  # full vmap, if it fits
@@ -322,11 +318,21 @@ class Tuner:
         lines = [head + r for r in rungs if r]  # each with a rung of its own
         if len({c.key for c in head + [model] + one + sum(lines, [])}) > 1:
             self.probe = Probe()  # a choice to make: rounds another job held are seen
+        elif self.short:
+            return None
         for c in head + [model]:
             self.time(c)
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         lone = {c.key for c in one}
+        if (
+            self.short
+        ):  # two: full vmap (else a step along the model's ladder), its pick
+            if sum(bool(t.rounds) for t in self.timed.values()) < 2:
+                self.along(first, 1)
+            for k in search.considered.keys() - self.timed.keys():
+                self.why[k] = "not timed: not on the short list"
+            return self.choose()
 
         def lead() -> float:  # the fastest time, of full vmap and the ladders
             ran = [k for k in self.timed if k not in lone] or list(self.timed)
@@ -347,13 +353,9 @@ class Tuner:
             if self.capped or i and fastest(line) > CLOSE * lead():
                 break
             self.along(line)
-        if not self.short:
-            self.confirm()
+        self.confirm()
         pruned = "a block between it and its ladder's fastest measured slower, or "
         pruned += f"its ladder's first step over {CLOSE:g}x the fastest"
-        if self.short:
-            pruned = "not on the short list (full vmap, the model's pick, a block of "
-            pruned += "each ladder the model searched, while within the cap)"
         in_lines = {c.key for line in lines for c in line}
         for k in search.considered.keys() - self.timed.keys():
             why = "its temporaries predicted over the budget"
@@ -396,26 +398,32 @@ class Tuner:
         """What was timed, on what, and whether the cap stopped the search."""
         ran = [t for t in self.timed.values() if t.rounds]
         cut = sum(bool(t.slice) for t in ran)
-        how = f"{cut} on a slice of its loop trips (its block kept), scaled" * bool(cut)
-        how = how or "each on the whole call"
+        how = "each on the whole call"
+        if cut:
+            how = "each" if cut == len(ran) else f"{cut} of them"
+            how += " on a slice of its loop trips (its block kept), scaled"
         what = "the call's arguments" if self.values else "made-up inputs of its shapes"
+        if self.short:
+            return (
+                f" The time model's choice checked: a short list of "
+                f"{plural(len(ran), 'candidate')} timed on {what}, {how}."
+            )
         cap = fmt_seconds(self.cap * self.compiles())
         cap = f"{self.cap:g}x the median compile, {cap}"
         stop = "stopped the search: one more candidate would have passed it"
         stop = stop if self.capped else "was not reached"
         again = f"; those within {CLOSE:g}x of the fastest again side by side"
-        again *= len(ran) > 1 and not self.short
-        short = "The time model's choice checked: a short list t" if self.short else "T"
         return (
-            f" {short}imed on {what}: {plural(len(ran), 'candidate')}, {how}{again}. "
-            f"The cap ({cap}) {stop}."
+            f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}"
+            f"{again * (len(ran) > 1)}. The cap ({cap}) {stop}."
         )
 
 
 def measured(
     search: Search, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate
 ) -> tuple[Choice, str]:
-    """`Tuner.run`'s choice, and what it timed; the model's if timing fails."""
+    """`Tuner.run`'s choice, and what it timed; the model's (with what timing found
+    over the budget) if there was no choice to make, or timing failed."""
     tuner = Tuner(search)
     try:  # run eagerly, not in the trace planning may run in (a callback's values)
         with jax.ensure_compile_time_eval():
@@ -423,7 +431,9 @@ def measured(
     except Exception as e:  # e.g. inputs of a dtype that cannot be made up
         first = (str(e).splitlines() or [""])[0]
         note = f"could not measure ({type(e).__name__}: {first}), so estimated"
-        return Choice(model, [model], {}, note), ""
+        return search.pick()._replace(note=note), ""
+    if choice is None:
+        return search.pick(), ""
     search.notes.update(tuner.why)
     return choice, tuner.describe()
 

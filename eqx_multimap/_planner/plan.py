@@ -135,9 +135,9 @@ class Plan:
     `budget_bytes` and `budget_source`; `n_compiled` and `seconds` (what planning
     cost here: `0` compiles when read from disk); `measured` (candidates were
     timed) and `basis` (what the choice rests on: `"arguments"`, timed on the
-    call's own; `"inputs"`, on made-up ones; `"short"`, a short list on made-up ones;
-    or `"model"`); `given` (dims whose
-    strategy was given) and `collective` (dims used in collectives, never scanned);
+    call's own; `"inputs"`, on made-up ones; `"short"`, a short list on made-up
+    ones; or `"model"`); `given` (dims whose strategy was given) and `collective`
+    (dims used in collectives, never scanned);
     `cache` and `cache_path` (where the plan came from); `shard` (a `ShardDim` per
     dim of `shard=`: sizes and budget are then per device) and `local` (a
     `LocalArg` per input leaf split over other mesh axes); `backward` and

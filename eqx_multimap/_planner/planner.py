@@ -20,7 +20,7 @@ import jaxlib
 from .._blocks import known
 from .._body import struct
 from .._errors import SpecError
-from .._jaxpr import data_dependent
+from .._jaxpr import calls_back, data_dependent
 from .._progress_bar import Progress
 from .._resolve import Call
 from .._text import plural
@@ -104,8 +104,10 @@ class Planner:
     - `measure`: `"short"` (the default) ranks the candidates that fit the budget
         by the time model's estimate and, where the model searched and the body's
         cost does not depend on its data, times a short list on made-up inputs
-        (full vmap, the model's pick, then more while planning stays within 3x a
-        compile) and takes the fastest. `False`: the model's estimate alone. `True`
+        (full vmap, else a block near the model's pick, and the pick) and takes the
+        faster; not for a body that calls back into Python, nor when several
+        processes run the program (`jax.distributed`). `False`: the model's
+        estimate alone (a plan `tune` made is still used). `True`
         times every candidate it may and takes the fastest, within a cap of 8x a
         compile: an un-jitted call on its own arguments, as
         [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
@@ -166,7 +168,7 @@ class Planner:
         self.n_plans = self.n_compiles = self.n_disk_hits = self.n_calibrations = 0
 
     @property
-    def measure(self) -> bool | str:
+    def measure(self) -> bool | Literal["short"]:
         return self._config["measure"]
 
     def __repr__(self) -> str:
@@ -267,12 +269,18 @@ class Planner:
         body = fingerprint(call)
         key += (body, collective_dims(call))
         start = time.perf_counter()
-        data = data_dependent(call.body.standalone.jaxpr.jaxpr)
-        # The plans that will do: timed on arguments to tune (none to tune again); on
-        # made-up inputs to measure a body whose cost does not depend on its data.
+        jaxpr = call.body.standalone.jaxpr.jaxpr
+        data = data_dependent(jaxpr)
         measure = tune or (self.measure is True and not data)
+        # A short list, unless timing would call back into Python, or processes
+        # (`jax.distributed`) that must run one program could time differently.
+        short = self.measure == "short" and not measure and not data
+        short = short and not calls_back(jaxpr) and jax.process_count() == 1
+        # The plans that will do: timed on arguments to tune (none to tune again); on
+        # made-up inputs to measure a body whose cost does not depend on its data; a
+        # short list's; the model's.
         wanted = [] if again else ["arguments"] if tune else ["arguments", "inputs"]
-        wanted += ["short", "model"] if not tune and not measure else []
+        wanted += ["short"] * short + ["model"] * (not tune and not measure)
         with self._lock:
             old = self._cache.get(key)  # replaced, with `again`
             cached = None if again else old
@@ -282,7 +290,6 @@ class Planner:
         if isinstance(cached, str):  # no nest fit this signature
             raise SpecError(cached)
         model, model_key = self.time_model, self._model_key
-        short = self.measure == "short" and not measure and not data
         request = Request(
             call, sizes, shard, budget, src, backward, model, measure, model_key, tune,
             short,
@@ -299,6 +306,8 @@ class Planner:
         if isinstance(found, str):  # no nest fits, as found before
             self._store(key, found)
             raise SpecError(found)
+        if found is not None and short and found.basis == "model":
+            found = None  # a model-only planner's, where a short list is wanted
         if found is not None and found.basis in wanted:
             plan = dataclasses.replace(found, seconds=time.perf_counter() - start)
             earlier = f"read by an earlier call from the disk cache, {found.cache_path}"
