@@ -49,8 +49,7 @@ def explain(fn: Callable, /, *args, **kwargs) -> Plan:
     - `fn`: a function returned by [`eqx_multimap.filter_multi_vmap`][] (or a method
         defined with it, accessed on an instance).
     - `*args`, `**kwargs`: the arguments it would be called with. Arrays may be
-        given as `jax.ShapeDtypeStruct`s; the function is not run on them (a
-        planner may time candidate nests on made-up inputs of their shapes).
+        given as `jax.ShapeDtypeStruct`s; they are not run on (see `Planner`).
 
     **Returns:**
 

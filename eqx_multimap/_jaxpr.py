@@ -26,8 +26,8 @@ _NOT_COLLECTIVES = frozenset({"pvary", "pcast"})
 _DATA_DEPENDENT = {"while": "a while loop", "cond": "a `lax.cond`"}
 # Primitives of `checkify.check`.
 _CHECKS = frozenset({"check"})
-# Primitives that call back into Python (any named `*callback*` too).
-_CALLBACKS = frozenset({"debug_print", "debug_callback", "pure_callback"})
+# Primitives that call back into Python (and any named `*callback*`).
+_CALLBACKS = frozenset({"debug_print"})
 # Calls, with the parameter that holds their jaxpr, whose inputs and outputs are the
 # equation's own. Every other equation with jaxprs is a kernel of its own: control
 # flow (`cond`, `while`, `scan`: a scan's outputs are stacked, a loop's carried),
@@ -194,27 +194,26 @@ def has_checks(jaxpr: Any) -> bool:
 #
 
 
+def _first(jaxpr: Any, names: Any) -> str | None:
+    """The first primitive in `jaxpr` (or a jaxpr in it) whose name is in `names`
+    (or `names(name)`), or `None`; `"?"` for a jaxpr it cannot read (total)."""
+    try:
+        return next((n for e in eqns(jaxpr) if names(n := e.primitive.name)), None)
+    except Exception:  # an unfamiliar jaxpr: the conservative answer
+        return "?"
+
+
 def data_dependent(jaxpr: Any) -> str | None:
     """What in `jaxpr` (or a jaxpr in it) makes its run time depend on its data
-    (`"a while loop"`), or `None`. Total: a jaxpr it cannot read is data-dependent."""
-    try:
-        eqn = next(
-            (e for e in eqns(jaxpr) if e.primitive.name in _DATA_DEPENDENT), None
-        )
-    except Exception:  # an unfamiliar jaxpr: the conservative answer
-        return "a body the planner cannot read"
-    return None if eqn is None else _DATA_DEPENDENT[eqn.primitive.name]
+    (`"a while loop"`), or `None`. A jaxpr it cannot read is data-dependent."""
+    name = _first(jaxpr, _DATA_DEPENDENT.__contains__)
+    return name and _DATA_DEPENDENT.get(name, "a body the planner cannot read")
 
 
 def calls_back(jaxpr: Any) -> bool:
     """Whether `jaxpr` (or a jaxpr in it) calls back into Python (`jax.debug.print`,
-    `jax.pure_callback`...), which each timed run would call again. Total: a jaxpr
-    it cannot read is taken to."""
-    try:
-        names = {e.primitive.name for e in eqns(jaxpr)}
-    except Exception:  # an unfamiliar jaxpr: the conservative answer
-        return True
-    return any(n in _CALLBACKS or "callback" in n for n in names)
+    `jax.pure_callback`...), as each timed run would. A jaxpr it cannot read does."""
+    return _first(jaxpr, lambda n: n in _CALLBACKS or "callback" in n) is not None
 
 
 def lockstep(jaxpr: Any) -> bool:

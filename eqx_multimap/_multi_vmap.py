@@ -529,11 +529,6 @@ def filter_multi_vmap(
     return eqx.module_update_wrapper(_MultiVmapWrapper(fun, options))
 
 
-#
-# `explain`.
-#
-
-
 def _tune_once(
     wrapper: "_MultiVmapWrapper", planner: Planner, args: tuple, kwargs: dict
 ) -> None:
@@ -547,12 +542,8 @@ def _tune_once(
 
 
 def _tune(
-    wrapper: "_MultiVmapWrapper",
-    bound: tuple,
-    args: tuple,
-    kwargs: dict,
-    again: bool = False,
-):
+    wrapper: "_MultiVmapWrapper", bound: tuple, args: tuple, kwargs: dict, again=False
+) -> Plan:
     """Plan a call by timing candidates on its arguments; with `again`
     (`eqx_multimap.tune`), even if a plan so timed is cached, which it replaces,
     and its derivative's nest too (the plan's `gradient`). The forward plan."""
