@@ -104,14 +104,14 @@ class Planner:
     - `measure`: `"short"` (the default) ranks the candidates that fit the budget
         by the time model's estimate and, where the model searched and the body's
         cost does not depend on its data, times a short list on made-up inputs
-        (full vmap, else a block near the model's pick, and the pick) and takes the
-        faster; not for a body that calls back into Python, nor when several
-        processes run the program (`jax.distributed`). `False`: the model's
-        estimate alone (a plan `tune` made is still used). `True`
-        times every candidate it may and takes the fastest, within a cap of 8x a
-        compile: an un-jitted call on its own arguments, as
-        [`eqx_multimap.tune`][] does; a call under `jax.jit` on made-up inputs,
-        unless the body's cost depends on its data (see
+        (full vmap, else a block near the model's pick, and the pick; the inputs
+        are as large as the call's, outside `memory_budget`) and takes the faster;
+        not for a body that calls back into Python, nor when several processes run
+        the program (`jax.distributed`). `False`: the model's estimate alone (a
+        plan `tune` made is still used). `True` times every candidate it may and
+        takes the fastest, within a cap of 8x a compile: an un-jitted call on its
+        own arguments, as [`eqx_multimap.tune`][] does; a call under `jax.jit` on
+        made-up inputs, unless the body's cost depends on its data (see
         [Measured mode](../planner.md#measured-mode)).
     - `cache_dir`: where plans and calibrations are kept on disk, so that a plan is
         paid for once per machine. `None` (the default): the environment variable
