@@ -316,10 +316,11 @@ class Tuner:
         one = [c for s in ladders for c in s if alone(c) and fits(s, c)][:1]
         rungs = [[c for c in s if fits(s, c) and not alone(c)] for s in ladders]
         lines = [head + r for r in rungs if r]  # each with a rung of its own
-        if len({c.key for c in head + [model] + one + sum(lines, [])}) > 1:
-            self.probe = Probe()  # a choice to make: rounds another job held are seen
-        elif self.short:
+        many = len({c.key for c in head + [model] + one + sum(lines, [])}) > 1
+        if self.short and not many:
             return None
+        if many and not self.short:  # timed again: rounds another job held are seen
+            self.probe = Probe()
         for c in head + [model]:
             self.time(c)
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
