@@ -121,7 +121,7 @@ class DiskCache:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))
-_KEPT = ("checkpoint", "summary", "measured", "basis")  # stored fields of a `Plan`
+_KEPT = ("checkpoint", "summary", "measured", "basis", "searched")  # a `Plan`'s
 
 
 def cand_json(c: PlanCandidate) -> dict[str, Any]:

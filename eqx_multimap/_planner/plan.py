@@ -136,11 +136,11 @@ class Plan:
     cost here: `0` compiles when read from disk); `measured` (candidates were
     timed) and `basis` (what the choice rests on: `"arguments"`, timed on the
     call's own; `"inputs"`, on made-up ones; `"short"`, a short list on made-up
-    ones; or `"model"`); `given` (dims whose strategy was given) and `collective`
-    (dims used in collectives, never scanned);
-    `cache` and `cache_path` (where the plan came from); `shard` (a `ShardDim` per
-    dim of `shard=`: sizes and budget are then per device) and `local` (a
-    `LocalArg` per input leaf split over other mesh axes); `backward` and
+    ones; or `"model"`); `searched` (the model searched beyond full vmap); `given`
+    (dims whose strategy was given) and `collective` (dims used in collectives,
+    never scanned); `cache` and `cache_path` (where the plan came from); `shard` (a
+    `ShardDim` per dim of `shard=`: sizes and budget are then per device) and
+    `local` (a `LocalArg` per input leaf split over other mesh axes); `backward` and
     `checkpoint` (the plan under differentiation); from `explain`, `gradient` (that
     plan, or the error differentiating would raise); `time_model`. `scan` and
     `vmap` are the chosen strategies, as `filter_multi_vmap` takes them.
@@ -164,6 +164,7 @@ class Plan:
     summary: str = ""
     measured: bool = False
     basis: str = "model"
+    searched: bool = False
     given: tuple[str, ...] = ()
     collective: tuple[str, ...] = ()
     # Where a plan came from is not part of what it is.

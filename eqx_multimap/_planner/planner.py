@@ -306,7 +306,7 @@ class Planner:
         if isinstance(found, str):  # no nest fits, as found before
             self._store(key, found)
             raise SpecError(found)
-        if found is not None and short and found.basis == "model":
+        if found is not None and short and found.basis == "model" and found.searched:
             found = None  # a model-only planner's, where a short list is wanted
         if found is not None and found.basis in wanted:
             plan = dataclasses.replace(found, seconds=time.perf_counter() - start)

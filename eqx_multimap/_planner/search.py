@@ -531,6 +531,7 @@ class Search:
             seconds=time.perf_counter() - self.start,
             checkpoint=self.compiler.build(chosen.spec).checkpoint,
             time_model=self.model, summary=text, measured=ran, basis=basis,
+            searched=self.searched,
         )  # fmt: skip
 
     def _choose(self, full: PlanCandidate, ladders: list[Steps]) -> Choice:
