@@ -253,9 +253,10 @@ class Tuner:
         if self.values:
             args = _sliced(self.call, index, sub)
         else:  # made once for each shape (candidates timed whole share them)
-            if str(specs) not in self.made:
-                self.made[str(specs)] = concrete_inputs(specs)
-            args = self.made[str(specs)]
+            shapes = str(specs)
+            if shapes not in self.made:
+                self.made[shapes] = concrete_inputs(specs)
+            args = self.made[shapes]
         if self.values and compiler.backward:  # the cotangents made up
             args = [args, concrete_inputs(specs[1])]
         args = jax.block_until_ready(args)
@@ -326,9 +327,9 @@ class Tuner:
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         lone = {c.key for c in one}
-        if (
-            self.short
-        ):  # two: full vmap (else a step along the model's ladder), its pick
+        # A short list: two, full vmap (else a step along the model's ladder) and
+        # the model's pick.
+        if self.short:
             if sum(bool(t.rounds) for t in self.timed.values()) < 2:
                 self.along(first, 1)
             for k in search.considered.keys() - self.timed.keys():
@@ -462,7 +463,7 @@ def concrete_inputs(specs: Any) -> Any:
             period = pool[:4093] + 1j * pool[4093:] if complex_ else pool[:4093]
             n = math.prod(s.shape)
             x = np.broadcast_to(period.astype(s.dtype), (n // 4093 + 1, 4093))
-            return jax.device_put(x.ravel()[:n].reshape(s.shape))  # one copy
+            return jax.device_put(x.ravel()[:n].reshape(s.shape))
         return jax.device_put(np.zeros(s.shape, s.dtype))
 
     with jax.ensure_compile_time_eval():
