@@ -91,6 +91,22 @@ def test_data_dependent_reads_the_jaxpr():
     assert data_dependent(object()) == "a body the planner cannot read"
 
 
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.complex64, jnp.int32, jnp.bool_]
+)
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (4093, 2), (2, 5, 4099)])
+def test_made_up_inputs_have_the_shapes_and_dtypes_asked_for(dtype, shape):
+    spec = jax.ShapeDtypeStruct(shape, dtype)
+    (x,) = measure.concrete_inputs([spec])
+    assert (x.shape, x.dtype) == (shape, dtype)
+    values = np.asarray(x).astype(np.complex64).ravel()
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        assert not values.any()
+    elif values.size > 4093:  # a period of 4,093 values, each in [-1, 1)
+        np.testing.assert_array_equal(values[4093:], values[:-4093])
+        assert np.all(np.abs(values.real) <= 1) and len(set(values[:4093])) > 100
+
+
 def test_a_slice_cuts_loop_trips_and_keeps_the_block():
     sizes = {"T": 32, "F": 16}
     # Scanning T, then F in chunks of 4: an eighth of the trips cuts T alone, to
