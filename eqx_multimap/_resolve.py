@@ -63,7 +63,7 @@ from ._options import (
     out_leaf_dims,
 )
 from ._reduce import check_reduce_sizes, make_reduction, Reduction
-from ._shard import ShardPlan
+from ._shard import ShardPlan, split_dims
 from ._text import describe, wrap
 from ._typed import fun_annotations, FunAnnotations, OutAnnotation
 from ._variadic import Expand, rewrite_inputs, rewrite_output
@@ -118,7 +118,8 @@ class Call:
         over; `leaf_axes`: the axis of each mapped dim in each of them.
     - `body`: the body on one element; `out`: its output layout.
     - `bound`: the arguments, leaf by leaf.
-    - `shard`: with `shard=`, the mesh and each sharded dim's local size.
+    - `shard`: with `shard=`, the mesh and each sharded dim's local size; else
+        `split`: the dims that inputs split over devices (`split_dims`), never scanned.
     - `reduction`: with `reduce=`, the reductions (dtypes, identities).
     """
 
@@ -134,6 +135,7 @@ class Call:
     bound: BoundCall
     shard: ShardPlan | None
     reduction: Reduction | None = None
+    split: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def collective_dims(self) -> frozenset[str]:
@@ -339,6 +341,8 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
     leaf_axes = [a for a in check.axes if a is not None]
     element_specs = [_element_spec(v, a) for v, a in zip(values, leaf_axes)]
     shard = None if options.shard is None else options.shard.plan(fun_name, check)
+    split = {} if sharded else split_dims(bound.leaves, check.axes)
+    _check_split(fun_name, options, split)
     axis_env = [(name, check.sizes[name]) for name in mapped]
     try:
         body, out = trace_body(fun, bound, dyn_index, element_specs, axis_env, shard)
@@ -379,6 +383,7 @@ def resolve(fun: Callable, options: Options, args: tuple, kwargs: dict) -> Call:
         bound=bound,
         shard=shard,
         reduction=reduction,
+        split=split,
     )
 
 
@@ -544,6 +549,17 @@ def _body_note(
             + "."
         )
     return "\n".join(lines)
+
+
+def _check_split(fun_name: str, options: Options, split: dict[str, str]) -> None:
+    """No scan over a dim that inputs split over devices (JAX refuses it)."""
+    for name in (n for n in options.scan_names if n in split):
+        raise SpecError(
+            f"`{fun_name}`: `scan` names dim '{name}', but {split[name]} (an "
+            "`Explicit` axis), and a scan needs its inputs whole along its dim. Vmap "
+            f"'{name}' (drop it from `scan`), shard it (`shard={{{name!r}: ...}}`), "
+            f"or give that input a sharding that does not split '{name}'."
+        )
 
 
 def _check_collectives(

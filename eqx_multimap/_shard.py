@@ -257,6 +257,33 @@ def _spec(dim_axes: Mapping[str, int], dims: dict, ndim: int) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def split_dims(leaves: Sequence[Any], axes: Sequence[Any]) -> dict[str, str]:
+    """The dims that arrays split over `Explicit` mesh axes (`axes`: each leaf's
+    dims, or `None`), each with where: "`x` splits it over the mesh axis 'f'". Outside
+    `shard_map`, no scan can loop over one: JAX needs a scan's inputs whole along it."""
+    split: dict[str, str] = {}
+    for leaf, dims in zip(leaves, axes):
+        sharding = explicit_sharding(leaf.value) if dims else None
+        if sharding is not None:
+            spec = _padded_spec(sharding.spec, np.ndim(leaf.value))
+            for name, ax in dims.items():
+                over = [a for a in _names(spec[ax]) if a in _explicit(sharding.mesh)]
+                if over:
+                    where = f"`{leaf.path}` splits it over the mesh axis {over[0]!r}"
+                    split.setdefault(name, where)
+    return split
+
+
+def explicit_sharding(x: Any) -> Any:
+    """The sharding of `x` under an explicitly sharded mesh, else `None`."""
+    try:
+        sharding = jax.typeof(x).sharding
+        explicit = any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
+    except Exception:
+        return None
+    return sharding if explicit else None
+
+
 def _explicit(mesh: AnyMesh) -> tuple[str, ...]:
     kinds = zip(mesh.axis_names, mesh.axis_types)
     return tuple(a for a, kind in kinds if kind == AxisType.Explicit)

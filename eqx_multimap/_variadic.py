@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import traceback_util
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._args import BoundCall, InLeaf, is_array, LeafSpec
 from ._check import check_leaf_shape
@@ -40,6 +40,7 @@ from ._dims import (
     VariadicDim,
 )
 from ._errors import ShapeError
+from ._shard import explicit_sharding
 from ._text import describe
 
 
@@ -164,7 +165,7 @@ def _sharded_reshape(x: Any, shape: tuple[int, ...]) -> Any:
     explicitly sharded mesh, is reshaped back with `x`'s own sharding (JAX cannot
     tell the sharding of the reshape of a sharded axis). Reverse mode only."""
     old = np.shape(x)
-    primal = _explicit_sharding(x)
+    primal = explicit_sharding(x)
     spec = P() if primal is None else primal.spec
 
     @jax.custom_vjp
@@ -175,7 +176,7 @@ def _sharded_reshape(x: Any, shape: tuple[int, ...]) -> Any:
         return reshape(x), None
 
     def bwd(_, ct):
-        sharding = _explicit_sharding(ct)
+        sharding = explicit_sharding(ct)
         if sharding is None:
             return (ct.reshape(old),)
         out = NamedSharding(sharding.mesh, spec)
@@ -218,7 +219,7 @@ class Expand:
         ax = final_axis(self.dims, self.name, np.ndim(out))
         shape = np.shape(out)
         new_shape = shape[:ax] + self.shape + shape[ax + 1 :]
-        sharding = _explicit_sharding(out)
+        sharding = explicit_sharding(out)
         if sharding is None:
             return out.reshape(new_shape)
         spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
@@ -226,16 +227,6 @@ class Expand:
         return jax.lax.reshape(
             out, new_shape, out_sharding=NamedSharding(sharding.mesh, expanded)
         )
-
-
-def _explicit_sharding(x: Any) -> Any:
-    """The sharding of `x` under an explicitly sharded mesh, else `None`."""
-    try:
-        sharding = jax.typeof(x).sharding
-        explicit = any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
-    except Exception:
-        return None
-    return sharding if explicit else None
 
 
 def _expanded_spec(spec: tuple, ax: int, shape: tuple[int, ...], mesh: Any) -> P:

@@ -7,7 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eqx_multimap import explain, filter_multi_vmap, Planner, SpecError, TimeModel
+from eqx_multimap import (
+    explain,
+    filter_multi_vmap,
+    Plan,
+    Planner,
+    SpecError,
+    TimeModel,
+)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
@@ -223,6 +230,75 @@ def test_argument_split_over_a_shard_axis_along_another_dim(kind):
             out = jax.jit(wrapped)(x)
         assert out.shape == (8, 4) and out.dtype == jnp.float32
         np.testing.assert_array_equal(out, 2 * np.ones((8, 4), np.float32))
+
+
+# Without `shard=`: an input split over devices along a mapped dim -----------------
+
+
+def _mapped(**kw):
+    return filter_multi_vmap(
+        body, in_dims={"w": "M K", "x": "F K"}, out_dims="F M", **kw
+    )
+
+
+def test_a_scan_over_a_dim_an_input_splits_over_devices_is_an_error():
+    mesh = make_mesh("explicit")
+    w, x = data(mesh)  # `w` split along M over "m"
+    f = _mapped(scan={"M": 256})
+    for match in [
+        re.escape("`scan` names dim 'M'"),
+        re.escape("`w` splits it over the mesh axis 'm' (an `Explicit` axis)"),
+        re.escape("Vmap 'M' (drop it from `scan`), shard it (`shard={'M': ...}`)"),
+    ]:
+        for call in [f, jax.jit(f)]:
+            with jax.set_mesh(mesh), pytest.raises(SpecError, match=match):
+                call(w, x)
+    # On `Auto` axes the compiler moves the data itself: the nest runs.
+    mesh = make_mesh("auto")
+    w, x = data(mesh)
+    with jax.set_mesh(mesh):
+        out = jax.jit(f)(w, x)
+    np.testing.assert_allclose(out, reference(w, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_planner_never_scans_a_dim_an_input_splits_over_devices():
+    mesh = make_mesh("explicit")
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(16, 128)).astype(np.float32)
+    x = rng.normal(size=(16, 128)).astype(np.float32)
+    split = jax.device_put(x, NamedSharding(mesh, P("f", None)))  # F over "f"
+    outer = lambda w, x: jnp.sum(jnp.tanh(w[:, None] * x[None, :]))  # noqa: E731
+    planner = Planner(cache_dir=False, time_model=TimeModel(), measure=False)
+    f = filter_multi_vmap(
+        outer,
+        in_dims={"w": "M K", "x": "F K"},
+        out_dims="F M",
+        plan=planner,
+        memory_budget=4 * MiB,  # the derivative's full vmap needs 96 MiB
+    )
+    loss = lambda f: lambda w, x: jnp.sum(f(w, x))  # noqa: E731
+    hand = jax.vmap(jax.vmap(outer, (0, None)), (None, 0))
+    with jax.set_mesh(mesh):
+        g = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(w, split)
+        plan = explain(f, w, split).gradient
+    want = jax.grad(loss(hand), argnums=(0, 1))(w, x)
+    assert isinstance(plan, Plan) and plan.scan and "F" not in plan.scan
+    assert "split over devices by inputs, never scanned: F" in str(plan)
+    for a, b in zip(g, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    # Where no nest fits, the error says why the split dim was not scanned.
+    split_w = jax.device_put(w, NamedSharding(mesh, P("m", None)))
+    tight = filter_multi_vmap(
+        outer, in_dims={"w": "M K", "x": "F K"}, out_dims="F M", plan=planner,
+        memory_budget=MiB,
+    )  # fmt: skip
+    for match in [
+        re.escape("Dim 'F' is never scanned: `x` splits it over the mesh axis 'f'"),
+        re.escape("Dim 'M' is never scanned: `w` splits it over the mesh axis 'm'"),
+        re.escape("`shard={'M': ...}` would map it device by device"),
+    ]:
+        with jax.set_mesh(mesh), pytest.raises(SpecError, match=match):
+            jax.grad(loss(tight))(split_w, split)
 
 
 # The planner: one device's share of an argument split over another axis -----------

@@ -137,9 +137,10 @@ class Plan:
     timed) and `basis` (what the choice rests on: `"arguments"`, timed on the
     call's own; `"inputs"`, on made-up ones; `"short"`, a short list on made-up
     ones; or `"model"`); `searched` (the model searched beyond full vmap); `given`
-    (dims whose strategy was given) and `collective` (dims used in collectives,
-    never scanned); `cache` and `cache_path` (where the plan came from); `shard` (a
-    `ShardDim` per dim of `shard=`: sizes and budget are then per device) and
+    (dims whose strategy was given), `collective` (dims used in collectives) and
+    `split` (dims inputs split over devices), never scanned; `cache` and
+    `cache_path` (where the plan came from); `shard` (a `ShardDim` per dim of
+    `shard=`: sizes and budget are then per device) and
     `local` (a `LocalArg` per input leaf split over other mesh axes); `backward` and
     `checkpoint` (the plan under differentiation); from `explain`, `gradient` (that
     plan, or the error differentiating would raise); `time_model`. `scan` and
@@ -167,6 +168,7 @@ class Plan:
     searched: bool = False
     given: tuple[str, ...] = ()
     collective: tuple[str, ...] = ()
+    split: tuple[str, ...] = ()
     # Where a plan came from is not part of what it is.
     cache: str = dataclasses.field(default="", compare=False)
     cache_path: str | None = dataclasses.field(default=None, compare=False)
@@ -249,6 +251,9 @@ class Plan:
         if self.collective:
             used = ", ".join(self.collective)
             lines.append(f"used in collectives, never scanned: {used}")
+        if self.split:
+            split = ", ".join(self.split)
+            lines.append(f"split over devices by inputs, never scanned: {split}")
         if self.cache:
             lines.append(fill(f"this plan: {self.cache}", PROSE))
         return lines

@@ -267,7 +267,7 @@ class Planner:
         key = (kept, budget, shard, tuple(sizes.items()), backward)
         call, sizes, note = for_every_size(call, sizes)
         body = fingerprint(call)
-        key += (body, collective_dims(call))
+        key += (body, collective_dims(call), tuple(call.split))
         start = time.perf_counter()
         jaxpr = call.body.standalone.jaxpr.jaxpr
         data = data_dependent(jaxpr)
@@ -410,6 +410,7 @@ def plan_key(request: Request, fingerprint: str) -> dict[str, Any]:
         "vmap": list(call.options.vmap),
         "shard": [dataclasses.astuple(d) for d in request.shard],
         "collective": list(collective_dims(call)),
+        "split": sorted(call.split),
         "checkpoint": call.options.checkpoint,
         "budget": request.budget,
         "backward": request.backward,
@@ -442,6 +443,8 @@ def for_every_size(
             why = "`vmap=` names it: the memory of a vmap grows with its size"
         elif name in collective_dims(call):
             why = "the body uses it in a collective, so it cannot be scanned"
+        elif name in call.split:
+            why = "an input splits it over devices, so it cannot be scanned"
         else:
             continue
         raise SpecError(

@@ -187,7 +187,8 @@ def auto_plan(
     r, call = request, request.call
     fields.update(auto=True, budget_bytes=r.budget, budget_source=r.source)
     fields.update(shard=r.shard, backward=r.backward, given=given_dims(call))
-    fields.update(collective=collective_dims(call))
+    split = tuple(n for n in call.mapped if n in call.split)
+    fields.update(collective=collective_dims(call), split=split)
     return plan_for(call, r.sizes, chosen, cands, **fields)
 
 
@@ -297,6 +298,10 @@ def no_fit_message(request: Request, smallest: PlanCandidate, n: int) -> str:
         f"the {n} compiled candidates needs {fmt_bytes(smallest.temp_bytes or 0)} "
         f"for {smallest.nest(sizes)}. Raise `memory_budget`, or map fewer dims"
         f"{hint if given_dims(call) else ''}."
+    ) + "".join(
+        f" Dim '{n}' is never scanned: {where}; `shard={{{n!r}: ...}}` would map it "
+        "device by device."
+        for n, where in call.split.items()
     )
 
 
@@ -485,7 +490,7 @@ class Search:
         self.start = time.perf_counter()  # measuring's cap counts from here too
         call, sizes = self.call, self.sizes
         fixed = call.options.scan  # the given scans, outermost, as given
-        frozen = frozenset(given_dims(call) + collective_dims(call))
+        frozen = frozenset(given_dims(call) + collective_dims(call) + (*call.split,))
         free = tuple(n for n in call.mapped if n not in frozen)
         # Vmapped: the dims of `vmap=` as given, then the others in the output's order.
         given = call.options.vmap + call.options.scan_names
