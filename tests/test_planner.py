@@ -1158,18 +1158,31 @@ def test_no_short_list_for_a_body_whose_cost_depends_on_its_data(getkey):
     assert not any(c.measured is not None for c in plan.candidates)
 
 
-def test_no_short_list_when_several_processes_run_the_program(
-    getkey, monkeypatch, tmp_path
-):
-    # Each process plans on its own: a timed choice could differ between them.
+def test_several_processes_plan_alike_by_the_model(getkey, monkeypatch, tmp_path):
+    # Each process plans on its own: a timed choice, or a calibration, could differ
+    # between them, and they must run one program.
     a, b = _sumexp_args(getkey)
-    first = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE)
-    assert explain(_sumexp_wrapper(plan=first, memory_budget=2**30), a, b).measured
+    for measure in ("short", True):
+        first = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE, measure=measure)
+        assert explain(_sumexp_wrapper(plan=first, memory_budget=2**30), a, b).measured
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    planner = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE)
+    for measure in ("short", True, False):
+        planner = Planner(cache_dir=tmp_path, time_model=_SMALL_CACHE, measure=measure)
+        f = _sumexp_wrapper(plan=planner, memory_budget=2**30)
+        f(a, b)  # un-jitted: measured mode would time it here
+        plan = explain(f, a, b)
+        # Not even a timed plan on disk: the other process may have another.
+        assert plan.basis == "model" and not plan.measured
+        assert not any(c.measured is not None for c in plan.candidates)
+        assert plan.time_model == _SMALL_CACHE
+        with pytest.raises(SpecError, match="`eqx_multimap.tune` under `jax.distri"):
+            tune(f, a, b)
+    # Not calibrated: the default constants, the same in every process.
+    planner = Planner(cache_dir=tmp_path)
     plan = explain(_sumexp_wrapper(plan=planner, memory_budget=2**30), a, b)
-    # Not even the short list's plan on disk: the other process may have another.
-    assert plan.basis == "model" and not plan.measured and planner.n_plans == 2
+    assert planner.n_calibrations == 0 and plan.time_model == TimeModel.for_backend(
+        "cpu"
+    )
 
 
 def test_a_planner_takes_from_disk_the_plans_it_would_make(getkey, tmp_path):

@@ -17,7 +17,7 @@ _WORKER = textwrap.dedent(
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from eqx_multimap import filter_multi_vmap
+    from eqx_multimap import explain, filter_multi_vmap, Planner, TimeModel
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     port, pid, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -58,6 +58,25 @@ _WORKER = textwrap.dedent(
         for s in got.addressable_shards:
             np.testing.assert_allclose(s.data, want[s.index], rtol=1e-4, atol=1e-4)
     assert tuple(g.sharding.spec)[:1] == ("m",)
+    # Planned, with a collective over a dim split across the processes: each must
+    # run the same nest (another would send other messages), planned alike.
+    planner = Planner(cache_dir=False)
+    h = filter_multi_vmap(
+        lambda x: jax.lax.psum(jnp.sin(x), "F"),
+        in_dims="F K",
+        out_dims="F K",
+        shard={"F": "f"},
+        plan=planner,
+    )
+    with jax.set_mesh(mesh):
+        plan = explain(h, x)
+        out = jax.jit(h)(x)
+    for s in out.addressable_shards:
+        want = np.broadcast_to(np.sin(x_np).sum(0), x_np.shape)
+        np.testing.assert_allclose(s.data, want[s.index], rtol=1e-5, atol=1e-5)
+    assert planner.n_calibrations == 0, "calibrated"
+    assert plan.time_model == TimeModel.for_backend("cpu"), plan.time_model
+    print("plan", plan.chosen.nest(dict(plan.sizes)))
     print("ok", pid, out.sharding.spec)
     """
 )
@@ -90,3 +109,7 @@ def test_two_processes_two_devices_each(kind):
     for pid, (p, (out, err)) in enumerate(zip(procs, results)):
         assert p.returncode == 0, err[-3000:]
         assert f"ok {pid}" in out
+    plans = [
+        [ln for ln in out.splitlines() if ln.startswith("plan")] for out, _ in results
+    ]
+    assert plans[0] == plans[1] and len(plans[0]) == 1, plans

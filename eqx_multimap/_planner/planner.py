@@ -106,13 +106,12 @@ class Planner:
         cost does not depend on its data, times a short list on made-up inputs
         (full vmap, else a block near the model's pick, and the pick; the inputs
         are as large as the call's, outside `memory_budget`) and takes the faster;
-        not for a body that calls back into Python, nor when several processes run
-        the program (`jax.distributed`). `False`: the model's estimate alone (a
-        plan `tune` made is still used). `True` times every candidate it may and
-        takes the fastest, within a cap of 8x a compile: an un-jitted call on its
-        own arguments, as [`eqx_multimap.tune`][] does; a call under `jax.jit` on
-        made-up inputs, unless the body's cost depends on its data (see
-        [Measured mode](../planner.md#measured-mode)).
+        not for a body that calls back into Python. `False`: the model's estimate
+        alone (a plan `tune` made is still used). `True` times every candidate it
+        may and takes the fastest, within a cap of 8x a compile: an un-jitted call
+        on its own arguments, as [`eqx_multimap.tune`][] does; a call under
+        `jax.jit` on made-up inputs, unless the body's cost depends on its data
+        (see [Measured mode](../planner.md#measured-mode)).
     - `cache_dir`: where plans and calibrations are kept on disk, so that a plan is
         paid for once per machine. `None` (the default): the environment variable
         `EQX_MULTIMAP_CACHE_DIR` (`off` disables the disk cache), else
@@ -120,6 +119,10 @@ class Planner:
     - `time_model`: the [`eqx_multimap.TimeModel`][] that ranks candidates. `None`
         (the default): calibrated on first use (about a second, kept on disk).
     - `max_cache`: the most plans kept in memory.
+
+    Under `jax.distributed`, where the processes must run one program, every
+    process plans by the model alone, with the `time_model` given or the default
+    constants (calibrations differ from process to process), and `tune` is an error.
 
     Planners with the same arguments are equal; a copy is the planner itself, and a
     pickled one carries its arguments only. It may be used from several threads.
@@ -271,15 +274,28 @@ class Planner:
         start = time.perf_counter()
         jaxpr = call.body.standalone.jaxpr.jaxpr
         data = data_dependent(jaxpr)
-        measure = tune or (self.measure is True and not data)
-        # A short list, unless timing would call back into Python, or processes
-        # (`jax.distributed`) that must run one program could time differently.
+        # Processes that must run one program (`jax.distributed`) plan alike: by the
+        # model, with the constants given or the defaults, nothing timed (timings,
+        # and calibrations, differ from process to process).
+        several = jax.process_count() > 1
+        if again and several:  # `eqx_multimap.tune`; an un-jitted call's, the model's
+            raise SpecError(
+                f"`{call.fun_name}`: `eqx_multimap.tune` under `jax.distributed` "
+                f"({jax.process_count()} processes): each process would time its own "
+                "candidates, and may choose another nest than the others, which "
+                "must run the same program. Tune in one process, then fix the nest "
+                "in your code (`scan=plan.scan, vmap=plan.vmap`)."
+            )
+        tune = tune and not several
+        measure = tune or (self.measure is True and not data and not several)
+        # A short list, unless timing would call back into Python.
         short = self.measure == "short" and not measure and not data
-        short = short and not calls_back(jaxpr) and jax.process_count() == 1
+        short = short and not calls_back(jaxpr) and not several
         # The plans that will do: timed on arguments to tune (none to tune again); on
         # made-up inputs to measure a body whose cost does not depend on its data; a
         # short list's; the model's.
         wanted = [] if again else ["arguments"] if tune else ["arguments", "inputs"]
+        wanted = [] if several else wanted
         wanted += ["short"] * short + ["model"] * (not tune and not measure)
         with self._lock:
             old = self._cache.get(key)  # replaced, with `again`
@@ -289,7 +305,11 @@ class Planner:
                 return cached
         if isinstance(cached, str):  # no nest fit this signature
             raise SpecError(cached)
-        model, model_key = self.time_model, self._model_key
+        if several and self._config["time_model"] is None:
+            model = TimeModel.for_backend(jax.default_backend())
+            model_key = model.to_json()
+        else:
+            model, model_key = self.time_model, self._model_key
         request = Request(
             call, sizes, shard, budget, src, backward, model, measure, model_key, tune,
             short,
