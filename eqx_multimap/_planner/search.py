@@ -154,9 +154,8 @@ def collective_dims(call: Call) -> Names:
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What one plan is for: `localize`'s sizes and shards, the budget and its source,
-    and how it is planned (`model_key`: the time model in the disk cache's keys,
-    `None` for its constants; `values`: measured mode times the call's own;
-    `short`: the model's choice checked by timing a short list)."""
+    and how it is planned (`values`: measured mode times the call's own; `short`:
+    the model's choice checked by timing a short list)."""
 
     call: Call
     sizes: Sizes
@@ -166,7 +165,6 @@ class Request:
     backward: bool
     model: TimeModel
     measure: bool = False
-    model_key: Any = None
     values: bool = False
     short: bool = False
 
@@ -322,7 +320,7 @@ class Search:
     def __init__(self, request: Request, progress: Progress):
         self.request, self.call = request, request.call
         self.sizes, self.budget = request.sizes, request.budget
-        self.model, self.measure = request.model, request.measure
+        self.model = request.model
         self.compiler = Compiler(
             self.call, self.sizes, self.model, request.backward, progress.step
         )
