@@ -1,6 +1,5 @@
-"""The planner's search space and its search by the time model: the budget, the
-candidate nests (`ladder`s, in a few `dim_orders`), a plan's `Request`, which
-candidates are compiled, which wins, and the texts that say why (`docs/design.md`)."""
+"""The planner's search by the time model: the budget, the candidate nests (`ladder`s
+in a few `dim_orders`), a plan's `Request`, the choice and why (`docs/design.md`)."""
 
 import contextlib
 import dataclasses
