@@ -53,10 +53,9 @@ class ShardDim:
 
 @dataclasses.dataclass(frozen=True)
 class LocalArg:
-    """An input leaf that its sharding splits over mesh axes that `shard=` leaves to
-    the compiler (`mesh_axes`, into `shards` pieces): one device holds a piece, and
-    the planner counts that in bytes accessed and working sets (its temporaries are
-    compiled with the whole leaf)."""
+    """An input leaf its sharding splits into `shards` pieces over `mesh_axes` that
+    `shard=` leaves to the compiler: bytes accessed and working sets count one piece
+    (its temporaries are compiled with the whole leaf)."""
 
     path: str
     shards: int
@@ -217,9 +216,8 @@ class Plan:
         elif g:
             ckpt = ", its scan bodies checkpointed" if g.checkpoint else ""
             same = f"under differentiation: the same nest{ckpt} "
-            lines.append(
-                fill(same + "(`plan.describe(gradient=True)` shows it)", PROSE)
-            )
+            same += "(`plan.describe(gradient=True)` shows it)"
+            lines.append(fill(same, PROSE))
         return "\n".join(lines)
 
     __str__ = describe

@@ -311,11 +311,10 @@ class Planner:
         else:
             model, model_key = self.time_model, self._model_key
         request = Request(
-            call, sizes, shard, budget, src, backward, model, measure, model_key, tune,
-            short,
-        )  # fmt: skip
+            call, sizes, shard, budget, src, backward, model, measure, tune, short
+        )
         disk, found = self._disk, None
-        disk_key = None if disk is None else plan_key(request, body)
+        disk_key = None if disk is None else plan_key(request, body, model_key)
         if disk is not None and not again:
             path = disk.path("plans", disk_key)
             read = lambda stored: plan_from_json(stored, request, path)
@@ -419,9 +418,9 @@ def versions() -> dict[str, str]:
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "eqx_multimap": ours}
 
 
-def plan_key(request: Request, fingerprint: str) -> dict[str, Any]:
-    """Everything that determines a plan, as JSON (a measured plan and a planned
-    one share it: which will do is the planner's choice, by `Plan.basis`)."""
+def plan_key(request: Request, fingerprint: str, model_key: Any) -> dict[str, Any]:
+    """Everything that determines a plan, as JSON (`model_key`: the time model's;
+    a measured plan and a planned one share it: the planner chooses by `Plan.basis`)."""
     call = request.call
     return {
         "body": fingerprint,
@@ -435,7 +434,7 @@ def plan_key(request: Request, fingerprint: str) -> dict[str, Any]:
         "budget": request.budget,
         "backward": request.backward,
         "search": [SEARCH_VERSION, MAX_COMPILES, CAP],
-        "time_model": request.model_key,
+        "time_model": model_key,
         "machine": machine(),
         "versions": versions(),
     }

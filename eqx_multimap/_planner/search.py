@@ -1,6 +1,5 @@
-"""The planner's search space and its search by the time model: the budget, the
-candidate nests (`ladder`s, in a few `dim_orders`), a plan's `Request`, which
-candidates are compiled, which wins, and the texts that say why (`docs/design.md`)."""
+"""The planner's search by the time model: the budget, the candidate nests (`ladder`s
+in a few `dim_orders`), a plan's `Request`, the choice and why (`docs/design.md`)."""
 
 import contextlib
 import dataclasses
@@ -154,9 +153,8 @@ def collective_dims(call: Call) -> Names:
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What one plan is for: `localize`'s sizes and shards, the budget and its source,
-    and how it is planned (`model_key`: the time model in the disk cache's keys,
-    `None` for its constants; `values`: measured mode times the call's own;
-    `short`: the model's choice checked by timing a short list)."""
+    and how it is planned (`values`: measured mode times the call's own; `short`:
+    the model's choice checked by timing a short list)."""
 
     call: Call
     sizes: Sizes
@@ -166,7 +164,6 @@ class Request:
     backward: bool
     model: TimeModel
     measure: bool = False
-    model_key: Any = None
     values: bool = False
     short: bool = False
 
@@ -327,7 +324,7 @@ class Search:
     def __init__(self, request: Request, progress: Progress):
         self.request, self.call = request, request.call
         self.sizes, self.budget = request.sizes, request.budget
-        self.model, self.measure = request.model, request.measure
+        self.model = request.model
         self.compiler = Compiler(
             self.call, self.sizes, self.model, request.backward, progress.step
         )
