@@ -518,9 +518,7 @@ def run(
 
     `memory_budget` (bytes) for `plan="auto"` defaults to half the compiled
     temporaries of the all-vmapped fit, so that the planner has to scan."""
-    obs = simulate(
-        jax.random.key(seed), n_times, n_freqs, n_antennas, n_sources, noise
-    )
+    obs = simulate(jax.random.key(seed), n_times, n_freqs, n_antennas, n_sources, noise)
     n_b = int(obs.ant1.shape[0])
     g0 = jnp.ones((n_antennas,), jnp.complex64)
     check_baselines(obs.ant1, obs.ant2, n_antennas, ref)
@@ -711,8 +709,10 @@ def print_figures(fig: Figures) -> None:
     )
     diffs = ", ".join(f"{k} {f['max_diff']:.1e}" for k, f in fig.per_slot.items())
     print(f"max |gains - gains of vmap|: {diffs}")
-    print(f"max |fitted - true gains| (reference antenna phase 0): "
-          f"{fig.max_gain_error:.4f}")
+    print(
+        f"max |fitted - true gains| (reference antenna phase 0): "
+        f"{fig.max_gain_error:.4f}"
+    )
     if "run_s" in d:
         print(f"max |per slot - dense gains|: {fig.max_diff_dense:.1e}")
         print(

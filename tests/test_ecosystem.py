@@ -255,9 +255,7 @@ CASES = {
     "lm": Case(
         lm_fit, ("T F n", "n"), "T F 2", lm_args, (0,), 1e-4, 1e-5, shard_fails=True
     ),
-    "newton": Case(
-        newton_root, ("T F",), "T F", newton_args, (0,), shard_fails=True
-    ),
+    "newton": Case(newton_root, ("T F",), "T F", newton_args, (0,), shard_fails=True),
     "lineax": Case(
         linear_solve,
         ("T F 3 3", "T F 3"),
@@ -391,9 +389,7 @@ def test_body_slow(name, strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name", sorted(n for n, c in CASES.items() if c.shard_fails)
-)
+@pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.shard_fails))
 def test_plain_shard_map_fails_too(name):
     """The bodies whose grad fails under `shard` fail inside a plain `jax.shard_map`
     of nested `jax.vmap` too, under the mesh (`jax.set_mesh`) that an explicitly
@@ -422,9 +418,7 @@ def test_plain_shard_map_fails_too(name):
         return sum(jnp.sum(o) for o in jax.tree.leaves(plain(*args)))
 
     with jax.set_mesh(mesh), pytest.raises(UPSTREAM):
-        args = tuple(
-            a if s == P() else jax.reshard(a, s) for a, s in zip(args, specs)
-        )
+        args = tuple(a if s == P() else jax.reshard(a, s) for a, s in zip(args, specs))
         plain(*args)
         jax.jit(jax.grad(loss, argnums=case.grad_argnums))(*args)
 
@@ -449,6 +443,4 @@ def test_diffrax_against_the_exact_solution():
         decay, in_dims=("T F 2", "F"), out_dims="T F 2", scan="T"
     )
     exact = np.asarray(y0) * np.exp(-np.asarray(k))[None, :, None]
-    np.testing.assert_allclose(
-        np.asarray(mapped(y0, k)), exact, rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(np.asarray(mapped(y0, k)), exact, rtol=1e-5, atol=1e-6)

@@ -73,9 +73,7 @@ def test_small_ops_run_on_one_core_and_inputs_stream_from_their_level():
     work = model.seconds(1e9, 0.0, 1e9, 0, 1)
     # The share of work in ops too small to split runs on one of the four cores.
     assert model.seconds(1e9, 0.0, 1e9, 0, 1, serial=1.0) == pytest.approx(4 * work)
-    assert model.seconds(1e9, 0.0, 1e9, 0, 1, serial=0.5) == pytest.approx(
-        2.5 * work
-    )
+    assert model.seconds(1e9, 0.0, 1e9, 0, 1, serial=0.5) == pytest.approx(2.5 * work)
     assert TimeModel().seconds(1e9, 0.0, 1e9, 0, 1, serial=1.0) == work  # one core
     # Inputs and outputs move at the bandwidth of the level that holds them all,
     # the rest at that of the level holding the working set.
