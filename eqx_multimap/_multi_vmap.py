@@ -294,9 +294,6 @@ class _MultiVmapWrapper(eqx.Module):
             if plan is not None and plan.planner.measure is True:
                 _tune_once(self, plan.planner, args, kwargs)
             return _eager_runner(self._fun)(self._fun, self._options, args, kwargs)
-        return self._traced_call(args, kwargs)
-
-    def _traced_call(self, args: tuple, kwargs: dict) -> Any:
         return run_call(resolve(self._fun, self._options, args, kwargs))
 
     def __get__(self, instance, owner):
