@@ -484,7 +484,7 @@ class FunAnnotations:
         names = self.out_names(fun_name)
         self._no_checker_inside(fun_name, "the return value", names, mapped)
         ctx = self._out_ctx(fun_name, mapped)
-        return OutAnnotation(self.hints["return"], ctx, mapped)
+        return OutAnnotation(self.hints["return"], ctx)
 
     def _no_checker_inside(
         self, fun_name: str, label: str, names: Any, mapped: tuple[str, ...]
@@ -528,7 +528,6 @@ class OutAnnotation:
 
     hint: Any
     ctx: Context
-    mapped: tuple[str, ...]
 
     def resolve(self, out: Any, default_out: Dims) -> Any:
         """A spec tree (of `LeafSpec`s) for the body's per-element output `out`."""
