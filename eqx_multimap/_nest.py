@@ -142,7 +142,6 @@ def build_levels(
     core: Callable[[Leaves], Leaves],
     levels: Sequence[Level],
     leaf_axes: Sequence[Axes],
-    build: Build = Build(),
     reduce: Reduction | None = None,
 ) -> Callable[[Leaves], Leaves]:
     """`core` mapped over `levels` (outermost first).
@@ -157,7 +156,7 @@ def build_levels(
     if level.kind != "vmap":
         raise ValueError(f"`build_levels` builds vmaps; got a '{level.kind}' level.")
     inner = build_levels(
-        core, rest, [drop_axis(a, level.key) for a in leaf_axes], build, reduce
+        core, rest, [drop_axis(a, level.key) for a in leaf_axes], reduce
     )
     mapped = jax.vmap(
         inner,
@@ -392,7 +391,7 @@ class _Nest:
         levels = pending + tuple(
             Level(name, name, "vmap", sizes[name], True) for name in self.spec.vmap
         )
-        outs = build_levels(self.core, levels, axes, self.build, reduce)(values)
+        outs = build_levels(self.core, levels, axes, reduce)(values)
         kept = tuple(lv for lv in levels if reduce is None or lv.dim not in reduce.dims)
         block, mapped = Block((), kept), set(self.spec.dims)
         return [
