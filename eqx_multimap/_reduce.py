@@ -244,10 +244,8 @@ class Reduction:
         kind = self.kind
         if kind == "sum":
             return jnp.sum(x, axis=0, dtype=x.dtype)
-        if kind == "max":
-            return jnp.max(x, axis=0)
-        if kind == "min":
-            return jnp.min(x, axis=0)
+        if kind in ("max", "min"):
+            return _JNP[kind](x, axis=0)
         if x.shape[0] == 0:
             return self.identity(i, x.shape[1:])
         return _tree(_batched(kind.op, tuple(range(n_batch))), x)
@@ -306,13 +304,12 @@ def _pextremum_jvp(axes: tuple[str, ...], kind: str, primals: tuple, tangents: t
 
 def _batched(op: Callable, batch_axes: tuple[int, ...]) -> Callable:
     """`op` of one element, mapped over the `batch_axes` of both arguments."""
-    k = len(batch_axes)
-    if k == 0:
+    if not batch_axes:
         return op
     inner = op
-    for _ in range(k):
+    for _ in batch_axes:
         inner = jax.vmap(inner)
-    front = tuple(range(k))
+    front = tuple(range(len(batch_axes)))
 
     def batched(a: Any, b: Any) -> Any:
         out = inner(
