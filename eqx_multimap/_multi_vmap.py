@@ -254,13 +254,24 @@ def _eager_runner(fun: Callable) -> _EagerRunner:
     return runner
 
 
-class _MultiVmapWrapper(eqx.Module):
+class Wrapper(eqx.Module):
+    """A function wrapping `_fun`, which binds as a method when a class holds it."""
+
     _fun: Callable
-    _options: Options = eqx.field(static=True)
 
     @property
     def __wrapped__(self):
         return self._fun
+
+    def __get__(self, instance, owner):
+        del owner
+        if instance is None:
+            return self
+        return jtu.Partial(self, instance)
+
+
+class _MultiVmapWrapper(Wrapper):
+    _options: Options = eqx.field(static=True)
 
     @property
     def __globals__(self) -> dict[str, Any]:
@@ -295,12 +306,6 @@ class _MultiVmapWrapper(eqx.Module):
                 _tune_once(self, plan.planner, args, kwargs)
             return _eager_runner(self._fun)(self._fun, self._options, args, kwargs)
         return run_call(resolve(self._fun, self._options, args, kwargs))
-
-    def __get__(self, instance, owner):
-        del owner
-        if instance is None:
-            return self
-        return jtu.Partial(self, instance)
 
     def __repr__(self) -> str:
         return _describe_wrapper(self._fun, self._options)

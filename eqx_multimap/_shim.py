@@ -11,7 +11,7 @@ from jax._src import traceback_util
 
 from ._dims import is_dim_name
 from ._errors import SpecError
-from ._multi_vmap import filter_multi_vmap
+from ._multi_vmap import filter_multi_vmap, Wrapper
 from ._text import plural
 
 
@@ -219,20 +219,16 @@ class _Outputs(eqx.Module):
         return out[0] if is_tuple and n == 1 else out
 
 
-class _MultiVmapShim(eqx.Module):
+class _MultiVmapShim(Wrapper):
     """The function returned by `multi_vmap`: binds arguments to the groups of
-    `in_mapping` (by position or parameter name), then calls the mapped function."""
+    `in_mapping` (by position or parameter name), then calls the mapped function
+    (`_fun`: the `filter_multi_vmap` wrapper; `_Outputs` if nothing is mapped)."""
 
-    _fun: Callable  # the `filter_multi_vmap` wrapper; `_Outputs` if nothing is mapped
     _shim_name: str = eqx.field(static=True)
     _params: tuple[str, ...] | None = eqx.field(static=True)
     _in_groups: Groups = eqx.field(static=True)
     _in_mapping: str = eqx.field(static=True)
     _mapped: tuple[str, ...] = eqx.field(static=True)
-
-    @property
-    def __wrapped__(self):
-        return self._fun
 
     def _arg_name(self, i: int) -> str:
         return self._params[i] if self._params is not None else f"args[{i}]"
@@ -303,12 +299,6 @@ class _MultiVmapShim(eqx.Module):
         values = self._bind(args, kwargs)
         self._check_sizes_known(values)
         return self._fun(*args, **kwargs)
-
-    def __get__(self, instance, owner):
-        del owner
-        if instance is None:
-            return self
-        return jtu.Partial(self, instance)
 
 
 def _signature_line(ins: Groups, outs: Groups, mapped: tuple[str, ...]) -> str:
