@@ -1,6 +1,5 @@
 """`multi_vmap`: a migration shim with the semantics of DSA2000-Cal's `multi_vmap`."""
 
-import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -9,6 +8,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jax._src import traceback_util
 
+from ._args import _Params
 from ._dims import is_dim_name
 from ._errors import SpecError
 from ._multi_vmap import filter_multi_vmap, Wrapper
@@ -159,22 +159,18 @@ def _memory_budget(auto: bool, auto_kwargs: Mapping[str, Any] | None) -> Any:
 def _parameters(f: Callable, ins: Groups, fun_name: str) -> tuple[str, ...] | None:
     """The names of the parameters that the groups of `in_mapping` describe, in
     order; `None` if `f` has no signature, so that arguments go by position only."""
-    try:
-        sig = inspect.signature(f)
-    except (TypeError, ValueError):
+    params = _Params.of(f)
+    positional = params.positional
+    if params.signature is None:
         return None
-    params = list(sig.parameters.values())
-    positional = [
-        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
     if len(positional) >= len(ins):
-        return tuple(positional[: len(ins)])
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return positional[: len(ins)]
+    if params.var_pos is not None:
         return None
     raise SpecError(
         f"`{fun_name}`: `in_mapping` has {plural(len(ins), 'group')}, one per "
         f"positional argument, but `f` takes {len(positional)} positional parameters "
-        f"{tuple(positional)}."
+        f"{positional}."
     )
 
 
