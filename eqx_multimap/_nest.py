@@ -12,9 +12,7 @@ scans outside it, and is joined to its chunks there, so that no level copies mor
 than its own part of the inputs or outputs. A symbolic size (`jax.export`) is
 scanned and chunked alike (`_blocks.split`).
 
-A level of a reduced dim (`Problem.reduce`, see `_reduce`) leaves no axis: a vmap
-level reduces its output right after the level, a scan level accumulates in its
-carry, and a chunked reduced dim's remainder is combined with its chunks' result.
+A level of a reduced dim (`Problem.reduce`) leaves no axis: `_reduce` says how.
 
 The blocks of `_blocks` (every combination of main chunks and remainders) are the
 nest's loop bodies: the planner costs them ([`loop_body_inputs`][],
@@ -339,9 +337,7 @@ class _Nest:
     `pending` are the vmaps of the chunked dims outside (a chunk's elements, or the
     remainder), which join the vmaps innermost. Its outputs have the axes of their
     dims in order, but those of the dims scanned outside (not `pending`) and of the
-    reduced dims: a level puts its stacked iterations at its dim's axis, so that no
-    output is transposed whole, and joins a chunked dim's remainder to its chunks
-    there, inside the iteration of the levels outside.
+    reduced dims (`absent`), so that no output is transposed whole.
     """
 
     problem: Problem
