@@ -540,20 +540,18 @@ class OutAnnotation:
         full = []
         for (path, leaf), leaf_spec in zip(paths_and_leaves, leaf_specs):
             if is_arrayish(leaf):
-                if leaf_spec.dims is None:
+                dims = leaf_spec.dims
+                if dims is None:
                     leaf_spec = LeafSpec(default_out)
-                else:
-                    self._check_leaf("output" + jtu.keystr(path), leaf, leaf_spec.dims)
+                elif not dtype_matches(leaf, dims):
+                    raise ShapeError(
+                        f"`{ctx.fun_name}`: the function body returned "
+                        f"`output{jtu.keystr(path)}` with dtype {leaf.dtype}, but "
+                        "the return annotation asks for "
+                        f"{dims.dtype_desc}[..., {dims.source!r}]."
+                    )
             full.append(leaf_spec)
         return jtu.tree_unflatten(treedef, full)
-
-    def _check_leaf(self, where: str, leaf: Any, dims: Dims) -> None:
-        if not dtype_matches(leaf, dims):
-            raise ShapeError(
-                f"`{self.ctx.fun_name}`: the function body returned `{where}` with "
-                f"dtype {leaf.dtype}, but the return annotation asks for "
-                f"{dims.dtype_desc}[..., {dims.source!r}]."
-            )
 
 
 _fun_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
