@@ -95,6 +95,7 @@ ReduceSpec = Mapping[str, ReduceOp] | None
 OPS = ("sum", "mean", "max", "min")
 _ALLOWED = "'sum', 'mean', 'max', 'min', or an `eqx_multimap.Monoid(op, identity)`"
 _JNP = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min}
+_PAIRWISE = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
 
 
 def op_name(op: ReduceOp) -> str:
@@ -254,12 +255,8 @@ class Reduction:
         """`op(a, b)` of two partial results, applied per element: `batch_axes` are
         the axes of the mapped dims (the rest is one element)."""
         kind = self.kind
-        if kind == "sum":
-            return a + b
-        if kind == "max":
-            return jnp.maximum(a, b)
-        if kind == "min":
-            return jnp.minimum(a, b)
+        if isinstance(kind, str):
+            return _PAIRWISE[kind](a, b)
         return _batched(kind.op, tuple(batch_axes))(a, b)
 
     def across_devices(
