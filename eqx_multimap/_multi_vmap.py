@@ -292,9 +292,7 @@ class _MultiVmapWrapper(Wrapper):
 
     @traceback_util.api_boundary
     def __call__(self, /, *args, **kwargs):
-        # An un-jitted call runs the nest compiled once per call signature and
-        # function (as `jax.jit(fun)` does), so that repeated calls do not re-trace
-        # it, and what was compiled goes with the function.
+        # An un-jitted call runs the nest compiled once (see `_EagerRunner`).
         eager = (
             not jax.config.jax_disable_jit
             and not _has_tracer((self._fun, args, kwargs))
