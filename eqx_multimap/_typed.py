@@ -311,9 +311,8 @@ def _check_readable(value: Any, path: str, ctx: Context) -> None:
 
 
 def _safe_annotation_dims(ann: Any) -> list[tuple[str, Dims, bool]]:
-    ctx = Context("", "", "", "")
     try:
-        return annotation_dims(ann, ctx, "")
+        return annotation_dims(ann, Context("", "", "", ""), "")
     except SpecError:
         return []
 
