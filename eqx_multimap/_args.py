@@ -252,9 +252,7 @@ def _specs_from_dict(
             extra = [spec] * n_extra
         arg_specs[len(params.positional) :] = extra
     var_kw = params.var_kw
-    var_kw_spec = _UNSET
-    if var_kw is not None and var_kw in in_dims:
-        var_kw_spec = in_dims[var_kw]
+    var_kw_spec = _UNSET if var_kw is None else in_dims.get(var_kw, _UNSET)
     for k in kwargs:
         if k in in_dims:
             kw_specs[k] = in_dims[k]

@@ -32,9 +32,6 @@ from ._text import plural
 traceback_util.register_exclusion(__file__)
 
 
-LevelKind = Literal["scan", "vmap"]
-
-
 @dataclasses.dataclass(frozen=True)
 class NestSpec:
     """How the mapped dims are mapped: the strategy of every mapped dim.
@@ -67,7 +64,7 @@ class Level:
 
     key: str
     dim: str
-    kind: LevelKind
+    kind: Literal["scan", "vmap"]
     size: int
     named: bool
 

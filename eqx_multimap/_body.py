@@ -18,6 +18,7 @@ span the mesh axes too (see `_Sharded`).
 """
 
 import dataclasses
+import functools as ft
 from collections.abc import Callable
 from typing import Any
 
@@ -81,14 +82,10 @@ class Body:
     unchecked: bool = False
 
     def __call__(self, leaves: list[Any]) -> list[Any]:
-        closed = self.jaxpr
-
-        def run(leaves: list[Any]) -> list[Any]:
-            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
-
+        run = ft.partial(jax.core.eval_jaxpr, self.jaxpr.jaxpr, self.jaxpr.consts)
         if not self.unchecked:
-            return run(leaves)
-        _, out = checkify.checkify(run, errors=checkify.user_checks)(leaves)
+            return run(*leaves)
+        _, out = checkify.checkify(run, errors=checkify.user_checks)(*leaves)
         return out
 
     @property

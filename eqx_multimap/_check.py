@@ -193,11 +193,9 @@ def check_inputs(
         (f"*{k}" if k in (variadic or {}) else k): (variadic or {}).get(k, v)
         for k, v in sizes.items()
     }
-    for name, ss in seen.items():
+    for key, ss in [*seen.items(), *scoped.items()]:
         if any(s.size != ss[0].size for s in ss):
-            raise _inconsistent(fun_name, name, ss, shown)
-    for (scope, name), ss in scoped.items():
-        if any(s.size != ss[0].size for s in ss):
+            scope, name = (None, key) if isinstance(key, str) else key
             raise _inconsistent(fun_name, name, ss, shown, scope)
     return InputCheck(sizes, seen, axes)
 

@@ -265,26 +265,19 @@ def axes_of(dims: Dims, ndim: int) -> tuple[int, ...] | str:
             return f"has rank {ndim}, but dims {dims.source!r} need at least {n_fixed}"
     elif ndim != n_fixed:
         return f"has rank {ndim}, but dims {dims.source!r} need exactly {n_fixed}"
-    n_ellipsis = ndim - n_fixed
-    out = []
-    axis = 0
+    out, axis = [], 0
     for t in dims.tokens:
-        if isinstance(t, (EllipsisDim, VariadicDim)):
-            out.append(-1)
-            axis += n_ellipsis
-        else:
-            out.append(axis)
-            axis += 1
+        many = isinstance(t, (EllipsisDim, VariadicDim))
+        out.append(-1 if many else axis)
+        axis += ndim - n_fixed if many else 1
     return tuple(out)
 
 
 def variadic_axes(dims: Dims, ndim: int) -> tuple[int, int]:
     """The first axis and the number of axes of the `...` or `*name` of `dims`, in
     an array of rank `ndim` (which fits, see `axes_of`)."""
-    n_fixed = sum(not isinstance(t, (EllipsisDim, VariadicDim)) for t in dims.tokens)
-    variadic = (EllipsisDim, VariadicDim)
-    start = next(i for i, t in enumerate(dims.tokens) if isinstance(t, variadic))
-    return start, ndim - n_fixed
+    many = [isinstance(t, (EllipsisDim, VariadicDim)) for t in dims.tokens]
+    return many.index(True), ndim - many.count(False)
 
 
 def final_axis(dims: Dims, name: str, ndim: int) -> int:

@@ -254,13 +254,24 @@ def _eager_runner(fun: Callable) -> _EagerRunner:
     return runner
 
 
-class _MultiVmapWrapper(eqx.Module):
+class Wrapper(eqx.Module):
+    """A function wrapping `_fun`, which binds as a method when a class holds it."""
+
     _fun: Callable
-    _options: Options = eqx.field(static=True)
 
     @property
     def __wrapped__(self):
         return self._fun
+
+    def __get__(self, instance, owner):
+        del owner
+        if instance is None:
+            return self
+        return jtu.Partial(self, instance)
+
+
+class _MultiVmapWrapper(Wrapper):
+    _options: Options = eqx.field(static=True)
 
     @property
     def __globals__(self) -> dict[str, Any]:
@@ -281,9 +292,7 @@ class _MultiVmapWrapper(eqx.Module):
 
     @traceback_util.api_boundary
     def __call__(self, /, *args, **kwargs):
-        # An un-jitted call runs the nest compiled once per call signature and
-        # function (as `jax.jit(fun)` does), so that repeated calls do not re-trace
-        # it, and what was compiled goes with the function.
+        # An un-jitted call runs the nest compiled once (see `_EagerRunner`).
         eager = (
             not jax.config.jax_disable_jit
             and not _has_tracer((self._fun, args, kwargs))
@@ -294,16 +303,7 @@ class _MultiVmapWrapper(eqx.Module):
             if plan is not None and plan.planner.measure is True:
                 _tune_once(self, plan.planner, args, kwargs)
             return _eager_runner(self._fun)(self._fun, self._options, args, kwargs)
-        return self._traced_call(args, kwargs)
-
-    def _traced_call(self, args: tuple, kwargs: dict) -> Any:
         return run_call(resolve(self._fun, self._options, args, kwargs))
-
-    def __get__(self, instance, owner):
-        del owner
-        if instance is None:
-            return self
-        return jtu.Partial(self, instance)
 
     def __repr__(self) -> str:
         return _describe_wrapper(self._fun, self._options)

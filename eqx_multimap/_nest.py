@@ -12,9 +12,7 @@ scans outside it, and is joined to its chunks there, so that no level copies mor
 than its own part of the inputs or outputs. A symbolic size (`jax.export`) is
 scanned and chunked alike (`_blocks.split`).
 
-A level of a reduced dim (`Problem.reduce`, see `_reduce`) leaves no axis: a vmap
-level reduces its output right after the level, a scan level accumulates in its
-carry, and a chunked reduced dim's remainder is combined with its chunks' result.
+A level of a reduced dim (`Problem.reduce`) leaves no axis: `_reduce` says how.
 
 The blocks of `_blocks` (every combination of main chunks and remainders) are the
 nest's loop bodies: the planner costs them ([`loop_body_inputs`][],
@@ -142,7 +140,6 @@ def build_levels(
     core: Callable[[Leaves], Leaves],
     levels: Sequence[Level],
     leaf_axes: Sequence[Axes],
-    build: Build = Build(),
     reduce: Reduction | None = None,
 ) -> Callable[[Leaves], Leaves]:
     """`core` mapped over `levels` (outermost first).
@@ -157,7 +154,7 @@ def build_levels(
     if level.kind != "vmap":
         raise ValueError(f"`build_levels` builds vmaps; got a '{level.kind}' level.")
     inner = build_levels(
-        core, rest, [drop_axis(a, level.key) for a in leaf_axes], build, reduce
+        core, rest, [drop_axis(a, level.key) for a in leaf_axes], reduce
     )
     mapped = jax.vmap(
         inner,
@@ -340,9 +337,7 @@ class _Nest:
     `pending` are the vmaps of the chunked dims outside (a chunk's elements, or the
     remainder), which join the vmaps innermost. Its outputs have the axes of their
     dims in order, but those of the dims scanned outside (not `pending`) and of the
-    reduced dims: a level puts its stacked iterations at its dim's axis, so that no
-    output is transposed whole, and joins a chunked dim's remainder to its chunks
-    there, inside the iteration of the levels outside.
+    reduced dims (`absent`), so that no output is transposed whole.
     """
 
     problem: Problem
@@ -392,7 +387,7 @@ class _Nest:
         levels = pending + tuple(
             Level(name, name, "vmap", sizes[name], True) for name in self.spec.vmap
         )
-        outs = build_levels(self.core, levels, axes, self.build, reduce)(values)
+        outs = build_levels(self.core, levels, axes, reduce)(values)
         kept = tuple(lv for lv in levels if reduce is None or lv.dim not in reduce.dims)
         block, mapped = Block((), kept), set(self.spec.dims)
         return [

@@ -20,11 +20,11 @@ remainder, vmapped, is not counted.
 """
 
 import dataclasses
+import functools as ft
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -136,13 +136,6 @@ class _Bar:
             self.bar = None
 
 
-def _call(report: Callable) -> Callable:
-    def call(trips: Any) -> None:
-        jax.debug.callback(report, trips)
-
-    return call
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Report:
     """One traced call's bar, reported from its outermost scan of `size` iterations:
@@ -164,7 +157,8 @@ class Report:
         if every == 1 and not axes:
             jax.debug.callback(self.bar.report, trips)
         else:
-            lax.cond(due, _call(self.bar.report), lambda n: None, trips)
+            report = ft.partial(jax.debug.callback, self.bar.report)
+            lax.cond(due, report, lambda n: None, trips)
 
 
 def report_for(meter: Meter, size: int) -> Report | None:

@@ -95,6 +95,7 @@ ReduceSpec = Mapping[str, ReduceOp] | None
 OPS = ("sum", "mean", "max", "min")
 _ALLOWED = "'sum', 'mean', 'max', 'min', or an `eqx_multimap.Monoid(op, identity)`"
 _JNP = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min}
+_PAIRWISE = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
 
 
 def op_name(op: ReduceOp) -> str:
@@ -244,10 +245,8 @@ class Reduction:
         kind = self.kind
         if kind == "sum":
             return jnp.sum(x, axis=0, dtype=x.dtype)
-        if kind == "max":
-            return jnp.max(x, axis=0)
-        if kind == "min":
-            return jnp.min(x, axis=0)
+        if kind in ("max", "min"):
+            return _JNP[kind](x, axis=0)
         if x.shape[0] == 0:
             return self.identity(i, x.shape[1:])
         return _tree(_batched(kind.op, tuple(range(n_batch))), x)
@@ -256,12 +255,8 @@ class Reduction:
         """`op(a, b)` of two partial results, applied per element: `batch_axes` are
         the axes of the mapped dims (the rest is one element)."""
         kind = self.kind
-        if kind == "sum":
-            return a + b
-        if kind == "max":
-            return jnp.maximum(a, b)
-        if kind == "min":
-            return jnp.minimum(a, b)
+        if isinstance(kind, str):
+            return _PAIRWISE[kind](a, b)
         return _batched(kind.op, tuple(batch_axes))(a, b)
 
     def across_devices(
@@ -306,13 +301,12 @@ def _pextremum_jvp(axes: tuple[str, ...], kind: str, primals: tuple, tangents: t
 
 def _batched(op: Callable, batch_axes: tuple[int, ...]) -> Callable:
     """`op` of one element, mapped over the `batch_axes` of both arguments."""
-    k = len(batch_axes)
-    if k == 0:
+    if not batch_axes:
         return op
     inner = op
-    for _ in range(k):
+    for _ in batch_axes:
         inner = jax.vmap(inner)
-    front = tuple(range(k))
+    front = tuple(range(len(batch_axes)))
 
     def batched(a: Any, b: Any) -> Any:
         out = inner(

@@ -1,6 +1,5 @@
 """`multi_vmap`: a migration shim with the semantics of DSA2000-Cal's `multi_vmap`."""
 
-import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -9,9 +8,10 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jax._src import traceback_util
 
+from ._args import _Params
 from ._dims import is_dim_name
 from ._errors import SpecError
-from ._multi_vmap import filter_multi_vmap
+from ._multi_vmap import filter_multi_vmap, Wrapper
 from ._text import plural
 
 
@@ -159,22 +159,18 @@ def _memory_budget(auto: bool, auto_kwargs: Mapping[str, Any] | None) -> Any:
 def _parameters(f: Callable, ins: Groups, fun_name: str) -> tuple[str, ...] | None:
     """The names of the parameters that the groups of `in_mapping` describe, in
     order; `None` if `f` has no signature, so that arguments go by position only."""
-    try:
-        sig = inspect.signature(f)
-    except (TypeError, ValueError):
+    params = _Params.of(f)
+    positional = params.positional
+    if params.signature is None:
         return None
-    params = list(sig.parameters.values())
-    positional = [
-        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
     if len(positional) >= len(ins):
-        return tuple(positional[: len(ins)])
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return positional[: len(ins)]
+    if params.var_pos is not None:
         return None
     raise SpecError(
         f"`{fun_name}`: `in_mapping` has {plural(len(ins), 'group')}, one per "
         f"positional argument, but `f` takes {len(positional)} positional parameters "
-        f"{tuple(positional)}."
+        f"{positional}."
     )
 
 
@@ -219,20 +215,16 @@ class _Outputs(eqx.Module):
         return out[0] if is_tuple and n == 1 else out
 
 
-class _MultiVmapShim(eqx.Module):
+class _MultiVmapShim(Wrapper):
     """The function returned by `multi_vmap`: binds arguments to the groups of
-    `in_mapping` (by position or parameter name), then calls the mapped function."""
+    `in_mapping` (by position or parameter name), then calls the mapped function
+    (`_fun`: the `filter_multi_vmap` wrapper; `_Outputs` if nothing is mapped)."""
 
-    _fun: Callable  # the `filter_multi_vmap` wrapper; `_Outputs` if nothing is mapped
     _shim_name: str = eqx.field(static=True)
     _params: tuple[str, ...] | None = eqx.field(static=True)
     _in_groups: Groups = eqx.field(static=True)
     _in_mapping: str = eqx.field(static=True)
     _mapped: tuple[str, ...] = eqx.field(static=True)
-
-    @property
-    def __wrapped__(self):
-        return self._fun
 
     def _arg_name(self, i: int) -> str:
         return self._params[i] if self._params is not None else f"args[{i}]"
@@ -303,12 +295,6 @@ class _MultiVmapShim(eqx.Module):
         values = self._bind(args, kwargs)
         self._check_sizes_known(values)
         return self._fun(*args, **kwargs)
-
-    def __get__(self, instance, owner):
-        del owner
-        if instance is None:
-            return self
-        return jtu.Partial(self, instance)
 
 
 def _signature_line(ins: Groups, outs: Groups, mapped: tuple[str, ...]) -> str:

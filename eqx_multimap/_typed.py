@@ -311,9 +311,8 @@ def _check_readable(value: Any, path: str, ctx: Context) -> None:
 
 
 def _safe_annotation_dims(ann: Any) -> list[tuple[str, Dims, bool]]:
-    ctx = Context("", "", "", "")
     try:
-        return annotation_dims(ann, ctx, "")
+        return annotation_dims(ann, Context("", "", "", ""), "")
     except SpecError:
         return []
 
@@ -484,7 +483,7 @@ class FunAnnotations:
         names = self.out_names(fun_name)
         self._no_checker_inside(fun_name, "the return value", names, mapped)
         ctx = self._out_ctx(fun_name, mapped)
-        return OutAnnotation(self.hints["return"], ctx, mapped)
+        return OutAnnotation(self.hints["return"], ctx)
 
     def _no_checker_inside(
         self, fun_name: str, label: str, names: Any, mapped: tuple[str, ...]
@@ -528,7 +527,6 @@ class OutAnnotation:
 
     hint: Any
     ctx: Context
-    mapped: tuple[str, ...]
 
     def resolve(self, out: Any, default_out: Dims) -> Any:
         """A spec tree (of `LeafSpec`s) for the body's per-element output `out`."""
@@ -541,20 +539,18 @@ class OutAnnotation:
         full = []
         for (path, leaf), leaf_spec in zip(paths_and_leaves, leaf_specs):
             if is_arrayish(leaf):
-                if leaf_spec.dims is None:
+                dims = leaf_spec.dims
+                if dims is None:
                     leaf_spec = LeafSpec(default_out)
-                else:
-                    self._check_leaf("output" + jtu.keystr(path), leaf, leaf_spec.dims)
+                elif not dtype_matches(leaf, dims):
+                    raise ShapeError(
+                        f"`{ctx.fun_name}`: the function body returned "
+                        f"`output{jtu.keystr(path)}` with dtype {leaf.dtype}, but "
+                        "the return annotation asks for "
+                        f"{dims.dtype_desc}[..., {dims.source!r}]."
+                    )
             full.append(leaf_spec)
         return jtu.tree_unflatten(treedef, full)
-
-    def _check_leaf(self, where: str, leaf: Any, dims: Dims) -> None:
-        if not dtype_matches(leaf, dims):
-            raise ShapeError(
-                f"`{self.ctx.fun_name}`: the function body returned `{where}` with "
-                f"dtype {leaf.dtype}, but the return annotation asks for "
-                f"{dims.dtype_desc}[..., {dims.source!r}]."
-            )
 
 
 _fun_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
