@@ -266,8 +266,9 @@ def split_dims(leaves: Sequence[Any], axes: Sequence[Any]) -> dict[str, str]:
         sharding = explicit_sharding(leaf.value) if dims else None
         if sharding is not None:
             spec = _padded_spec(sharding.spec, np.ndim(leaf.value))
+            explicit = _explicit(sharding.mesh)
             for name, ax in dims.items():
-                over = [a for a in _names(spec[ax]) if a in _explicit(sharding.mesh)]
+                over = [a for a in _names(spec[ax]) if a in explicit]
                 if over:
                     where = f"`{leaf.path}` splits it over the mesh axis {over[0]!r}"
                     split.setdefault(name, where)
@@ -278,10 +279,9 @@ def explicit_sharding(x: Any) -> Any:
     """The sharding of `x` under an explicitly sharded mesh, else `None`."""
     try:
         sharding = jax.typeof(x).sharding
-        explicit = any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
+        return sharding if _explicit(sharding.mesh) else None
     except Exception:
         return None
-    return sharding if explicit else None
 
 
 def _explicit(mesh: AnyMesh) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._resolve import Call
 from .plan import Plan, PlanCandidate
-from .search import auto_plan, candidate, given_dims, no_fit_message, Request
+from .search import auto_plan, candidate, fixed_dims, no_fit_message, Request
 
 
 try:
@@ -170,8 +170,7 @@ def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
     _check(all(k is None or 1 <= k <= sizes[n] for n, k in scan), "a bad chunk")
     _check(scan[: len(call.options.scan)] == call.options.scan, "given scans lost")
     planned = {n for n, _ in scan[len(call.options.scan) :]}
-    frozen = {*given_dims(call), *call.collective_dims, *call.split}
-    _check(not planned & frozen, "a candidate scans a dim it must not")  # all mapped
+    _check(not planned & fixed_dims(call), "a candidate scans a dim it must not")
     fields = _typed(d, PlanCandidate, set(_FIELDS) - {"scan", "vmap", "block", "trips"})
     nest = candidate(scan, vmap, sizes, fields.pop("source"))
     return dataclasses.replace(nest, **fields)

@@ -294,8 +294,8 @@ class Planner:
         # The plans that will do: timed on arguments to tune (none to tune again); on
         # made-up inputs to measure a body whose cost does not depend on its data; a
         # short list's; the model's.
-        wanted = [] if again else ["arguments"] if tune else ["arguments", "inputs"]
-        wanted = [] if several else wanted
+        timed = ["arguments"] if tune else ["arguments", "inputs"]
+        wanted = [] if again or several else timed
         wanted += ["short"] * short + ["model"] * (not tune and not measure)
         with self._lock:
             old = self._cache.get(key)  # replaced, with `again`

@@ -150,6 +150,12 @@ def collective_dims(call: Call) -> Names:
     return tuple(n for n in call.mapped if n in call.collective_dims)
 
 
+def fixed_dims(call: Call) -> frozenset[str]:
+    """The mapped dims the planner does not choose for: given, used in
+    collectives, or split over devices by inputs."""
+    return frozenset(given_dims(call) + collective_dims(call) + (*call.split,))
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What one plan is for: `localize`'s sizes and shards, the budget and its source,
@@ -487,7 +493,7 @@ class Search:
         self.start = time.perf_counter()  # measuring's cap counts from here too
         call, sizes = self.call, self.sizes
         fixed = call.options.scan  # the given scans, outermost, as given
-        frozen = frozenset(given_dims(call) + collective_dims(call) + (*call.split,))
+        frozen = fixed_dims(call)
         free = tuple(n for n in call.mapped if n not in frozen)
         # Vmapped: the dims of `vmap=` as given, then the others in the output's order.
         given = call.options.vmap + call.options.scan_names
