@@ -631,6 +631,33 @@ def test_a_plan_whose_timing_failed_says_so_and_rests_on_the_model(monkeypatch):
     assert "second line" not in plan.summary
 
 
+def test_measuring_compiles_its_candidates_and_nothing_else():
+    # The candidates are traced as the call traces them: the body's constant
+    # expressions are not run eagerly on the way (each would be a compile of its own).
+    def body(x):
+        c = jnp.cos(jnp.arange(13.0)).sum() * jnp.exp(jnp.float32(0.37))
+        return jnp.sin(x) * c
+
+    model = TimeModel.for_backend(jax.default_backend())  # nothing to calibrate
+    planner = Planner(cache_dir=False, time_model=model)
+    f = filter_multi_vmap(body, in_dims="T F", out_dims="T F", plan=planner)
+    x = jnp.linspace(0.0, 1.0, 24).reshape(6, 4)
+    compiles = []
+    listen = lambda event, duration, **kw: compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        plan = tune(f, x)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    n = compiles.count("/jax/core/compile/backend_compile_duration")
+    assert isinstance(plan.gradient, Plan) and plan.measured
+    # At most one more: the probe that finds rounds another job disturbed.
+    assert n <= plan.n_compiled + plan.gradient.n_compiled + 1, n
+    np.testing.assert_allclose(
+        f(x), np.sin(x) * (np.cos(np.arange(13.0)).sum() * np.exp(0.37)), rtol=1e-5
+    )
+
+
 def test_under_jit_measuring_runs_a_callback_on_arrays():
     # Candidates timed while the outer function is traced: the body's callbacks
     # get arrays, not the outer trace's tracers.

@@ -25,8 +25,8 @@ from .search import Choice, Search, Steps
 
 CAP = 8.0
 """The search's default cap: it times no further candidate once planning (the time
-model's search included) has taken this many times the median compile of the
-candidates it timed."""
+model's search included) has taken this many times the compile of the fastest so far
+(the pick, if none is faster)."""
 SHORT_SPEND = 0.1  # the short list times a candidate for this share of its compile
 TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
 TRIPS = 8  # at least, in a slice: a call's fixed cost (its temporaries' first touch)
@@ -48,6 +48,7 @@ class Probe:
     def __init__(self, run: Callable[[], Any] | None = None):
         self.run, self.times = run or _probe_loop(), []
 
+    @jax.ensure_compile_time_eval()  # as `rounds`
     def time(self) -> None:
         jax.block_until_ready(self.run())  # settles
         t0 = time.perf_counter()
@@ -67,6 +68,7 @@ def _probe_loop() -> Callable[[], Any]:
     return lambda: program(x)
 
 
+@jax.ensure_compile_time_eval()  # run eagerly in a trace (a callback gets arrays)
 def rounds(
     thunks: Sequence[Callable[[], Any]],
     at_least: int,
@@ -193,18 +195,20 @@ class Tuner:
     def best(self) -> float:
         return min((self.seconds(k) for k in self.timed), default=math.inf)
 
-    def compiles(self) -> float:
-        return statistics.median(t.compile for t in self.timed.values())
+    def compiled(self) -> float:
+        """The compile of the fastest timed, in seconds: the cap's unit."""
+        ran = [k for k, t in self.timed.items() if t.rounds] or list(self.timed)
+        return self.timed[min(ran, key=self.seconds)].compile
 
     def due(self) -> bool:
         """Whether the next candidate would take planning past `cap` times the
-        median compile (one kept for timing the fastest again), once `FEW` have run:
-        then `capped`."""
+        fastest's compile (one kept for timing the fastest again), once `FEW` have
+        run: then `capped`."""
         if sum(bool(t.rounds) for t in self.timed.values()) < FEW:
             return False
         now = time.perf_counter()
         per = (now - self.began) / len(self.timed)  # a candidate, on average
-        if now - self.start + per > (self.cap - 1) * self.compiles():
+        if now - self.start + per > (self.cap - 1) * self.compiled():
             self.capped = True
         return self.capped
 
@@ -261,8 +265,9 @@ class Tuner:
             args = [args, concrete_inputs(specs[1])]
         args = jax.block_until_ready(args)
         if index and not self.once:  # the part of a call that no slice scales
-            noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1])
-            self.once = min(rounds([lambda: noop(args)], 3)[0])
+            noop = lambda a: jax.tree.leaves(a)[0].ravel()[:1]  # noqa: E731
+            once = jax.jit(noop).lower(args).compile()
+            self.once = min(rounds([lambda: once(args)], 3)[0])
         run = lambda: program(args)  # noqa: E731
         if self.probe is not None:
             self.probe.time()
@@ -292,7 +297,7 @@ class Tuner:
         ]  # fmt: skip
         if len(close) < 2:
             return
-        compiles = self.compiles()
+        compiles = self.compiled()
         left = self.cap * compiles - (time.perf_counter() - self.start)
         spend = min(left, SPEND * compiles * len(close))
         runs = [self.timed[k].run for k in close]
@@ -410,8 +415,8 @@ class Tuner:
                 f" The time model's choice checked: a short list of "
                 f"{plural(len(ran), 'candidate')} timed on {what}, {how}."
             )
-        cap = fmt_seconds(self.cap * self.compiles())
-        cap = f"{self.cap:g}x the median compile, {cap}"
+        cap = fmt_seconds(self.cap * self.compiled())
+        cap = f"{self.cap:g}x the fastest's compile, {cap}"
         stop = "stopped the search: one more candidate would have passed it"
         stop = stop if self.capped else "was not reached"
         again = f"; those within {CLOSE:g}x of the fastest again side by side"
@@ -427,9 +432,8 @@ def measured(
     """`Tuner.run`'s choice, and what it timed; the model's (with what timing found
     over the budget) if there was no choice to make, or timing failed."""
     tuner = Tuner(search)
-    try:  # run eagerly, not in the trace planning may run in (a callback's values)
-        with jax.ensure_compile_time_eval():
-            choice = tuner.run(full, ladders, model)
+    try:
+        choice = tuner.run(full, ladders, model)
     except Exception as e:  # e.g. inputs of a dtype that cannot be made up
         first = (str(e).splitlines() or [""])[0]
         note = f"could not measure ({type(e).__name__}: {first}), so estimated"

@@ -108,10 +108,10 @@ class Planner:
         are as large as the call's, outside `memory_budget`) and takes the faster;
         not for a body that calls back into Python. `False`: the model's estimate
         alone (a plan `tune` made is still used). `True` times every candidate it
-        may and takes the fastest, within a cap of 8x a compile: an un-jitted call
-        on its own arguments, as [`eqx_multimap.tune`][] does; a call under
-        `jax.jit` on made-up inputs, unless the body's cost depends on its data
-        (see [Measured mode](../planner.md#measured-mode)).
+        may and takes the fastest, within a cap of 8x its pick's compile: an
+        un-jitted call on its own arguments, as [`eqx_multimap.tune`][] does; a
+        call under `jax.jit` on made-up inputs, unless the body's cost depends on
+        its data (see [Measured mode](../planner.md#measured-mode)).
     - `cache_dir`: where plans and calibrations are kept on disk, so that a plan is
         paid for once per machine. `None` (the default): the environment variable
         `EQX_MULTIMAP_CACHE_DIR` (`off` disables the disk cache), else
