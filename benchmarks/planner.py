@@ -15,7 +15,9 @@ For each, under a memory budget (a fraction of full vmap's forward temporaries):
   last in chunks of a power of 2; `--quick`: 2, 8, 32...), vmapping the rest, under
   `grad` with and without `jax.checkpoint`, and the planners' picks as fixed nests;
 - `plan="auto"` (a fresh planner, calibrated beforehand): its compile with planning
-  over its pick's compile, CPU seconds (`cold`); `--plan measure`: measured mode;
+  over its pick's compile, CPU seconds (`cold`); `--plan measure`: measured mode
+  (`tune`; on a workload timed forward only, an un-jitted call, which times the
+  forward nest alone);
 - the simple rule: full vmap if it fits the budget, else the largest block that
   fits on the first ladder (the dims in the order the outputs name them);
 - the plan of the time model without its memory hierarchy (`no hierarchy`: one
@@ -23,9 +25,12 @@ For each, under a memory budget (a fraction of full vmap's forward temporaries):
 
 Every fitting nest and each pick are timed round-robin (`harness.time_interleaved`,
 the rounds in which another job held a core dropped), medians; then the auto program
-against the best fitting nest and its twin (the noise floor) in a second pass, again
-after a pause if all its rounds were disturbed: `auto / best`, the median of
-per-round ratios (goal: at most 1.10). Other ratios: the first pass's. `--help`.
+against the best fitting nest and its twin (the noise floor), and measured mode's with
+its twin, in a second pass, again after a pause if all its rounds were disturbed:
+`auto / best` and `measured / best`, medians of per-round ratios (goal: at most
+1.10). A twin is a second compile of the same nest: on XLA:CPU two compiles of one
+program can differ (`newton_sqrt` 64x32: 32 and 63 us). Other ratios: the first
+pass's. `--help`.
 """
 
 import dataclasses
@@ -302,15 +307,26 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     programs, plans, picks, cold = {}, {}, {}, {}
     for name, planner in planners.items():
         mapped = filter_multi_vmap(w.body, plan=planner, memory_budget=budget, **w.kw)
-        # Measured mode times the nest (and its derivative's) on the arguments.
-        tuned = name == "measure"
-        programs[name], cold[name] = _cpu(
-            lambda: (tuned and tune(mapped, *w.args), compiled(prog(mapped), *args))[1]
+        # Measured mode times on the arguments: `tune`, the nest and its derivative's;
+        # for a workload timed forward only, an un-jitted call, its nest alone (the
+        # call compiles it: its planning, compile and one run are counted).
+        tuned, eager = name == "measure", name == "measure" and not w.grad
+        programs[name], cold[name] = (
+            _cpu(
+                lambda: (
+                    tuned and tune(mapped, *w.args),
+                    compiled(prog(mapped), *args),
+                )[1]
+            )
+            if not eager
+            else (None, _cpu(lambda: jax.block_until_ready(mapped(*args)))[1])
         )
+        if eager:
+            programs[name] = compiled(prog(mapped), *args)
         plan = explain(mapped, *w.args)
         plans[name] = plan if mode == "forward" else plan.gradient
         other = plan.gradient if mode == "forward" else plan
-        if tuned and isinstance(other, Plan):  # `tune` timed it too: its compile
+        if tuned and not eager and isinstance(other, Plan):  # `tune` timed it too
             nest = dict(scan=other.scan, vmap=other.vmap, checkpoint=other.checkpoint)
             f = filter_multi_vmap(w.body, **w.kw, **nest)
             o_prog, o_args = _program(w, full_vmap, "grad" if mode == "forward" else "")
@@ -354,11 +370,14 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     by_key = dict(zip(timed, med))
     by_plan = {n: by_key[k] for n, k in keys.items()}
     best, auto_key = min(fits, key=lambda k: by_key[k]), keys["auto"]
+    # Second pass: auto, the best, auto's twin; measured mode's program and its twin
+    # (two compiles of one program may differ: XLA:CPU places each anew).
+    second = [programs["auto"], fixed[best], fixed[auto_key]]
+    second += [programs["measure"], fixed[keys["measure"]]] if "measure" in keys else []
     for pause in (5, 5, 0):  # after a pause, again, while every round is disturbed
         start = len(opts.probe.times)
         pair = time_interleaved(
-            [lambda: programs["auto"](*args), lambda: fixed[best](*args),
-             lambda: fixed[auto_key](*args)],
+            [lambda c=c: c(*args) for c in second],
             opts.seconds, opts.confirm, 4 * opts.confirm, 0.02, probe=opts.probe,
         )  # fmt: skip
         if not (pause and all(opts.probe.disturbed(start))):
@@ -372,14 +391,15 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         budget=budget,
         auto=nest(auto_key),
         over=sum(temp_bytes(programs[n]) > budget for n in planners if n in AUTO),
-        ratio=statistics.median(harness.paired_ratios(pair[0], pair[1])),
+        ratio=_paired(pair, 0, 1),
         first=med[-1] / by_key[best],
-        noise=statistics.median(harness.paired_ratios(pair[2], pair[0])),
+        noise=_paired(pair, 2, 0),
         same_hlo=harness.same_hlo(programs["auto"], fixed[auto_key]),
         best=nest(best),
         simple=nest(simple) if simple else "-",
         simple_ratio=by_key[simple] / by_key[best] if simple else float("nan"),
-        measure=by_plan.get("measure", float("nan")) / by_key[best],
+        measure=_paired(pair, 3, 1),
+        measure_noise=_paired(pair, 4, 3),
         measure_nest=nest(keys["measure"]) if "measure" in keys else "-",
         flat=by_plan["no hierarchy"] / by_key[best],
         flat_nest=nest(keys["no hierarchy"]),
@@ -389,6 +409,13 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
         n=f"{len(fits)} / {len(nests)}",
         best_ms=by_key[best] * 1e3,
     )
+
+
+def _paired(times: list[list[float]], a: int, b: int) -> float:
+    """The median of the per-round ratios of thunk `a` to `b` (nan if not timed)."""
+    if a >= len(times):
+        return float("nan")
+    return statistics.median(harness.paired_ratios(times[a], times[b]))
 
 
 def _describe(key: tuple, sizes: dict[str, int]) -> str:
@@ -402,7 +429,7 @@ def table(rows: list[dict]) -> str:
     head = (
         "| workload | mode | mapped sizes | budget | auto plan | auto / best (first "
         "pass) | twin / auto | best fitting nest (ms) | simple rule | simple / best "
-        "| measured / best | one bandwidth / best | cold plan / compile "
+        "| measured / best (its twin) | one bandwidth / best | cold plan / compile "
         "(measured) | fit / nests |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -412,7 +439,8 @@ def table(rows: list[dict]) -> str:
             f"| `{r['auto']}` | {r['ratio']:.2f} ({r['first']:.2f}) | "
             f"{r['noise']:.2f}{'' if r['same_hlo'] else ' (not same HLO)'} | "
             f"`{r['best']}` ({r['best_ms']:.3g}) | `{r['simple']}` | "
-            f"{r['simple_ratio']:.2f} | {r['measure']:.2f} | {r['flat']:.2f} | "
+            f"{r['simple_ratio']:.2f} | {r['measure']:.2f} ({r['measure_noise']:.2f}) "
+            f"| {r['flat']:.2f} | "
             f"{r['cold']:.2f} ({r['cold_measure']:.2f}) | {r['n']} |"
         )
     summary = [
@@ -423,15 +451,20 @@ def table(rows: list[dict]) -> str:
         _summary("one bandwidth (no hierarchy) / best", [r["flat"] for r in rows]),
         _summary("cold plan / compile of the pick", [r["cold"] for r in rows], 2.0),
         _summary(
-            "cold measured plan (`tune`: the nest and its derivative's) / their "
-            "compiles",
+            "cold measured plan (`tune`, the nest and its derivative's; forward-only "
+            "workloads, an un-jitted call) / their compiles",
             [r["cold_measure"] for r in rows],
             10,
         ),
     ]
     noise = [r["noise"] for r in rows]
+    twins = [r["measure_noise"] for r in rows if np.isfinite(r["measure_noise"])]
+    twins_text = (
+        f"; twin / measured {min(twins):.3f} to {max(twins):.3f}" if twins else ""
+    )
     summary.append(
-        f"Noise (twin / auto, second pass): {min(noise):.3f} to {max(noise):.3f}. "
+        f"Noise (second pass): twin / auto {min(noise):.3f} to {max(noise):.3f}"
+        f"{twins_text}. "
         f"Over budget: {sum(r['over'] for r in rows)} of {len(rows)}."
     )
     return "\n".join(lines + [""] + [s for s in summary if s])
@@ -489,7 +522,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{w.name}, {mode}: auto {r['auto']} / best {r['best']} = "
                 f"{r['ratio']:.3f} (twin {r['noise']:.3f}); measured "
-                f"{r['measure_nest']} {r['measure']:.2f}; simple {r['simple']} "
+                f"{r['measure_nest']} {r['measure']:.2f} (twin "
+                f"{r['measure_noise']:.2f}); simple {r['simple']} "
                 f"{r['simple_ratio']:.2f}; one bandwidth {r['flat_nest']} "
                 f"{r['flat']:.2f}; cold plan / compile {r['cold']:.2f}",
                 flush=True,
