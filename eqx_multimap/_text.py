@@ -28,7 +28,8 @@ def fmt_bytes(n: int | float) -> str:
 
 
 def fmt_seconds(s: float) -> str:
-    """`3.1 ms`, `250 us`, `1.20 s`."""
+    """`3.1 ms`, `250 us`, `1.20 s`; `1 ms`, not `1e+03 us`."""
+    s = float(f"{s:.3g}")  # three digits first: 999.96 us is 1 ms
     if s >= 1.0:
         return f"{s:.2f} s"
     if s >= 1e-3:

@@ -133,7 +133,8 @@ def test_fmt_bytes(n, text):
 
 @pytest.mark.parametrize(
     "s, text",
-    [(2.5e-4, "250 us"), (3.14e-3, "3.14 ms"), (0.25, "250 ms"), (1.2, "1.20 s")],
+    [(2.5e-4, "250 us"), (3.14e-3, "3.14 ms"), (0.25, "250 ms"), (1.2, "1.20 s")]
+    + [(9.9996e-4, "1 ms"), (0.99996, "1.00 s"), (9.994e-4, "999 us")],
 )
 def test_fmt_seconds(s, text):
     assert harness.fmt_seconds(s) == text
