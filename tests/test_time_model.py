@@ -121,6 +121,24 @@ def test_the_timing_loop_interleaves_and_drops_disturbed_rounds():
     np.testing.assert_allclose(times, [[0.01, 0.01], [0.02, 0.02]])  # round 2 dropped
 
 
+def test_a_long_program_is_timed_on_its_second_call():
+    # The first call of a program (its temporaries fresh) is no sample of the calls
+    # that follow it: long ones are timed once each, after their untimed first call.
+    clock, calls = [0.0], []
+
+    def thunk(name, first, then):
+        def run():
+            calls.append(name)
+            clock[0] += then if name in calls[:-1] else first
+
+        return run
+
+    a, b = thunk("a", 0.08, 0.11), thunk("b", 0.09, 0.08)
+    times = measure.rounds([a, b], 3, 15, 10.0, clock=lambda: clock[0])
+    assert calls == ["a", "b", "a", "b"]
+    np.testing.assert_allclose(times, [[0.11], [0.08]])
+
+
 def test_a_probe_slow_only_while_it_warms_up_drops_only_those_rounds():
     # After a long program the probe runs slower for a few rounds (its threads and
     # caches cold): judged against its median, not its best, only the outlier goes.
