@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from eqx_multimap._planner.measure import Probe as Probe  # the planner's own
 from eqx_multimap._text import fmt_bytes as fmt_bytes, fmt_seconds as fmt_seconds
 
 
@@ -61,37 +62,6 @@ def fresh(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     return fresh_fn
-
-
-DISTURBED = 1.5  # a round whose probe took more than this times its median
-
-
-class Probe:
-    """A program whose op XLA spreads over its threads (a loop over 1 MiB, about a
-    millisecond), timed before each round of `time_interleaved`: a round in which it
-    took over `DISTURBED` times its median is *disturbed* (another job held a core,
-    which slows only such programs). `run`: a thunk to time instead (tests)."""
-
-    def __init__(self, run: Callable[[], Any] | None = None):
-        self.run, self.times = run or _probe_loop(), []
-
-    def time(self, clock: Clock = time.perf_counter) -> None:
-        jax.block_until_ready(self.run())  # settles
-        t0 = clock()
-        jax.block_until_ready(self.run())
-        self.times.append(clock() - t0)
-
-    def disturbed(self, start: int = 0) -> list[bool]:
-        usual = float(np.median(self.times)) if self.times else 0.0
-        return [t > DISTURBED * usual for t in self.times[start:]]
-
-
-@ft.cache
-def _probe_loop() -> Callable[[], Any]:
-    x = np.ones(2**18, np.float32)
-    loop = lambda y: jax.lax.fori_loop(0, 99, lambda i, y: y * 0.999 + 1, y)
-    program = compiled(loop, x)
-    return lambda: program(x)
 
 
 def time_interleaved(

@@ -16,8 +16,7 @@ For each, under a memory budget (a fraction of full vmap's forward temporaries):
   `grad` with and without `jax.checkpoint`, and the planners' picks as fixed nests;
 - `plan="auto"` (a fresh planner, calibrated beforehand): its compile with planning
   over its pick's compile, CPU seconds (`cold`); `--plan measure`: measured mode
-  (`tune`; on a workload timed forward only, an un-jitted call, which times the
-  forward nest alone);
+  (`tune`; forward-only workloads: an un-jitted call);
 - the simple rule: full vmap if it fits the budget, else the largest block that
   fits on the first ladder (the dims in the order the outputs name them);
 - the plan of the time model without its memory hierarchy (`no hierarchy`: one
@@ -25,12 +24,10 @@ For each, under a memory budget (a fraction of full vmap's forward temporaries):
 
 Every fitting nest and each pick are timed round-robin (`harness.time_interleaved`,
 the rounds in which another job held a core dropped), medians; then the auto program
-against the best fitting nest and its twin (the noise floor), and measured mode's with
-its twin, in a second pass, again after a pause if all its rounds were disturbed:
-`auto / best` and `measured / best`, medians of per-round ratios (goal: at most
-1.10). A twin is a second compile of the same nest: on XLA:CPU two compiles of one
-program can differ (`newton_sqrt` 64x32: 32 and 63 us). Other ratios: the first
-pass's. `--help`.
+against the best fitting nest and its twin (the noise floor; a second compile), and
+measured mode's beside its twin, in a second pass, again after a pause if all its
+rounds were disturbed: `auto / best` and `measured / best`, medians of per-round
+ratios (goal: at most 1.10). Other ratios: the first pass's. `--help`.
 """
 
 import dataclasses
@@ -308,21 +305,12 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     for name, planner in planners.items():
         mapped = filter_multi_vmap(w.body, plan=planner, memory_budget=budget, **w.kw)
         # Measured mode times on the arguments: `tune`, the nest and its derivative's;
-        # for a workload timed forward only, an un-jitted call, its nest alone (the
-        # call compiles it: its planning, compile and one run are counted).
+        # a forward-only workload, an un-jitted call (planning, compile, one run).
         tuned, eager = name == "measure", name == "measure" and not w.grad
-        programs[name], cold[name] = (
-            _cpu(
-                lambda: (
-                    tuned and tune(mapped, *w.args),
-                    compiled(prog(mapped), *args),
-                )[1]
-            )
-            if not eager
-            else (None, _cpu(lambda: jax.block_until_ready(mapped(*args)))[1])
-        )
-        if eager:
-            programs[name] = compiled(prog(mapped), *args)
+        run = lambda: mapped(*args) if eager else [tuned and tune(mapped, *w.args)]
+        cold[name] = _cpu(lambda: jax.block_until_ready(run()))[1]
+        programs[name], seconds = _cpu(lambda: compiled(prog(mapped), *args))
+        cold[name] += 0.0 if eager else seconds  # the un-jitted call compiled it
         plan = explain(mapped, *w.args)
         plans[name] = plan if mode == "forward" else plan.gradient
         other = plan.gradient if mode == "forward" else plan
@@ -459,13 +447,10 @@ def table(rows: list[dict]) -> str:
     ]
     noise = [r["noise"] for r in rows]
     twins = [r["measure_noise"] for r in rows if np.isfinite(r["measure_noise"])]
-    twins_text = (
-        f"; twin / measured {min(twins):.3f} to {max(twins):.3f}" if twins else ""
-    )
+    twins = [f"; twin / measured {min(twins):.3f} to {max(twins):.3f}"] if twins else []
     summary.append(
         f"Noise (second pass): twin / auto {min(noise):.3f} to {max(noise):.3f}"
-        f"{twins_text}. "
-        f"Over budget: {sum(r['over'] for r in rows)} of {len(rows)}."
+        f"{''.join(twins)}. Over budget: {sum(r['over'] for r in rows)} of {len(rows)}."
     )
     return "\n".join(lines + [""] + [s for s in summary if s])
 

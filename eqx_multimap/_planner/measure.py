@@ -49,11 +49,11 @@ class Probe:
         self.run, self.times = run or _probe_loop(), []
 
     @jax.ensure_compile_time_eval()  # as `rounds`
-    def time(self) -> None:
+    def time(self, clock: Callable[[], float] = time.perf_counter) -> None:
         jax.block_until_ready(self.run())  # settles
-        t0 = time.perf_counter()
+        t0 = clock()
         jax.block_until_ready(self.run())
-        self.times.append(time.perf_counter() - t0)
+        self.times.append(clock() - t0)
 
     def disturbed(self, start: int = 0) -> list[bool]:
         usual = statistics.median(self.times) if self.times else 0.0
