@@ -196,10 +196,14 @@ class Tuner:
     def best(self) -> float:
         return min((self.seconds(k) for k in self.timed), default=math.inf)
 
+    def fastest(self) -> Timed | None:
+        """The fastest timed that ran (one compiled over the budget did not)."""
+        ran = [k for k, t in self.timed.items() if t.rounds]
+        return self.timed[min(ran, key=self.seconds)] if ran else None
+
     def compiled(self) -> float:
-        """The compile of the fastest timed, in seconds: the cap's unit."""
-        ran = [k for k, t in self.timed.items() if t.rounds] or list(self.timed)
-        return self.timed[min(ran, key=self.seconds)].compile
+        """The cap's unit: the fastest's compile (the first's if none ran), s."""
+        return (self.fastest() or next(iter(self.timed.values()))).compile
 
     def due(self) -> bool:
         """Whether the next candidate would take planning past `cap` times the
@@ -272,8 +276,7 @@ class Tuner:
         run = lambda: program(args)  # noqa: E731
         if self.probe is not None:
             self.probe.time()
-        ran = [k for k, t in self.timed.items() if t.rounds]
-        lead = self.timed[min(ran, key=self.seconds)] if ran else None
+        lead = self.fastest()
         if lead is None or statistics.median(lead.rounds) > TARGET:
             (times,) = rounds([run], 3, 15, self.spend * compile_seconds)
         else:  # side by side with the fastest so far: the machine's drift taken out
