@@ -6,6 +6,8 @@ import functools as ft
 import os
 import subprocess
 import sys
+import time
+import types
 
 import equinox as eqx
 import jax
@@ -226,6 +228,30 @@ def test_a_quick_call_is_timed_whole_a_long_one_on_slices(monkeypatch):
         np.testing.assert_allclose(
             f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
         )
+
+
+@pytest.mark.parametrize(
+    "sleep, fastest, once",
+    [
+        (0.008, 0.002, True),  # long, 4x the fastest: its one sample
+        (0.004, 0.002, False),  # long, 2x: timed in rounds
+        (0.0, 1e-9, False),  # quick: a quick program's first runs are no sample
+    ],
+)
+def test_a_long_candidate_clearly_slower_than_the_fastest_is_run_once(
+    sleep, fastest, once
+):
+    calls = []
+
+    def run():
+        calls.append(None)
+        time.sleep(sleep)
+
+    tuner = types.SimpleNamespace(once=0.0, best=lambda: fastest)
+    times = measure.Tuner.clearly_slower(tuner, run, 1.0)  # pyright: ignore
+    assert len(calls) >= 2 and bool(times) == once  # its first call, then a run
+    if once:
+        assert len(calls) == 2 and times[0] >= sleep
 
 
 def test_tune_times_again_on_new_data_and_replaces_the_plan():

@@ -38,6 +38,7 @@ SAMPLE = 2e-3  # seconds: the shortest sample (a quick program runs several time
 SPEND = 0.25  # a candidate is timed for up to this share of its compile (3 rounds)
 LONG = 0.05  # seconds: a program that runs longer is timed on one call, once
 DISTURBED = 1.5  # a round whose probe took this many times its median is dropped
+CLEAR = 3.0  # a long candidate whose first timed run is this much slower is timed once
 
 
 class Probe:
@@ -277,17 +278,27 @@ class Tuner:
         if self.probe is not None:
             self.probe.time()
         lead = self.fastest()
-        if lead is None or statistics.median(lead.rounds) > TARGET:
+        base = statistics.median(lead.rounds) if lead else 0.0
+        times = self.clearly_slower(run, scale) if lead else []
+        if not times and (lead is None or base > TARGET):
             (times,) = rounds([run], 3, 15, self.spend * compile_seconds)
-        else:  # side by side with the fastest so far: the machine's drift taken out
+        elif not times and lead:  # beside the fastest so far: the drift taken out
             spend = 2 * self.spend * compile_seconds
             times, again = rounds([run, lead.run], 3, 15, spend)
-            base = statistics.median(lead.rounds)
             times = [t * base / a for t, a in zip(times, again)]
         cut = {n: sub[n] for n in index}
         i = len(self.probe.times) - 1 if self.probe else 0
         self.timed[c.key] = Timed(run, cut, scale, compile_seconds, times, i)
         return self.seconds(c.key)
+
+    def clearly_slower(self, run: Callable[[], Any], scale: float) -> list[float]:
+        """One run after the first, as the one sample of a candidate whose whole call
+        takes over `CLEAR` times the fastest's; `[]` if it does not, or if the run
+        is quick (under `SAMPLE`): a quick program's first runs are no sample (one
+        ran 5x slower than it did later)."""
+        (times,) = rounds([run], 1)
+        whole = max(times[0] - self.once, 0.0) * scale + self.once
+        return times if times[0] >= SAMPLE and whole > CLEAR * self.best() else []
 
     def confirm(self) -> None:
         """Time again, side by side (three rounds at least, for up to `SPEND` of a
@@ -331,8 +342,8 @@ class Tuner:
             return None
         if many and not self.short:  # timed again: rounds another job held are seen
             self.probe = Probe()
-        for c in head + [model]:
-            self.time(c)
+        for c in [model] + head if self.short else head + [model]:
+            self.time(c)  # a short list's pick first: full vmap's run may be long
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         lone = {c.key for c in one}
