@@ -35,9 +35,14 @@ def test_cache_levels_read_from_sysfs(tmp_path):
     ]
     root = _sysfs(tmp_path / "cache", caches)
     assert _model.cache_levels(root) == (32 * KiB, 512 * KiB, 16 * 2**20)
+    # Each holds half its size at its bandwidth; a core's own, once per core.
+    assert _model.held((32 * KiB, 512 * KiB, 16 * 2**20), 4) == (
+        64 * KiB, KiB**2, 8 * 2**20
+    )  # fmt: skip
     # The default model on this machine has the OS's levels.
     model = TimeModel.for_backend("cpu")
-    assert tuple(s for s, _ in model.levels) == _model.cache_levels()
+    want = _model.held(_model.cache_levels(), model.cores)
+    assert tuple(s for s, _ in model.levels) == want
 
 
 def test_cache_levels_fallback(tmp_path):
@@ -149,9 +154,9 @@ def test_a_probe_slow_only_while_it_warms_up_drops_only_those_rounds():
 
 
 def test_calibrated_levels_are_the_machines(monkeypatch):
-    # The calibration measures one bandwidth per level, each inside it, and one
-    # past the last; a core's own levels (all but the last) on one core, times the
-    # cores; each is the best of the repeats.
+    # The calibration measures one bandwidth per level, each on what it holds, and
+    # one past the last; a core's own levels (all but the last) on one core (its
+    # share), times the cores; each is the best of the repeats.
     calls = []
 
     def stream(nbytes, repeats, one_core=False):
@@ -163,7 +168,8 @@ def test_calibrated_levels_are_the_machines(monkeypatch):
     default = TimeModel.for_backend("cpu")
     levels = [s for s, _ in default.levels]
     assert [s for s, _ in model.levels] == levels
-    assert [n for n, _, _ in calls[:-1]] == [s // 2 for s in levels]
+    shares = [s // default.cores for s in levels[:-1]] + levels[-1:]
+    assert [n for n, _, _ in calls[:-1]] == shares
     assert [one for _, _, one in calls] == [True] * (len(levels) - 1) + [False] * 2
     assert calls[-1][0] > levels[-1] and all(r == 2 for _, r, _ in calls)
     assert model.levels[0][1] == 1e11 * default.cores

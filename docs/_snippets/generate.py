@@ -119,7 +119,7 @@ for strategy in [{}, {"scan": "n"}, {"scan": {"n": 16}}]:
 """,
     "explain": """\
 def body(x, y):
-    w = jnp.exp(jnp.outer(x, y))  # (M, K): 4 MiB per element
+    w = jnp.exp(jnp.outer(x, y))  # (M, K): 1 MiB per element
     return (w @ y) / jnp.sum(w, axis=1)
 
 
@@ -135,9 +135,9 @@ f = filter_multi_vmap(
     out_dims="n M",
     core="M",  # the body sees rows; only `n` is mapped
     plan=planner,
-    memory_budget=64 * 2**20,  # 64 MiB of temporary memory
+    memory_budget=32 * 2**20,  # 32 MiB of temporary memory
 )
-x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)  # nothing is run
+x = jax.ShapeDtypeStruct((256, 512), jnp.float32)  # nothing is run
 print(eqx_multimap.explain(f, x, x))
 """,
     # --- ShapeError: the data does not fit the dims.

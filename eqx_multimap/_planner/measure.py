@@ -552,15 +552,17 @@ def calibrate(repeats: int = 7) -> TimeModel:
     matmul = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
     vector = [jax.ShapeDtypeStruct((2**20,), jnp.float32)]
     exp = lambda x: jnp.sum(jnp.exp(x))
-    sizes = [size for size, _ in default.levels]
-    # A core's own caches (all but the last level): one core's bandwidth times the
-    # cores (an op split over them pays for waking threads, which hides the level's
-    # speed); the last level and memory, which they share: ops split over them all.
-    one_core = [stream_bandwidth(s // 2, repeats, True) for s in sizes[:-1]]
-    rates = [r and r * default.cores for r in one_core]
-    rates += [stream_bandwidth(s // 2, repeats) for s in sizes[-1:]]
+    sizes = [size for size, _ in default.levels]  # what each holds (`model.held`)
+    # A core's own caches (all but the last level): one core's bandwidth, on its
+    # share, times the cores (an op split over them pays for waking threads, which
+    # hides the level's speed); the last level and memory, which they share: ops
+    # split over them all.
+    cores = default.cores
+    one_core = [stream_bandwidth(s // cores, repeats, True) for s in sizes[:-1]]
+    rates = [r and r * cores for r in one_core]
+    rates += [stream_bandwidth(s, repeats) for s in sizes[-1:]]
     # Past the last level: twice its size (a 480 MiB L3 exists), at most 2 GiB.
-    memory = stream_bandwidth(min(2 * max(sizes, default=2**24), 2**31), repeats)
+    memory = stream_bandwidth(min(4 * max(sizes, default=2**23), 2**31), repeats)
     # A smaller level is never slower than a larger one: noise is.
     floor, levels = memory or default.bandwidth, []
     for (size, old), rate in reversed(list(zip(default.levels, rates))):

@@ -32,6 +32,16 @@ DEVICE_LEVELS = ((32 * 2**20, 3e12),)
 DEVICE_MEMORY = 1e12
 
 
+def held(caches: tuple[int, ...], cores: int) -> tuple[int, ...]:
+    """The bytes each CPU cache holds at its bandwidth: half its size, what
+    `measure.calibrate` measures the bandwidth on (a full cache also holds other
+    data: a working set of the whole last level ran 2-4x slower than one of half);
+    a core's own caches (all but the last) once per core, each core its share of an
+    op split over them."""
+    own = len(caches) - 1
+    return tuple(s * (cores if i < own else 1) // 2 for i, s in enumerate(caches))
+
+
 @dataclasses.dataclass(frozen=True)
 class TimeModel:
     """The estimated run time of a candidate that fits the budget (see `seconds`).
@@ -43,7 +53,8 @@ class TimeModel:
     - `flops`, `transcendentals`: operations per second.
     - `levels`: `(bytes, bandwidth)` of each level of the memory hierarchy, smallest
         first: on CPU the data caches, on an accelerator its on-chip memory; the
-        bandwidth in bytes per second, for data that fits the level.
+        bytes it holds at the bandwidth (bytes per second) of data that fits it (on
+        CPU, see `held`).
     - `bandwidth`: bytes per second past the last level (main memory, HBM).
     - `loop_overhead`: seconds per loop trip.
     - `cores`: the threads XLA spreads an op over, if the op reads at least
@@ -54,7 +65,7 @@ class TimeModel:
     flops: float = 5e10
     transcendentals: float = 5e9
     levels: tuple[tuple[int, float], ...] = tuple(
-        zip(FALLBACK_CACHES, DEFAULT_BANDWIDTHS)
+        zip(held(FALLBACK_CACHES, 2), DEFAULT_BANDWIDTHS)
     )
     bandwidth: float = DEFAULT_MEMORY
     loop_overhead: float = 1e-6
@@ -66,7 +77,7 @@ class TimeModel:
         """The default (uncalibrated) constants for a backend: on CPU, for the
         caches the OS reports; on an accelerator, a device profile."""
         if backend == "cpu":
-            sizes = cache_levels()
+            sizes = held(cache_levels(), _cores())
             rates = DEFAULT_BANDWIDTHS + DEFAULT_BANDWIDTHS[-1:] * len(sizes)
             return cls(levels=tuple(zip(sizes, rates)), cores=_cores())
         return cls(levels=DEVICE_LEVELS, bandwidth=DEVICE_MEMORY, loop_overhead=1e-5)

@@ -217,7 +217,7 @@ class Planner:
 
     def _calibrated(self) -> TimeModel:
         disk = self._disk
-        key = {"machine": machine(), "versions": versions(), "calibration": 4}
+        key = {"machine": machine(), "versions": versions(), "calibration": 5}
         # One process calibrates; the others wait, then read its calibration.
         with disk.lock("calibration") if disk else contextlib.nullcontext():
             model = disk.read("calibration", key, TimeModel.from_json) if disk else None

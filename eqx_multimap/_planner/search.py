@@ -315,7 +315,7 @@ SAFE_FRACTION = 1 / 8
 # A compile (another ladder, a larger block) is worth an estimate this much faster:
 # smaller differences are within the time model's error.
 MATERIAL = 1.05
-SEARCH_VERSION = 15  # bumped when the search chooses otherwise: older plans unused
+SEARCH_VERSION = 16  # bumped when the search chooses otherwise: older plans unused
 
 Steps = list[PlanCandidate]  # a ladder: largest block first
 
