@@ -18,7 +18,7 @@ import numpy as np
 from .._resolve import Call
 from .._text import fmt_bytes, fmt_seconds, plural
 from .cost import Compiler
-from .model import machine, SLICE, TimeModel
+from .model import machine, SLICE, SPILL, TimeModel
 from .plan import PlanCandidate
 from .search import Choice, Search, Steps
 
@@ -561,8 +561,9 @@ def calibrate(repeats: int = 7) -> TimeModel:
     one_core = [stream_bandwidth(s // cores, repeats, True) for s in sizes[:-1]]
     rates = [r and r * cores for r in one_core]
     rates += [stream_bandwidth(s, repeats) for s in sizes[-1:]]
-    # Past the last level: twice its size (a 480 MiB L3 exists), at most 2 GiB.
-    memory = stream_bandwidth(min(4 * max(sizes, default=2**23), 2**31), repeats)
+    # Past the last level: `SPILL` times what it holds, twice the cache (a 480 MiB
+    # L3 exists), at most 2 GiB.
+    memory = stream_bandwidth(min(SPILL * max(sizes, default=2**23), 2**31), repeats)
     # A smaller level is never slower than a larger one: noise is.
     floor, levels = memory or default.bandwidth, []
     for (size, old), rate in reversed(list(zip(default.levels, rates))):

@@ -19,6 +19,7 @@ from .._text import fmt_bytes
 # a dot from 128 KiB, a fusion from 64-256 KiB, not at 64 KiB (`docs/design.md`).
 PARALLEL_BYTES = 96 * 2**10
 SLICE = 64 * 2**10  # an op too small to split: how one core's bandwidth is measured
+SPILL = 4  # main memory's bandwidth from this many times what the last level holds
 DEFAULT_SOURCE = "default constants, set by hand for one 2-core x86-64"
 SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache"
 # The data caches (L1d, L2, L3) of the CPU the defaults were set on, and the
@@ -120,9 +121,17 @@ class TimeModel:
         return max((size for size, rate in self.levels if rate >= top), default=0)
 
     def rate(self, nbytes: int) -> float:
-        """The bandwidth of the smallest level that holds `nbytes`."""
+        """The bandwidth of the smallest level that holds `nbytes`; past the last,
+        falling log-linearly to `bandwidth` at `SPILL` times what it holds (where
+        `measure.calibrate` measures that): a working set just past a cache still
+        mostly hits it."""
         fits = (rate for size, rate in self.levels if nbytes <= size)
-        return next(fits, self.bandwidth)
+        found = next(fits, None)
+        if found is not None or not self.levels:
+            return self.bandwidth if found is None else found
+        size, last = self.levels[-1]
+        past = min(math.log(nbytes / size) / math.log(SPILL), 1.0)
+        return last * (self.bandwidth / last) ** past
 
     def describe(self) -> str:
         levels = ", ".join(f"{r:.2g} within {fmt_bytes(s)}" for s, r in self.levels)
@@ -134,7 +143,8 @@ class TimeModel:
             f"{self.cores} for ops under {fmt_bytes(PARALLEL_BYTES)} (one core), + "
             f"loop trips x {self.loop_overhead:.2g} s; bandwidth: that of the smallest "
             "level holding the inputs and outputs, for theirs; for the rest, holding "
-            f"one iteration's working set ({levels}; else {self.bandwidth:.2g}). "
+            f"one iteration's working set ({levels}; past the last, falling to "
+            f"{self.bandwidth:.2g} at {SPILL}x it). "
             f"Constants {where}."
         )
 

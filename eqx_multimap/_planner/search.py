@@ -414,6 +414,12 @@ class Search:
                     f"the largest block of its ladder whose working set "
                     f"({fmt_bytes(ws[i])}) fits {fmt_bytes(size)} of cache"
                 )
+        last = self.model.levels[-1][0] if self.model.levels else math.inf
+        for i in (i for i in range(j, len(steps)) if ws[i] > last and i not in edges):
+            edges[i] = (  # the est. bandwidth falls with the working set: each costed
+                f"its working set ({fmt_bytes(ws[i])}) past the last level of cache "
+                f"({fmt_bytes(last)}), where the est. bandwidth falls as it grows"
+            )
         for e, why in edges.items():
             for c in (c for c in steps if c.block == steps[e].block):
                 self.taken(steps, c, why)
