@@ -415,11 +415,9 @@ class Search:
                     f"({fmt_bytes(ws[i])}) fits {fmt_bytes(size)} of cache"
                 )
         last = self.model.levels[-1][0] if self.model.levels else math.inf
-        for i in (i for i in range(j, len(steps)) if ws[i] > last and i not in edges):
-            edges[i] = (  # the est. bandwidth falls with the working set: each costed
-                f"its working set ({fmt_bytes(ws[i])}) past the last level of cache "
-                f"({fmt_bytes(last)}), where the est. bandwidth falls as it grows"
-            )
+        past = "past the last level of cache, where the est. bandwidth falls with it"
+        for i in (i for i in range(j, len(steps)) if ws[i] > last):  # each costed
+            edges.setdefault(i, f"its working set ({fmt_bytes(ws[i])}) {past}")
         for e, why in edges.items():
             for c in (c for c in steps if c.block == steps[e].block):
                 self.taken(steps, c, why)
