@@ -264,13 +264,12 @@ def test_auto_matches_reference(getkey, workload, budget_kind):
     print(full_temp, plan)
     if budget_kind == "generous" or full_temp == 0:
         # Full vmap, unless a block is est. faster (its working set in a faster
-        # level of memory), or was measured faster (the short list timed both: the
-        # model's pick and its runner-up).
+        # level of memory), or was measured faster (the short list timed both).
         (whole,) = [c for c in plan.candidates if c.source == "full vmap"]
-        if whole.measured is not None:
+        if plan.measured:
             assert plan.chosen.measured <= whole.measured
         else:
-            assert plan.scan == {} or plan.chosen.seconds <= whole.seconds
+            assert plan.scan == {} or plan.chosen.seconds < whole.seconds
     else:
         assert plan.scan and plan.chosen.temp_bytes <= budget
     out = f(*args, **kwargs)
@@ -1118,14 +1117,8 @@ def test_auto_times_a_short_list_where_the_model_searched(getkey, monkeypatch):
     assert by_model.basis == "model" and by_model.chosen.source != "full vmap"
     assert plan.basis == "short" and plan.measured
     timed = {c.key: c.measured for c in plan.candidates if c.measured is not None}
-    # The model's pick and its runner-up by the estimate, on made-up inputs; the
-    # fastest won.
-    assert by_model.chosen.key in timed and len(timed) == 2
-    (other,) = [
-        c for c in plan.candidates if c.key in timed.keys() - {by_model.chosen.key}
-    ]
-    costed = [c for c in by_model.candidates if c.seconds and c.fits]
-    assert all(other.seconds <= c.seconds for c in costed if c != by_model.chosen)
+    # Full vmap (it fits) and the model's pick, on made-up inputs; the fastest won.
+    assert plan.candidates[0].key in timed and by_model.chosen.key in timed
     assert plan.chosen.measured == min(timed.values())
     assert str(plan).startswith("filter_multi_vmap(_sumexp): plan='auto', measured")
     summary = " ".join(plan.summary.split())

@@ -324,8 +324,9 @@ class Tuner:
         `along` each ladder that fits the budget (an order of the dims), the model's
         first; in lockstep, a block of one element; then search along each ladder
         whose fastest is within `CLOSE` of the fastest, fastest first, until the
-        cap. The fastest timed that fits; a short list's (`short_list`); `None` if
-        there is no choice to make."""
+        cap. The fastest timed that fits. A short list stops at two: full vmap (else
+        a step along the model's ladder) and the model's choice; `None` if there is
+        no choice to make."""
         search, budget = self.search, self.search.budget
         fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
         head = [full] * bool(search.known[full.key].fits)  # full vmap, if it fits
@@ -336,15 +337,24 @@ class Tuner:
         one = [c for s in ladders for c in s if alone(c) and fits(s, c)][:1]
         rungs = [[c for c in s if fits(s, c) and not alone(c)] for s in ladders]
         lines = [head + r for r in rungs if r]  # each with a rung of its own
-        if self.short:
-            return self.short_list(model, head + sum(rungs, []))
-        if len({c.key for c in head + [model] + one + sum(lines, [])}) > 1:
-            self.probe = Probe()  # timed again: rounds another job held are seen
-        for c in head + [model]:
-            self.time(c)
+        many = len({c.key for c in head + [model] + one + sum(lines, [])}) > 1
+        if self.short and not many:
+            return None
+        if many and not self.short:  # timed again: rounds another job held are seen
+            self.probe = Probe()
+        for c in [model] + head if self.short else head + [model]:
+            self.time(c)  # a short list's pick first: full vmap's run may be long
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         lone = {c.key for c in one}
+        # A short list: two, full vmap (else a step along the model's ladder) and
+        # the model's pick.
+        if self.short:
+            if sum(bool(t.rounds) for t in self.timed.values()) < 2:
+                self.along(first, 1)
+            for k in search.considered.keys() - self.timed.keys():
+                self.why[k] = "not timed: not on the short list"
+            return self.choose()
 
         def lead() -> float:  # the fastest time, of full vmap and the ladders
             ran = [k for k in self.timed if k not in lone] or list(self.timed)
@@ -374,20 +384,6 @@ class Tuner:
             if k in in_lines:
                 why = "the cap stopped the search first" if self.capped else pruned
             self.why[k] = f"not timed: {why}"
-        return self.choose()
-
-    def short_list(
-        self, model: PlanCandidate, fitting: list[PlanCandidate]
-    ) -> Choice | None:
-        """The model's choice, then beside it its runner-up by the time model (full
-        vmap among them, if it fits): the faster; `None` if nothing else fits."""
-        others = [c for c in fitting if c.key != model.key]
-        if not others:
-            return None
-        for c in (model, min(others, key=self.search.seconds_at)):
-            self.time(c)
-        for k in self.search.considered.keys() - self.timed.keys():
-            self.why[k] = "not timed: not on the short list"
         return self.choose()
 
     def along(self, line: list[PlanCandidate], steps: int | None = None) -> None:

@@ -104,9 +104,8 @@ class Planner:
     - `measure`: `"short"` (the default) ranks the candidates that fit the budget
         by the time model's estimate and, where the model searched and the body's
         cost does not depend on its data, times a short list on made-up inputs
-        (the pick and its runner-up by the estimate, full vmap among them; the
-        inputs are as large as the call's, outside `memory_budget`) and takes the
-        faster;
+        (full vmap, else a block near the model's pick, and the pick; the inputs
+        are as large as the call's, outside `memory_budget`) and takes the faster;
         not for a body that calls back into Python. `False`: the model's estimate
         alone (a plan `tune` made is still used). `True` times every candidate it
         may and takes the fastest, within a cap of 8x its pick's compile: an
