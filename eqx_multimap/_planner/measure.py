@@ -278,9 +278,9 @@ class Tuner:
         if self.probe is not None:
             self.probe.time()
         lead = self.fastest()
-        base = statistics.median(lead.rounds) if lead else 0.0
+        base = statistics.median(lead.rounds) if lead else math.inf
         times = self.clearly_slower(run, scale) if lead else []
-        if not times and (lead is None or base > TARGET):
+        if not times and base > TARGET:  # alone: none timed yet, or the fastest long
             (times,) = rounds([run], 3, 15, self.spend * compile_seconds)
         elif not times and lead:  # beside the fastest so far: the drift taken out
             spend = 2 * self.spend * compile_seconds

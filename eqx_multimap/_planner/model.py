@@ -124,10 +124,8 @@ class TimeModel:
         falling log-linearly to `bandwidth` at `SPILL` times what it holds (where
         `measure.calibrate` measures that): a working set just past a cache still
         mostly hits it."""
-        fits = (rate for size, rate in self.levels if nbytes <= size)
-        found = next(fits, None)
-        if found is not None or not self.levels:
-            return self.bandwidth if found is None else found
+        if not self.levels or nbytes <= self.levels[-1][0]:
+            return next((r for s, r in self.levels if nbytes <= s), self.bandwidth)
         size, last = self.levels[-1]
         past = min(math.log(nbytes / max(size, 1)) / math.log(SPILL), 1.0)
         return last * (self.bandwidth / last) ** past
