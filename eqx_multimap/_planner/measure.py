@@ -1,6 +1,4 @@
-"""Measured mode: candidate nests timed on the call's own arguments (or on made-up
-inputs of their shapes), the search that chooses which to time, and the package's
-one timing loop, which also calibrates the time model (`docs/planner.md`)."""
+"""Measured mode (`docs/planner.md`): timed search, the one timing loop, calibration."""
 
 import dataclasses
 import datetime
@@ -23,10 +21,7 @@ from .plan import PlanCandidate
 from .search import Choice, Search, Steps
 
 
-CAP = 8.0
-"""The search's default cap: it times no further candidate once planning (the time
-model's search included) has taken this many times the compile of the fastest so far
-(the pick, if none is faster)."""
+CAP = 8.0  # timing stops once planning took this many times the fastest's compile
 SHORT_SPEND = 0.1  # the short list times a candidate for this share of its compile
 TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
 TRIPS = 8  # at least, in a slice: a call's fixed cost (its temporaries' first touch)
@@ -39,6 +34,7 @@ SPEND = 0.25  # a candidate is timed for up to this share of its compile (3 roun
 LONG = 0.05  # seconds: a program that runs longer is timed on one call, once
 DISTURBED = 1.5  # a round whose probe took this many times its median is dropped
 CLEAR = 3.0  # a long candidate whose first timed run is this much slower is timed once
+Index = dict[str, np.ndarray]  # the elements of some dims
 
 
 class Probe:
@@ -52,21 +48,25 @@ class Probe:
     @jax.ensure_compile_time_eval()  # as `rounds`
     def time(self, clock: Callable[[], float] = time.perf_counter) -> None:
         jax.block_until_ready(self.run())  # settles
-        t0 = clock()
-        jax.block_until_ready(self.run())
-        self.times.append(clock() - t0)
+        self.times.append(_clocked(self.run, clock))
 
     def disturbed(self, start: int = 0) -> list[bool]:
         usual = statistics.median(self.times) if self.times else 0.0
         return [t > DISTURBED * usual for t in self.times[start:]]
 
 
+def _clocked(fn: Callable, clock: Callable[[], float], number: int = 1) -> float:
+    t0 = clock()
+    for _ in range(number):
+        jax.block_until_ready(fn())
+    return (clock() - t0) / number
+
+
 @ft.cache
 def _probe_loop() -> Callable[[], Any]:
     x = np.ones(2**17, np.float32)  # not traced: planning runs in a trace
     loop = lambda y: jax.lax.fori_loop(0, 50, lambda i, y: y * 0.999 + 1, y)
-    program = jax.jit(loop).lower(x).compile()
-    return lambda: program(x)
+    return ft.partial(jax.jit(loop).lower(x).compile(), x)
 
 
 @jax.ensure_compile_time_eval()  # run eagerly in a trace (a callback gets arrays)
@@ -80,19 +80,13 @@ def rounds(
 ) -> list[list[float]]:
     """The package's timing loop: seconds per call of each thunk, per round.
 
-    After one untimed call of each, `at_least` rounds (more, to `at_most`, within
-    about `seconds`), the thunks taking turns in an order that rotates each round.
-    A sample is at least `SAMPLE` long (every thunk called as often); a quick one is
-    called once more, untimed, before its sample, as a caller calling it again and
-    again would find the machine. Rounds a `probe` finds disturbed are dropped,
-    unless every round was. Thunks all longer than `LONG` run one round only: the
-    first call of a program is no sample of the next (its temporaries' memory is
-    fresh: the benchmark's MLP gradient ran its first call up to 20% faster)."""
-    firsts = []
-    for fn in thunks:
-        t0 = clock()
-        jax.block_until_ready(fn())
-        firsts.append(clock() - t0)
+    After an untimed call of each, `at_least` rounds (to `at_most` within about
+    `seconds`), in an order rotating each round. A sample lasts `SAMPLE` at least (each
+    thunk called as often); a quick thunk is called once more, untimed, before it, as a
+    caller calling it again finds the machine. Rounds a `probe` finds disturbed are
+    dropped, unless all were. If all take over `LONG`, one round: a first call (its
+    temporaries fresh) is no sample of the next (an MLP gradient: up to 20% faster)."""
+    firsts = [_clocked(fn, clock) for fn in thunks]
     number = max(1, math.ceil(SAMPLE / max(min(firsts), 1e-9)))
     per_round = (number + (number > 1)) * sum(firsts)
     n = max(at_least, min(at_most, int(seconds / max(per_round, 1e-9))))
@@ -101,27 +95,19 @@ def rounds(
     for r in range(n):
         if probe is not None:
             probe.time()
-        for k in range(len(thunks)):
-            i = (k + r) % len(thunks)
+        for i in [(k + r) % len(thunks) for k in range(len(thunks))]:
             if number > 1:
                 jax.block_until_ready(thunks[i]())
-            t0 = clock()
-            for _ in range(number):
-                jax.block_until_ready(thunks[i]())
-            times[i].append((clock() - t0) / number)
+            times[i].append(_clocked(thunks[i], clock, number))
     if probe is not None and not all(bad := probe.disturbed(len(probe.times) - n)):
         times = [[t for t, b in zip(ts, bad) if not b] for ts in times]
     return times
 
 
-Index = dict[str, np.ndarray]  # the elements of some dims
-
-
 def trip_slice(c: PlanCandidate, sizes: dict[str, int], keep: float) -> Index:
-    """The elements of the dims `c` scans that it is timed on: about `keep` of its
-    loop trips, its block kept whole. Outer loops are cut first, each to whole
-    chunks spread evenly over its dim, its first and last included (a cost that
-    depends on the data may vary along it)."""
+    """The elements of the dims `c` scans that it is timed on: about `keep` of its loop
+    trips, its block whole. Outer loops are cut first, each to whole chunks spread
+    evenly over its dim, ends included (a cost may vary along it with the data)."""
     out = {}
     for name, chunk in c.scan:
         k = chunk or 1
@@ -136,26 +122,21 @@ def trip_slice(c: PlanCandidate, sizes: dict[str, int], keep: float) -> Index:
 
 
 def _sliced(call: Call, index: Index, sub: dict[str, int]) -> list:
-    """The call's values at the elements `index` gives (and of the other dims, the
-    first `sub` elements: one device's block with `shard=`)."""
-    out = []
+    """The call's values at the elements `index` gives (by NumPy on CPU: no gather
+    compiled per slice); of others, the first `sub` (a device's block with `shard=`)."""
+    out, cpu = [], jax.default_backend() == "cpu"
     with jax.ensure_compile_time_eval():
         for v, axes in zip(call.values, call.leaf_axes):
             for name, ax in axes.items():
-                if name in index:
-                    v = _take(v, index[name], ax)
-                elif np.shape(v)[ax] != sub[name]:
-                    v = jax.lax.slice_in_dim(v, 0, sub[name], axis=ax)
+                if name not in index:
+                    if np.shape(v)[ax] != sub[name]:
+                        v = jax.lax.slice_in_dim(v, 0, sub[name], axis=ax)
+                elif cpu and not jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+                    v = jax.device_put(np.take(np.asarray(v), index[name], axis=ax))
+                else:
+                    v = jnp.take(v, index[name], axis=ax)
             out.append(v)
     return out
-
-
-def _take(v: Any, index: np.ndarray, axis: int) -> Any:
-    """`jnp.take`, by NumPy on CPU (no gather compiled for each slice)."""
-    key = jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
-    if jax.default_backend() == "cpu" and not key:
-        return jax.device_put(np.take(np.asarray(v), index, axis=axis))
-    return jnp.take(v, index, axis=axis)
 
 
 @dataclasses.dataclass
@@ -175,11 +156,10 @@ class Tuner:
     """One measured search: times candidates (`time`), chooses which (`run`)."""
 
     def __init__(self, search: Search):
-        self.search, self.call, self.sizes = search, search.call, search.sizes
+        self.search, self.sizes = search, search.sizes
         self.values, self.short = search.request.values, search.request.short
         self.cap, self.spend = CAP, SHORT_SPEND if self.short else SPEND
         self.made: dict[str, Any] = {}  # made-up inputs, by their shapes
-        self.start = search.start  # the cap bounds the whole planning
         self.began = time.perf_counter()
         self.timed: dict[tuple, Timed] = {}
         self.once = 0.0  # seconds: a call that does nothing (if a slice is timed)
@@ -189,8 +169,7 @@ class Tuner:
 
     def seconds(self, key: tuple) -> float:
         """The time of a whole call of a timed candidate: its median round, scaled."""
-        t = self.timed[key]
-        if not t.rounds:
+        if not (t := self.timed[key]).rounds:
             return math.inf  # over the budget
         return max(statistics.median(t.rounds) - self.once, 0.0) * t.scale + self.once
 
@@ -207,25 +186,21 @@ class Tuner:
         return (self.fastest() or next(iter(self.timed.values()))).compile
 
     def due(self) -> bool:
-        """Whether the next candidate would take planning past `cap` times the
-        fastest's compile (one kept for timing the fastest again), once `FEW` have
-        run: then `capped`."""
+        """Whether, once `FEW` have run, the next candidate would take planning past
+        `cap` times the fastest's compile (one kept to time it again): then `capped`."""
         if sum(bool(t.rounds) for t in self.timed.values()) < FEW:
             return False
         now = time.perf_counter()
         per = (now - self.began) / len(self.timed)  # a candidate, on average
-        if now - self.start + per > (self.cap - 1) * self.compiled():
-            self.capped = True
+        self.capped |= now - self.search.start + per > (self.cap - 1) * self.compiled()
         return self.capped
 
     def keep(self, c: PlanCandidate) -> float:
-        """The share of `c`'s loop trips it is timed on (`TARGET`, `WHOLE`): at least
-        `TRIPS` trips and, if the call's inputs and outputs do not fit the last cache
-        level, `CACHES` times its worth of them (else a slice would run from a cache
-        the call misses)."""
+        """The share of `c`'s loop trips it is timed on (`TARGET`, `TRIPS`, `WHOLE`): if
+        the call's inputs and outputs pass the last cache level, `CACHES` times its
+        worth of them (else a slice would run from a cache the call misses)."""
         if not c.scan:
             return 1.0
-        # Before any is timed, judged from the time model's estimate.
         best = self.best() if self.timed else self.search.seconds_at(c)
         levels, io = self.search.model.levels, self.search.ref.io()
         last = levels[-1][0] if levels else math.inf
@@ -242,16 +217,16 @@ class Tuner:
         search, keep = self.search, self.keep(c)
         index = trip_slice(c, self.sizes, keep) if keep < 1 else {}
         sub = {**self.sizes, **{n: len(x) for n, x in index.items()}}
-        compiler = Compiler(self.call, sub, search.model, search.compiler.backward)
+        compiler = Compiler(search.call, sub, search.model, search.compiler.backward)
         compiler.report = search.compiler.report  # planning's progress
         fn, specs = compiler._program(c.spec)
         t0 = time.perf_counter()
         what = f"compiling {c.nest(sub)} to time it"
         program = compiler.compile(fn, specs, what, runs=True)
-        compile_seconds = time.perf_counter() - t0
+        compiling = time.perf_counter() - t0
         search.compiler.n_compiled += 1
         scale = math.prod(self.sizes.values()) / max(math.prod(sub.values()), 1)
-        self.timed[c.key] = Timed(lambda: None, {}, scale, compile_seconds, [])
+        self.timed[c.key] = Timed(lambda: None, {}, scale, compiling, [])
         if not index:  # compiled whole: its memory is known, and not run if over
             temp = int(program.memory_analysis().temp_size_in_bytes)
             fits = temp <= search.budget
@@ -260,20 +235,17 @@ class Tuner:
             search.known[c.key] = costed if fits else exact
             if not fits:
                 return math.inf
-        if self.values:
-            args = _sliced(self.call, index, sub)
-        else:  # made once for each shape (candidates timed whole share them)
-            shapes = str(specs)
-            if shapes not in self.made:
-                self.made[shapes] = concrete_inputs(specs)
+        if self.values:  # differentiated, with cotangents made up
+            args = _sliced(search.call, index, sub)
+            args = [args, concrete_inputs(specs[1])] if compiler.backward else args
+        elif (shapes := str(specs)) not in self.made:  # made once for each shape
+            args = self.made[shapes] = concrete_inputs(specs)
+        else:  # candidates timed whole share them
             args = self.made[shapes]
-        if self.values and compiler.backward:  # the cotangents made up
-            args = [args, concrete_inputs(specs[1])]
         args = jax.block_until_ready(args)
         if index and not self.once:  # the part of a call that no slice scales
-            noop = lambda a: jax.tree.leaves(a)[0].ravel()[:1]  # noqa: E731
-            once = jax.jit(noop).lower(args).compile()
-            self.once = min(rounds([lambda: once(args)], 3)[0])
+            noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1]).lower(args)
+            self.once = min(rounds([ft.partial(noop.compile(), args)], 3)[0])
         run = lambda: program(args)  # noqa: E731
         if self.probe is not None:
             self.probe.time()
@@ -281,29 +253,26 @@ class Tuner:
         base = statistics.median(lead.rounds) if lead else math.inf
         times = self.clearly_slower(run, scale) if lead else []
         if not times and base > TARGET:  # alone: none timed yet, or the fastest long
-            (times,) = rounds([run], 3, 15, self.spend * compile_seconds)
+            (times,) = rounds([run], 3, 15, self.spend * compiling)
         elif not times and lead:  # beside the fastest so far: the drift taken out
-            spend = 2 * self.spend * compile_seconds
-            times, again = rounds([run, lead.run], 3, 15, spend)
+            times, again = rounds([run, lead.run], 3, 15, 2 * self.spend * compiling)
             times = [t * base / a for t, a in zip(times, again)]
         cut = {n: sub[n] for n in index}
         i = len(self.probe.times) - 1 if self.probe else 0
-        self.timed[c.key] = Timed(run, cut, scale, compile_seconds, times, i)
+        self.timed[c.key] = Timed(run, cut, scale, compiling, times, i)
         return self.seconds(c.key)
 
     def clearly_slower(self, run: Callable[[], Any], scale: float) -> list[float]:
-        """One run after the first, as the one sample of a candidate whose whole call
-        takes over `CLEAR` times the fastest's; `[]` if it does not, or if the run
-        is quick (under `SAMPLE`): a quick program's first runs are no sample (one
-        ran 5x slower than it did later)."""
+        """One run after the first, the one sample of a candidate whose whole call takes
+        over `CLEAR` times the fastest's; else, or if under `SAMPLE`, `[]`: a quick
+        program's first runs are no sample (one ran 5x slower than later)."""
         (times,) = rounds([run], 1)
         whole = max(times[0] - self.once, 0.0) * scale + self.once
         return times if times[0] >= SAMPLE and whole > CLEAR * self.best() else []
 
     def confirm(self) -> None:
-        """Time again, side by side (three rounds at least, for up to `SPEND` of a
-        compile each, within the cap), those within `CLOSE` of the fastest and those
-        whose probe was disturbed (another job held a core)."""
+        """Time again side by side (3+ rounds, up to `SPEND` of a compile each, within
+        the cap) those within `CLOSE` of the fastest, or whose probe was disturbed."""
         best, late = self.best(), self.probe.disturbed() if self.probe else []
         close = [
             k for k, t in self.timed.items()
@@ -313,26 +282,21 @@ class Tuner:
         if len(close) < 2:
             return
         compiles = self.compiled()
-        left = self.cap * compiles - (time.perf_counter() - self.start)
+        left = self.cap * compiles - (time.perf_counter() - self.search.start)
         spend = min(left, SPEND * compiles * len(close))
         runs = [self.timed[k].run for k in close]
         for k, ts in zip(close, rounds(runs, 3, 15, spend, self.probe)):
             self.timed[k].rounds = ts
 
     def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):
-        """Time full vmap (if it fits) and the model's choice; then a first step
-        `along` each ladder that fits the budget (an order of the dims), the model's
-        first; in lockstep, a block of one element; then search along each ladder
-        whose fastest is within `CLOSE` of the fastest, fastest first, until the
-        cap. The fastest timed that fits. A short list stops at two: full vmap (else
-        a step along the model's ladder) and the model's choice; `None` if there is
-        no choice to make."""
+        """Time full vmap (if it fits) and the model's choice; a first step `along` each
+        ladder that fits (an order of the dims); in lockstep, a block of one element;
+        then along each ladder within `CLOSE` of the fastest, until the cap. A short
+        list stops at two. The fastest timed that fits; `None` if there is no choice."""
         search, budget = self.search, self.search.budget
         fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
         head = [full] * bool(search.known[full.key].fits)  # full vmap, if it fits
-        # In lockstep, a block of one element runs a while loop unbatched: a program
-        # of another kind, which no larger block predicts. It is timed on its own,
-        # and the ladders searched without it.
+        # In lockstep a block of one runs unbatched, unlike any larger: timed alone.
         alone = lambda c: search.lockstep and c.block == 1 and not c.vmap  # noqa: E731
         one = [c for s in ladders for c in s if alone(c) and fits(s, c)][:1]
         rungs = [[c for c in s if fits(s, c) and not alone(c)] for s in ladders]
@@ -340,16 +304,13 @@ class Tuner:
         many = len({c.key for c in head + [model] + one + sum(lines, [])}) > 1
         if self.short and not many:
             return None
-        if many and not self.short:  # timed again: rounds another job held are seen
-            self.probe = Probe()
+        self.probe = Probe() if many and not self.short else None
         for c in [model] + head if self.short else head + [model]:
             self.time(c)  # a short list's pick first: full vmap's run may be long
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         lone = {c.key for c in one}
-        # A short list: two, full vmap (else a step along the model's ladder) and
-        # the model's pick.
-        if self.short:
+        if self.short:  # two: the pick, full vmap (else a step along its ladder)
             if sum(bool(t.rounds) for t in self.timed.values()) < 2:
                 self.along(first, 1)
             for k in search.considered.keys() - self.timed.keys():
@@ -364,9 +325,8 @@ class Tuner:
             ran = [self.seconds(c.key) for c in mine(line) if c.key in self.timed]
             return min(ran, default=math.inf)
 
-        # Its first scanned dim (every rung of a ladder scans a prefix of its order).
-        same = lambda ln: ln[-1].scan[:1] == first[-1].scan[:1]  # noqa: E731
-        for line in sorted(lines, key=lambda ln: not same(ln)):  # the model's first
+        # Ladders scanning the model's first dim first (each rung scans a prefix).
+        for line in sorted(lines, key=lambda ln: ln[-1].scan[:1] != first[-1].scan[:1]):
             if not self.due():
                 self.along(line, 1)  # the middle of its largest untimed gap
         for c in one if not self.due() else []:
@@ -378,18 +338,16 @@ class Tuner:
         self.confirm()
         pruned = "a block between it and its ladder's fastest measured slower, or "
         pruned += f"its ladder's first step over {CLOSE:g}x the fastest"
+        pruned = "the cap stopped the search first" if self.capped else pruned
+        over = "its temporaries predicted over the budget"
         in_lines = {c.key for line in lines for c in line}
         for k in search.considered.keys() - self.timed.keys():
-            why = "its temporaries predicted over the budget"
-            if k in in_lines:
-                why = "the cap stopped the search first" if self.capped else pruned
-            self.why[k] = f"not timed: {why}"
+            self.why[k] = f"not timed: {pruned if k in in_lines else over}"
         return self.choose()
 
     def along(self, line: list[PlanCandidate], steps: int | None = None) -> None:
-        """Search `line` (largest block first): time the middle of the larger
-        untimed gap beside its fastest, until both its neighbours are timed (or,
-        given, `steps` have been timed)."""
+        """Search `line` (largest block first): time the middle of the larger untimed
+        gap beside its fastest until both its neighbours are timed (or `steps` are)."""
         for _ in range(len(line) if steps is None else steps):
             ran = [i for i, c in enumerate(line) if c.key in self.timed]
             t = {i: self.seconds(line[i].key) for i in ran}
@@ -420,24 +378,22 @@ class Tuner:
         """What was timed, on what, and whether the cap stopped the search."""
         ran = [t for t in self.timed.values() if t.rounds]
         cut = sum(bool(t.slice) for t in ran)
-        how = "each on the whole call"
-        if cut:
-            how = "each" if cut == len(ran) else f"{cut} of them"
-            how += " on a slice of its loop trips (its block kept), scaled"
+        how = "each" if cut == len(ran) else f"{cut} of them"
+        how += " on a slice of its loop trips (its block kept), scaled"
+        how = how if cut else "each on the whole call"
         what = "the call's arguments" if self.values else "made-up inputs of its shapes"
         if self.short:
             return (
                 f" The time model's choice checked: a short list of "
                 f"{plural(len(ran), 'candidate')} timed on {what}, {how}."
             )
-        cap = fmt_seconds(self.cap * self.compiled())
-        cap = f"{self.cap:g}x the fastest's compile, {cap}"
         stop = "stopped the search: one more candidate would have passed it"
         stop = stop if self.capped else "was not reached"
         again = f"; those within {CLOSE:g}x of the fastest again side by side"
         return (
             f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}"
-            f"{again * (len(ran) > 1)}. The cap ({cap}) {stop}."
+            f"{again * (len(ran) > 1)}. The cap ({self.cap:g}x the fastest's compile, "
+            f"{fmt_seconds(self.cap * self.compiled())}) {stop}."
         )
 
 
@@ -459,19 +415,11 @@ def measured(
     return choice, tuner.describe()
 
 
-#
-# The time model's calibration.
-#
-
-
 def concrete_inputs(specs: Any) -> Any:
-    """Fresh arrays of the shapes and dtypes of a pytree of `ShapeDtypeStruct`s,
-    built eagerly even while tracing (the planner runs at trace time). Floating
-    values are uniform in [-1, 1) (no denormals, no overflow), 4,093 of them
-    repeated; others are zeros. Each is written once, on a 64-byte boundary, where
-    `jax.device_put` on CPU takes it without a copy."""
-    rng = np.random.default_rng(0)
-    pool = rng.random(2 * 4093, dtype=np.float32) * 2 - 1  # a prime period
+    """Fresh arrays of a pytree of `ShapeDtypeStruct`s, made eagerly even in a trace:
+    floats uniform in [-1, 1) (no denormals or overflow), 4,093 repeated, others zero;
+    each written once, 64-byte aligned, so `jax.device_put` on CPU takes it uncopied."""
+    pool = np.random.default_rng(0).random(2 * 4093, dtype=np.float32) * 2 - 1  # prime
 
     def make(s: jax.ShapeDtypeStruct) -> Any:
         if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
@@ -482,14 +430,12 @@ def concrete_inputs(specs: Any) -> Any:
         raw = np.empty(n * dtype.itemsize + 64, np.uint8)
         at = -raw.ctypes.data % 64
         x = raw[at : at + n * dtype.itemsize].view(dtype)
-        if not jnp.issubdtype(dtype, jnp.inexact):
-            x[:] = 0
-        else:
-            complex_ = jnp.issubdtype(dtype, jnp.complexfloating)
-            period = pool[:4093] + 1j * pool[4093:] if complex_ else pool[:4093]
-            whole = n // 4093 * 4093
-            x[:whole].reshape(-1, 4093)[:] = period.astype(dtype)
-            x[whole:] = period[: n - whole].astype(dtype)
+        period = pool[:4093] if jnp.issubdtype(dtype, jnp.inexact) else np.zeros(4093)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            period = pool[:4093] + 1j * pool[4093:]
+        whole = n // 4093 * 4093
+        x[:whole].reshape(-1, 4093)[:] = period.astype(dtype)
+        x[whole:] = period[: n - whole].astype(dtype)
         return jax.device_put(x.reshape(s.shape))
 
     with jax.ensure_compile_time_eval():
@@ -507,9 +453,8 @@ def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | No
 
 
 def stream_bandwidth(nbytes: int, repeats: int, one_core: bool = False) -> float | None:
-    """Bytes per second read and written by `y = a * y + b` over `nbytes`, in a
-    loop so that the data stays in the level it fits; with `one_core`, a slice of
-    at most `SLICE` bytes at a time, an op too small for XLA to split."""
+    """Bytes per second read and written by `y = a * y + b` looped over `nbytes`, kept
+    in the level they fit; with `one_core`, `SLICE` bytes per op: too few to split."""
     n = max(nbytes // 4, 256)
     k = min(n, SLICE // 4) if one_core else n  # elements per op
     n, reps = n // k * k, max(2, 2**28 // (4 * k))
@@ -522,14 +467,13 @@ def stream_bandwidth(nbytes: int, repeats: int, one_core: bool = False) -> float
         return jax.lax.dynamic_update_slice(y, part * 0.999 + 1.0, (at,))
 
     loop = lambda x: jax.lax.fori_loop(0, reps, step, x)
-    per_second = _timed(loop, [jax.ShapeDtypeStruct((n,), jnp.float32)], repeats)
-    return 8 * k * reps * per_second if per_second else None
+    rate = _timed(loop, [jax.ShapeDtypeStruct((n,), jnp.float32)], repeats)
+    return 8 * k * reps * rate if rate else None
 
 
 def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
-    """Seconds per trip of a scan of a few small kernels (a sort, two 16x16
-    matmuls, an `exp`, a max), their arithmetic included (`docs/design.md` says
-    why): the fixed cost of a loop body, which larger blocks pay less often."""
+    """Seconds per trip of a scan of small kernels (a sort, two 16x16 matmuls, an `exp`,
+    a max), their arithmetic included (`docs/design.md`): a loop body's fixed cost."""
 
     def step(carry: Any, x: Any) -> tuple[Any, Any]:
         w = jnp.eye(16, dtype=x.dtype) * 0.5
@@ -537,32 +481,25 @@ def _loop_overhead(repeats: int, trips: int = 2048) -> float | None:
         return carry + jnp.max(y), jnp.exp(y) @ w
 
     steps = lambda xs: jax.lax.scan(step, jnp.zeros((), xs.dtype), xs)[1]
-    spec = jax.ShapeDtypeStruct((trips, 16), jnp.float32)
-    per_second = _timed(steps, [spec], repeats)
-    return 1 / (per_second * trips) if per_second else None
+    rate = _timed(steps, [jax.ShapeDtypeStruct((trips, 16), jnp.float32)], repeats)
+    return 1 / (rate * trips) if rate else None
 
 
 def calibrate(repeats: int = 7) -> TimeModel:
     """Measure the time model's constants on the default backend's first device: a
-    matmul, an `exp`, a streaming kernel inside each level of the memory hierarchy
-    (a core's own levels on one core) and past the last, and a scan of small steps.
-    A constant that cannot be measured keeps its default."""
+    matmul, an `exp`, a streaming kernel inside each memory level (a core's own on one
+    core) and past the last, and a scan of small steps; any not measurable: default."""
     start = time.perf_counter()
     default = TimeModel.for_backend(jax.default_backend())
-    matmul = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
-    vector = [jax.ShapeDtypeStruct((2**20,), jnp.float32)]
+    f32 = ft.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
     exp = lambda x: jnp.sum(jnp.exp(x))
     sizes = [size for size, _ in default.levels]  # what each holds (`model.held`)
-    # A core's own caches (all but the last level): one core's bandwidth, on its
-    # share, times the cores (an op split over them pays for waking threads, which
-    # hides the level's speed); the last level and memory, which they share: ops
-    # split over them all.
-    cores = default.cores
-    one_core = [stream_bandwidth(s // cores, repeats, True) for s in sizes[:-1]]
-    rates = [r and r * cores for r in one_core]
+    # A core's own caches (all but the last): one core on its share, times the cores
+    # (waking threads hides their speed); the last level and memory: ops split over all.
+    one_core = [stream_bandwidth(s // default.cores, repeats, True) for s in sizes[:-1]]
+    rates = [r and r * default.cores for r in one_core]
     rates += [stream_bandwidth(s, repeats) for s in sizes[-1:]]
-    # Past the last level: `SPILL` times what it holds, twice the cache (a 480 MiB
-    # L3 exists), at most 2 GiB.
+    # Past the last: `SPILL` times what it holds, at most 2 GiB (an L3 may be 480 MiB).
     memory = stream_bandwidth(min(SPILL * max(sizes, default=2**23), 2**31), repeats)
     # A smaller level is never slower than a larger one: noise is.
     floor, levels = memory or default.bandwidth, []
@@ -570,8 +507,8 @@ def calibrate(repeats: int = 7) -> TimeModel:
         floor = max(rate or old, floor)
         levels.insert(0, (size, floor))
     measured = {
-        "flops": _timed(lambda a, b: a @ b, matmul, repeats, "flops"),
-        "transcendentals": _timed(exp, vector, repeats, "transcendentals"),
+        "flops": _timed(lambda a, b: a @ b, [f32((256, 256))] * 2, repeats, "flops"),
+        "transcendentals": _timed(exp, [f32((2**20,))], repeats, "transcendentals"),
         "bandwidth": memory,
         "loop_overhead": _loop_overhead(repeats),
     }

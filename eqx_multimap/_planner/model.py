@@ -1,5 +1,4 @@
-"""The planner's time model, and the machine it is for (`measure.calibrate` measures
-its constants once per machine; the planner keeps them on disk)."""
+"""The planner's time model (`measure.calibrate` measures it) and its machine."""
 
 import contextlib
 import dataclasses
@@ -20,24 +19,17 @@ from .._text import fmt_bytes
 PARALLEL_BYTES = 96 * 2**10
 SLICE = 64 * 2**10  # an op too small to split: how one core's bandwidth is measured
 SPILL = 4  # main memory's bandwidth from this many times what the last level holds
-DEFAULT_SOURCE = "default constants, set by hand for one 2-core x86-64"
-SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache"
-# The data caches (L1d, L2, L3) of the CPU the defaults were set on, and the
-# bandwidth a streaming kernel measured there within each level and past the last.
-FALLBACK_CACHES = (48 * 2**10, 2**20, 32 * 2**20)
-DEFAULT_BANDWIDTHS = (2.5e11, 2e11, 1.1e11)
-DEFAULT_MEMORY = 1e10
-# An accelerator's defaults (unverified: no accelerator was at hand): its on-chip
-# memory, its bandwidth and its HBM's; each loop trip launches kernels.
-DEVICE_LEVELS = ((32 * 2**20, 3e12),)
-DEVICE_MEMORY = 1e12
+FALLBACK_CACHES = (48 * 2**10, 2**20, 32 * 2**20)  # the defaults' CPU's data caches
+DEFAULT_BANDWIDTHS = (2.5e11, 2e11, 1.1e11)  # a streaming kernel's there, within each
+DEFAULT_MEMORY = 1e10  # and past the last
+DEVICE_LEVELS = ((32 * 2**20, 3e12),)  # an accelerator's on-chip memory (unverified)
+DEVICE_MEMORY = 1e12  # and its HBM's bandwidth; each loop trip launches kernels
 
 
 def held(caches: tuple[int, ...], cores: int) -> tuple[int, ...]:
-    """The bytes each CPU cache holds at its bandwidth: half its size, what
-    `measure.calibrate` measures the bandwidth on (`outer sumexp`: an iteration of
-    all 32 MiB of L3 ran 1.9-5.9x one of 16 MiB); a core's own caches (all but the
-    last) once per core, each core its share of an op split over them."""
+    """The bytes each CPU cache holds at its bandwidth (what `calibrate` measures on):
+    half its size (`outer sumexp`: all 32 MiB of L3 ran 1.9-5.9x slower than 16 MiB); a
+    core's own caches (all but the last) once per core, each its share of a split op."""
     own = len(caches) - 1
     return tuple(s * (cores if i < own else 1) // 2 for i, s in enumerate(caches))
 
@@ -46,21 +38,16 @@ def held(caches: tuple[int, ...], cores: int) -> tuple[int, ...]:
 class TimeModel:
     """The estimated run time of a candidate that fits the budget (see `seconds`).
 
-    A `Planner` calibrates it on first use per machine (see
-    [The planner](../planner.md)); `TimeModel()` is the hand-set default, and
-    `Planner(time_model=...)` takes a model of one's own.
+    A `Planner` calibrates it on first use per machine ([The planner](../planner.md));
+    `TimeModel()` is the hand-set default, and `Planner(time_model=...)` takes another.
 
     - `flops`, `transcendentals`: operations per second.
-    - `levels`: `(bytes, bandwidth)` of each level of the memory hierarchy, smallest
-        first: on CPU the data caches, on an accelerator its on-chip memory; the
-        bytes it holds at the bandwidth (bytes per second) of data that fits it (on
-        CPU, see `held`).
+    - `levels`: each memory level's `(bytes held, bytes per second)`, smallest first
+        (on CPU the data caches, see `held`; on an accelerator its on-chip memory).
     - `bandwidth`: bytes per second past the last level (main memory, HBM).
     - `loop_overhead`: seconds per loop trip.
-    - `cores`: the threads XLA spreads an op over, if the op reads at least
-        `PARALLEL_BYTES`; a smaller op runs on one.
-    - `calibration`: how the constants were measured, or `None` for defaults.
-    """
+    - `cores`: the threads XLA splits an op over if it reads `PARALLEL_BYTES` or more.
+    - `calibration`: how the constants were measured, or `None` for defaults."""
 
     flops: float = 5e10
     transcendentals: float = 5e9
@@ -97,15 +84,14 @@ class TimeModel:
         io: int = 0,
     ) -> float:
         """Estimated run time: compute, plus the bytes moved, plus loop overhead. The
-        `io` bytes (inputs and outputs, read or written once) move at the bandwidth
-        of the smallest level that holds them all, the others at that of the
-        smallest level that holds one loop iteration's `working_set`; the `serial`
-        share of compute and bytes, in ops too small to split, on one of `cores`.
+        `io` bytes (inputs and outputs, each moved once) move at the bandwidth of the
+        smallest level holding them all, the rest at that of the smallest holding one
+        loop iteration's `working_set`; the `serial` share of compute and bytes (ops too
+        small to split) runs on one of `cores`.
 
-        It only ranks candidates that fit the budget, which do the same flops. Compute
-        and traffic are added, not overlapped as in a roofline: on CPU a
-        compute-heavy body still slows down when its working set leaves the caches
-        (`docs/design.md`)."""
+        It ranks only candidates that fit the budget, which do the same flops. Compute
+        and traffic add, not overlap as in a roofline: on CPU a compute-heavy body
+        still slows when its working set leaves the caches (`docs/design.md`)."""
         io = min(io, int(nbytes))  # inputs and outputs: from where they all fit
         memory = io / self.rate(io) + (nbytes - io) / self.rate(working_set)
         compute = flops / self.flops + trans / self.transcendentals
@@ -114,16 +100,14 @@ class TimeModel:
 
     @property
     def fastest(self) -> int:
-        """The bytes that the levels of the highest bandwidth hold: a block whose
-        working set fits them gains nothing from being smaller."""
+        """The bytes the fastest levels hold: a smaller working set gains nothing."""
         top = max((rate for _, rate in self.levels), default=0.0)
         return max((size for size, rate in self.levels if rate >= top), default=0)
 
     def rate(self, nbytes: int) -> float:
-        """The bandwidth of the smallest level that holds `nbytes`; past the last,
-        falling log-linearly to `bandwidth` at `SPILL` times what it holds (where
-        `measure.calibrate` measures that): a working set just past a cache still
-        mostly hits it."""
+        """The bandwidth of the smallest level holding `nbytes`; past the last, falling
+        log-linearly to `bandwidth` at `SPILL` times what it holds (measured there by
+        `calibrate`): a working set just past a cache still mostly hits it."""
         if not self.levels or nbytes <= self.levels[-1][0]:
             return next((r for s, r in self.levels if nbytes <= s), self.bandwidth)
         size, last = self.levels[-1]
@@ -132,8 +116,8 @@ class TimeModel:
 
     def describe(self) -> str:
         levels = ", ".join(f"{r:.2g} within {fmt_bytes(s)}" for s, r in self.levels)
-        where = f"calibrated: {self.calibration}" if self.calibrated else None
-        where = where or f"not calibrated: {DEFAULT_SOURCE}"
+        where = "not calibrated: default constants, set by hand for one 2-core x86-64"
+        where = f"calibrated: {self.calibration}" if self.calibrated else where
         return (
             f"est. time = flops / {self.flops:.2g} + transcendentals / "
             f"{self.transcendentals:.2g} + bytes accessed / bandwidth, times up to "
@@ -141,8 +125,7 @@ class TimeModel:
             f"loop trips x {self.loop_overhead:.2g} s; bandwidth: that of the smallest "
             "level holding the inputs and outputs, for theirs; for the rest, holding "
             f"one iteration's working set ({levels}; past the last, falling to "
-            f"{self.bandwidth:.2g} at {SPILL}x it). "
-            f"Constants {where}."
+            f"{self.bandwidth:.2g} at {SPILL}x it). Constants {where}."
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -175,10 +158,9 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
 
 
-def cache_levels(root: str = SYSFS_CACHES) -> tuple[int, ...]:
+def cache_levels(root: str = "/sys/devices/system/cpu/cpu0/cache") -> tuple[int, ...]:
     """The sizes of the CPU's data caches, smallest first, as the OS reports them."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    found: dict[int, int] = {}
+    units, found = {"K": 2**10, "M": 2**20, "G": 2**30}, {}
     try:
         for index in sorted(pathlib.Path(root).glob("index*")):
             if (index / "type").read_text().strip() in ("Data", "Unified"):
