@@ -311,6 +311,7 @@ def test_cost_correction_matches_full_vmap(getkey):
                 call.problem(), NestSpec(scan, vmap), Build(), values
             ),
             compiler.specs,
+            "the uncorrected nest",
         )
         raw_flops = _costing.xla_costs(raw)[0]
         assert raw_flops < 0.5 * full.flops

@@ -11,10 +11,9 @@ import json
 import math
 import os
 import tempfile
-import typing
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from .._resolve import Call
 from .plan import Plan, PlanCandidate
@@ -31,12 +30,12 @@ FORMAT = "eqx_multimap.plan_cache"
 FORMAT_VERSION = 1
 ENV_VAR = "EQX_MULTIMAP_CACHE_DIR"
 _OFF = ("off", "0", "false", "none", "no")
+JSON = dict[str, Any]
 
 
 def default_cache_dir() -> str | None:
     """The cache directory from the environment; `None` if disabled there."""
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env:
+    if env := os.environ.get(ENV_VAR, "").strip():
         return None if env.lower() in _OFF else os.path.expanduser(env)
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or "~/.cache"
     return os.path.join(os.path.expanduser(base), "eqx_multimap")
@@ -52,14 +51,12 @@ class DiskCache:
     def __init__(self, root: str):
         self.root = os.fspath(root)
 
-    def path(self, kind: str, key: dict[str, Any]) -> str:
+    def path(self, kind: str, key: JSON) -> str:
         text = json.dumps(key, sort_keys=True)
         digest = hashlib.sha256(text.encode()).hexdigest()[:40]
         return os.path.join(self.root, f"v{FORMAT_VERSION}", kind, digest + ".json")
 
-    def read(
-        self, kind: str, key: dict[str, Any], parse: Callable = lambda x: x
-    ) -> Any:
+    def read(self, kind: str, key: JSON, parse: Callable = lambda x: x) -> Any:
         """The value stored for `key`, as `parse` reads it; `None` if there is none,
         or (with a warning) if the file is unusable or `parse` raises."""
         path = self.path(kind, key)
@@ -97,7 +94,7 @@ class DiskCache:
                     fcntl.flock(held.enter_context(open(path, "a")), fcntl.LOCK_EX)
             yield
 
-    def write(self, kind: str, key: dict[str, Any], value: Any) -> str | None:
+    def write(self, kind: str, key: JSON, value: Any) -> str | None:
         """Store `value` for `key` atomically: its path, or `None` (and a warning)."""
         path = self.path(kind, key)
         record = dict(format=FORMAT, version=FORMAT_VERSION, kind=kind, key=key)
@@ -124,24 +121,18 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(PlanCandidate))
 _KEPT = ("checkpoint", "summary", "measured", "basis", "searched")  # a `Plan`'s
 
 
-def cand_json(c: PlanCandidate) -> dict[str, Any]:
+def cand_json(c: PlanCandidate) -> JSON:
     """A candidate as JSON, non-finite numbers as `null`."""
     finite = lambda x: not isinstance(x, float) or math.isfinite(x)  # noqa: E731
     return {k: x if finite(x) else None for k, x in dataclasses.asdict(c).items()}
 
 
-def plan_json(plan: Plan, how: str) -> dict[str, Any]:
-    """A plan as JSON: its candidates, which was chosen, and how it was made."""
+def plan_json(plan: Plan, how: str) -> JSON:
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    return {
-        "plan": {
-            "chosen": plan.candidates.index(plan.chosen),
-            "candidates": [cand_json(c) for c in plan.candidates],
-            **{name: getattr(plan, name) for name in _KEPT},
-            "how": how,
-            "created": now,
-        }
-    }
+    kept = {name: getattr(plan, name) for name in _KEPT}
+    cands = [cand_json(c) for c in plan.candidates]
+    chosen = plan.candidates.index(plan.chosen)
+    return {"plan": dict(chosen=chosen, candidates=cands, how=how, created=now, **kept)}
 
 
 def _check(ok: bool, what: str) -> None:
@@ -149,12 +140,11 @@ def _check(ok: bool, what: str) -> None:
         raise ValueError(what)
 
 
-def _typed(d: dict[str, Any], cls: type, names: Iterable[str]) -> dict[str, Any]:
-    """The fields `names` of `d`, each checked to be of its type in `cls` (as JSON
-    gives it: an `int` will do for a `float`)."""
-    hints = typing.get_type_hints(cls)
+def _typed(d: JSON, cls: type, names: Iterable[str]) -> JSON:
+    """`d`'s fields `names`, type-checked by `cls` (an `int` does for a `float`)."""
+    hints = get_type_hints(cls)
     for name in names:
-        kinds = typing.get_args(hints[name]) or (hints[name],)
+        kinds = get_args(hints[name]) or (hints[name],)
         kinds += (int,) * (float in kinds)
         _check(type(d[name]) in kinds, f"bad `{name}`")  # `bool` is no `int` here
     return {name: d[name] for name in names}
@@ -170,7 +160,7 @@ def _cand_from_json(d: Any, call: Call, sizes: dict[str, int]) -> PlanCandidate:
     _check(all(k is None or 1 <= k <= sizes[n] for n, k in scan), "a bad chunk")
     _check(scan[: len(call.options.scan)] == call.options.scan, "given scans lost")
     planned = {n for n, _ in scan[len(call.options.scan) :]}
-    _check(not planned & fixed_dims(call), "a candidate scans a dim it must not")
+    _check(planned.isdisjoint(fixed_dims(call)), "a candidate scans a dim it must not")
     fields = _typed(d, PlanCandidate, set(_FIELDS) - {"scan", "vmap", "block", "trips"})
     nest = candidate(scan, vmap, sizes, fields.pop("source"))
     return dataclasses.replace(nest, **fields)
@@ -181,10 +171,9 @@ def plan_from_json(stored: Any, request: Request, path: str) -> "Plan | str":
     request; raises `ValueError` (or `KeyError`, `TypeError`) if it is not valid."""
     call, sizes, budget = request.call, request.sizes, request.budget
     if "no_fit" in stored:
-        nf = stored["no_fit"]
-        smallest = _cand_from_json(nf["smallest"], call, sizes)
+        smallest = _cand_from_json(stored["no_fit"]["smallest"], call, sizes)
         _check((smallest.temp_bytes or 0) > budget, "an inconsistent no-fit result")
-        return no_fit_message(request, smallest, int(nf["n"]))
+        return no_fit_message(request, smallest, int(stored["no_fit"]["n"]))
     p = stored["plan"]
     candidates = tuple(_cand_from_json(d, call, sizes) for d in p["candidates"])
     _check(type(p["chosen"]) is int, "bad chosen index")

@@ -5,7 +5,7 @@ import dataclasses
 import functools as ft
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -19,12 +19,9 @@ from .model import PARALLEL_BYTES, TimeModel
 from .plan import PlanCandidate, ScanNest, split_leaves
 
 
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """An input or output leaf: its bytes, and its mapped dims' axes, in order."""
-
-    nbytes: int
-    axes: dict[str, int]
+class Leaf(NamedTuple):
+    nbytes: int  # of an input or output leaf
+    axes: dict[str, int]  # its mapped dims' axes, in order
 
 
 def leaf(s: Any, axes: dict[str, int], shares: int = 1) -> Leaf:
@@ -50,11 +47,7 @@ class Reference:
     ops: tuple[int, ...]  # the bytes each op of full vmap reads
 
     def io(self) -> int:
-        """The bytes of every input and output, each read or written once."""
         return sum(x.nbytes for x in self.inputs + self.outputs)
-
-    def serial(self, c: PlanCandidate) -> float:
-        return serial(self.ops, c.block / max(self.full.block, 1))
 
     def _bytes(self, scan: ScanNest, x: Leaf) -> float:
         """The bytes of a leaf that one iteration of `scan` covers."""
@@ -66,13 +59,12 @@ class Reference:
         slice, and a transposed copy of it when its dim does not lead what it scans."""
         total, gone = 0.0, set()
         for level, (name, chunk) in enumerate(scan):
-            if name not in x.axes:
-                continue
-            if any(a not in gone for a in range(x.axes[name])):
-                total += self._bytes(scan[:level], x)
-            total += self._bytes(scan[: level + 1], x)
-            if chunk is None:
-                gone.add(x.axes[name])
+            if name in x.axes:
+                if any(a not in gone for a in range(x.axes[name])):
+                    total += self._bytes(scan[:level], x)
+                total += self._bytes(scan[: level + 1], x)
+                if chunk is None:
+                    gone.add(x.axes[name])
         return total
 
     def _output_blocks(self, scan: ScanNest, y: Leaf) -> float:
@@ -86,8 +78,7 @@ class Reference:
         return self.temp * c.block / max(self.full.block, 1)
 
     def temp_bytes(self, c: PlanCandidate) -> int:
-        """The temporaries of `c`, predicted: the body's, scaled to its block, and
-        the slices and blocks its scans copy."""
+        """Temporaries: the body's scaled to `c`'s block, and what its scans copy."""
         if c.scan == self.full.scan:
             return int(self._body(c))
         copies = sum(self._input_copies(c.scan, x) for x in self.inputs)
@@ -95,34 +86,30 @@ class Reference:
         return int(self._body(c) + copies + held)
 
     def costs(self, c: PlanCandidate) -> tuple[float, float, float]:
-        """Flops, transcendentals and bytes accessed of `c`: full vmap's, and the
-        inputs that no scanned dim slices re-read on every loop trip."""
-
-        def shared(scan: ScanNest) -> int:
-            scanned = {n for n, _ in scan}
-            return sum(x.nbytes for x in self.inputs if scanned.isdisjoint(x.axes))
-
-        extra = (c.trips - 1) * shared(c.scan)
-        base = (self.full.trips - 1) * shared(self.full.scan)
+        """Full vmap's costs, plus unsliced inputs re-read on each of `c`'s trips."""
+        extra, base = self._rereads(c), self._rereads(self.full)
         return self.flops, self.transcendentals, max(self.nbytes + extra - base, 0.0)
 
+    def _rereads(self, c: PlanCandidate) -> int:
+        scanned = {n for n, _ in c.scan}
+        shared = sum(x.nbytes for x in self.inputs if scanned.isdisjoint(x.axes))
+        return (c.trips - 1) * shared
+
     def working_set(self, c: PlanCandidate) -> int:
-        """The bytes one loop iteration of `c` touches."""
         inputs = sum(self._bytes(c.scan, x) for x in self.inputs)
         outputs = sum(self._bytes(c.scan, y) for y in self.outputs)
         return int(self._body(c) + inputs + outputs)
 
 
 # XLA options for programs that are analysed, never run; on CPU, with `CPU_ONLY`.
-ANALYSIS_OPTIONS = {
-    "xla_backend_optimization_level": 0,
-    "xla_llvm_disable_expensive_passes": True,
-}
+ANALYSIS_OPTIONS = dict(
+    xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True
+)
 CPU_ONLY = {"xla_cpu_use_fusion_emitters": False}
+Costs = tuple[float, float, float, int]  # flops, transcendentals, bytes, working set
 
 
 def analysed(lowered: Any) -> Any:
-    """`lowered` compiled for its memory and cost analyses only."""
     options = ANALYSIS_OPTIONS | (CPU_ONLY if jax.default_backend() == "cpu" else {})
     try:
         return lowered.compile(options)
@@ -148,7 +135,7 @@ class Compiler:
         self.problem = call.problem(sizes, standalone=True)
         self.checkpoint, self.isolate = call.options.checkpoint, call.isolate
         self.backward, self.model, self.sizes = backward, model, sizes
-        self.report = report  # each step of planning, as `Progress.step`
+        self.report, self.n_compiled = report, 0  # report: as `Progress.step`
         self.specs = []
         for v, axes in zip(call.values, call.leaf_axes):
             shape = list(np.shape(v))
@@ -156,16 +143,11 @@ class Compiler:
                 shape[ax] = sizes[name]
             self.specs.append(struct(v, tuple(shape)))
         self.shares = split_leaves(call)[0]  # the input leaves split over other axes
-        self.n_compiled = 0
         self.programs: dict[NestSpec, Any] = {}  # by nest: those `memory` compiled
         self.jaxprs: dict[NestSpec, Any] = {}  # and their jaxprs
-        # Differentiated, the outputs whose cotangents a loop iteration holds.
-        self._outs: list[tuple[int, Any]] = []
+        self._outs: list[tuple[int, Any]] = []  # differentiated: those with cotangents
 
-    def compile(
-        self, fn: Callable[[list], Any], specs: Any, what: str = "", runs: bool = False
-    ) -> Any:
-        """Compile `fn` for `specs`: to run (`runs`), else to analyse (`analysed`)."""
+    def compile(self, fn: Callable, specs: Any, what: str, runs: bool = False) -> Any:
         return self._compiled(jax.jit(fn).trace(specs), what, runs)
 
     def _compiled(self, traced: Any, what: str, runs: bool = False) -> Any:
@@ -175,8 +157,7 @@ class Compiler:
 
     def build(self, spec: NestSpec) -> Build:
         # Differentiated, the backward pass recomputes one block at a time.
-        checkpoint = self.checkpoint or (self.backward and bool(spec.scan))
-        return Build(isolate=self.isolate, checkpoint=checkpoint)
+        return Build(self.isolate, self.checkpoint or self.backward and bool(spec.scan))
 
     def _program(self, spec: NestSpec, forward: bool = False) -> tuple[Callable, Any]:
         """A candidate's program (with `forward`, the nest even when differentiated),
@@ -198,8 +179,7 @@ class Compiler:
                 out = nest([given.get(i, v) for i, v in enumerate(values)])
                 return [out[i] for i in diff_out]
 
-            _, pullback = jax.vjp(of_inexact, [values[i] for i in diff_in])
-            return pullback(cts)
+            return jax.vjp(of_inexact, [values[i] for i in diff_in])[1](cts)
 
         return gradient, [self.specs, [outs[i] for i in diff_out]]
 
@@ -211,45 +191,36 @@ class Compiler:
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def reference(self, full: PlanCandidate) -> Reference:
-        """What the search predicts every candidate from: full vmap (`full`, its
-        memory compiled), its costs, and the leaves."""
+        """Full vmap's figures (`full`, its memory compiled): the candidates' basis."""
         assert full.temp_bytes is not None
-        ops = tuple(op_bytes(self.jaxprs[full.spec]))
         compiled = self.programs[full.spec]
         if full.scan and self.backward:  # the forward nest: its loop bodies are added
             what = f"compiling the forward nest of {full.nest(self.sizes)}"
             compiled = self.compile(*self._program(full.spec, True), what)
-        flops, trans, nbytes, _ = self.corrected_cost(compiled, full)
-        outs = self._outs if self.backward else enumerate(compiled.out_info)
-        inputs = tuple(map(leaf, self.specs, self.problem.leaf_axes, self.shares))
-        outputs = []
-        for i, s in outs:  # an output's mapped dims in order: their axes, roughly
+        figures = (full.temp_bytes, *self.corrected_cost(compiled, full)[:3])
+        ins = tuple(map(leaf, self.specs, self.problem.leaf_axes, self.shares))
+        outs = []  # an output's mapped dims in order: their axes, roughly
+        for i, s in self._outs if self.backward else enumerate(compiled.out_info):
             mapped = [n for n in self.problem.out_dims[i].names if n in self.sizes]
-            outputs.append(leaf(s, {name: a for a, name in enumerate(mapped)}))
-        return Reference(
-            full, full.temp_bytes, flops, trans, nbytes, self.sizes, inputs,
-            tuple(outputs), ops,
-        )  # fmt: skip
+            outs.append(leaf(s, {name: a for a, name in enumerate(mapped)}))
+        ops = tuple(op_bytes(self.jaxprs[full.spec]))
+        return Reference(full, *figures, self.sizes, ins, tuple(outs), ops)
 
     def predicted_costs(self, cand: PlanCandidate, ref: Reference) -> PlanCandidate:
-        costs = (*ref.costs(cand), ref.working_set(cand))
-        return self._with_costs(cand, costs, ref.serial(cand), ref.io())
+        share = serial(ref.ops, cand.block / max(ref.full.block, 1))
+        costs = (*ref.costs(cand), ref.working_set(cand), share, ref.io())
+        return self._with_costs(cand, costs)
 
-    def _with_costs(
-        self, cand: PlanCandidate, costs: tuple, serial: float, io: int
-    ) -> PlanCandidate:
-        """`cand` with its `costs` (as `corrected_cost`'s) and its estimated time."""
-        flops, trans, nbytes, ws = costs
+    def _with_costs(self, cand: PlanCandidate, costs: tuple) -> PlanCandidate:
+        """`cand` costed: `costs` as `TimeModel.seconds` takes them, less `trips`."""
+        flops, trans, nbytes, ws, serial, io = costs
         trips = cand.trips if cand.scan else 0
         seconds = self.model.seconds(flops, trans, nbytes, trips, ws, serial, io)
-        return dataclasses.replace(
-            cand, flops=flops, transcendentals=trans, bytes_accessed=nbytes,
-            working_set=ws, seconds=seconds,
-        )  # fmt: skip
+        costed = dict(flops=flops, transcendentals=trans, bytes_accessed=nbytes)
+        return dataclasses.replace(cand, **costed, working_set=ws, seconds=seconds)
 
     def evaluate(self, cand: PlanCandidate, budget: int | None) -> PlanCandidate:
-        """Compile `cand` (a forward nest: a fixed one): its temporary memory, and if
-        it fits, its costs from its own compile."""
+        """Compile `cand` (a fixed forward nest): its memory; if it fits, its costs."""
         temp = self.memory(cand)
         fits = None if budget is None else temp <= budget
         cand = dataclasses.replace(cand, temp_bytes=temp, fits=fits)
@@ -260,16 +231,13 @@ class Compiler:
         io = sum(leaf(s, {}).nbytes for s in [*self.specs, *compiled.out_info])
         io -= self.elsewhere(self.specs)
         one = serial(op_bytes(self.jaxprs[cand.spec]), 1.0)
-        return self._with_costs(cand, self.corrected_cost(compiled, cand), one, io)
+        return self._with_costs(cand, (*self.corrected_cost(compiled, cand), one, io))
 
-    def corrected_cost(
-        self, compiled: Any, cand: PlanCandidate
-    ) -> tuple[float, float, float, int]:
+    def corrected_cost(self, compiled: Any, cand: PlanCandidate) -> Costs:
         """Flops, transcendentals, bytes and working set (the largest footprint of a
-        loop body, or of the whole when nothing loops), loop bodies counted fully: XLA
-        counts a while loop's body once, so each block's (the vmaps inside its scans)
-        is compiled on its own and its cost added `trips - 1` more times. Both without
-        the inputs' pieces held elsewhere, each counted as read once."""
+        loop body, or the whole's if nothing loops), less the inputs' pieces held
+        elsewhere. XLA counts a while loop's body once: each block's (the vmaps in its
+        scans) is compiled alone and its cost added `trips - 1` more times."""
         total, ws = list(xla_costs(compiled)), 0
         total[2] -= self.elsewhere(self.specs)
         what = f"costing the loop body of {cand.nest(self.sizes)}"
@@ -286,15 +254,13 @@ class Compiler:
         return total[0], total[1], max(total[2], 0.0), ws if looping else whole
 
     def elsewhere(self, specs: Sequence[Any]) -> int:
-        """The bytes of the input leaves `specs` that other devices hold: their pieces
-        on the mesh axes that `shard=` leaves to the compiler."""
+        """The bytes of input leaves `specs` other devices hold (`split_leaves`)."""
         pieces = zip(specs, self.shares)
         return sum(leaf(s, {}).nbytes - leaf(s, {}, k).nbytes for s, k in pieces)
 
 
 def serial(ops: Sequence[int], scale: float) -> float:
-    """The share of the bytes the `ops` read (scaled by `scale`) read by ops too
-    small for XLA to split over threads (`PARALLEL_BYTES`)."""
+    """The share of `ops`' bytes (times `scale`) in ops too small for XLA to thread."""
     return sum(n for n in ops if n * scale < PARALLEL_BYTES) / max(sum(ops), 1)
 
 
@@ -304,7 +270,6 @@ def _footprint(compiled: Any) -> int:
 
 
 def xla_costs(compiled: Any) -> tuple[float, float, float]:
-    """XLA's flops, transcendentals and bytes accessed of a compiled program."""
     ca = compiled.cost_analysis() or {}
     keys = ("flops", "transcendentals", "bytes accessed")
     return tuple(float(ca.get(k, 0.0)) for k in keys)  # type: ignore

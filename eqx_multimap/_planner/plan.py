@@ -1,10 +1,8 @@
-"""What a plan is, and how it reads: `Plan`, its candidates and dims, and its text
-(prose wrapped at `PROSE` columns, nests broken before their arrows at `WIDTH`)."""
+"""What a plan is, and how it reads: `Plan`, its candidates and dims, and its text."""
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 from .._blocks import describe_nest, NestSpec
 from .._resolve import Call
@@ -28,9 +26,8 @@ _LEGEND = (
 
 @dataclasses.dataclass(frozen=True)
 class PlanDim:
-    """One mapped dim: its `name` and `size`, its `strategy` (`"scan"` or `"vmap"`),
-    its `chunk` when scanned (`None`: one element at a time), and its `order` in
-    the nest (`0` outermost)."""
+    """One mapped dim: its `name`, `size`, `strategy` (`"scan"` or `"vmap"`), `chunk`
+    when scanned (`None`: one at a time) and `order` in the nest (`0` outermost)."""
 
     name: str
     size: int
@@ -53,9 +50,8 @@ class ShardDim:
 
 @dataclasses.dataclass(frozen=True)
 class LocalArg:
-    """An input leaf its sharding splits into `shards` pieces over `mesh_axes` that
-    `shard=` leaves to the compiler: bytes accessed and working sets count one piece
-    (its temporaries are compiled with the whole leaf)."""
+    """An input leaf split into `shards` pieces over `mesh_axes` that `shard=` leaves to
+    the compiler: one piece counts in bytes and work sets, the whole in temporaries."""
 
     path: str
     shards: int
@@ -68,32 +64,29 @@ class LocalArg:
 
 
 def split_leaves(call: Call) -> tuple[tuple[int, ...], tuple[LocalArg, ...]]:
-    """For each input leaf of `call`, the pieces its known sharding splits it into
-    over the mesh axes that `shard=` does not make manual (`1`: none, or not known:
-    the leaf is counted whole); and the leaves so split."""
-    sp = call.shard
-    if sp is None:
+    """Per input leaf of `call`, the pieces its known sharding splits it into over mesh
+    axes `shard=` leaves to the compiler (`1`: none or unknown), and those split."""
+    if (sp := call.shard) is None:
         return (1,) * len(call.values), ()
     bound = [x for x, a in zip(call.bound.leaves, call.check.axes) if a is not None]
     leaves = [(x.path, x.value if x.shown is None else x.shown) for x in bound]
     hoisted = call.values[len(bound) :]
     leaves += [(f"an array the body closes over, {describe(v)}", v) for v in hoisted]
-    shares, split = [], []
+    args = []
     for path, x in leaves:
         names = (a for e in sp.known_spec(x) or [] for a in _names(e))
         axes = tuple(a for a in names if a not in sp.manual)
-        shares.append(math.prod(sp.mesh.shape[a] for a in axes))
-        if axes:
-            split.append(LocalArg(path, shares[-1], axes))
-    return tuple(shares), tuple(split)
+        args.append(LocalArg(path, math.prod(sp.mesh.shape[a] for a in axes), axes))
+    return tuple(a.shards for a in args), tuple(a for a in args if a.mesh_axes)
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanCandidate:
-    """One nest the planner considered: its costs and estimated `seconds` (`None`
-    when not compiled or costed; `predicted`: `temp_bytes` predicted, not compiled),
-    whether it `fits` (`None` without a budget), its `measured` time per call when
-    the planner ran it, and the `reason` it was, or was not, chosen."""
+    """A nest the planner considered (`scan`, `vmap`; `block`, elements per iteration;
+    `trips`; `source`): its `temp_bytes`, `flops`, `transcendentals`, `bytes_accessed`,
+    `working_set` and estimated `seconds` (`None`: not compiled or costed; `predicted`:
+    `temp_bytes` predicted, not compiled); whether it `fits` (`None`: no budget); its
+    `measured` time per call, if run; the `reason` it was, or was not, chosen."""
 
     scan: ScanNest
     vmap: tuple[str, ...]
@@ -128,23 +121,20 @@ class Plan:
     """The nest chosen for one call signature, and how it was chosen: what
     [`eqx_multimap.explain`][] returns, and `verbose=True` prints when planning.
 
-    Its fields: `fun_name`; `auto` (planned, or a fixed nest); `summary` (one
-    sentence: what was chosen, and why); `sizes` and `dims` (a `PlanDim` per mapped
-    dim); `chosen` and every `candidates` considered (`PlanCandidate`s);
-    `budget_bytes` and `budget_source`; `n_compiled` and `seconds` (what planning
-    cost here: `0` compiles when read from disk); `measured` (candidates were
-    timed) and `basis` (what the choice rests on: `"arguments"`, timed on the
-    call's own; `"inputs"`, on made-up ones; `"short"`, a short list on made-up
-    ones; or `"model"`); `searched` (the model searched beyond full vmap); `given`
-    (dims whose strategy was given), `collective` (dims used in collectives) and
-    `split` (dims inputs split over devices), never scanned; `cache` and
-    `cache_path` (where the plan came from); `shard` (a `ShardDim` per dim of
-    `shard=`: sizes and budget are then per device) and
-    `local` (a `LocalArg` per input leaf split over other mesh axes); `backward` and
-    `checkpoint` (the plan under differentiation); from `explain`, `gradient` (that
-    plan, or the error differentiating would raise); `time_model`. `scan` and
-    `vmap` are the chosen strategies, as `filter_multi_vmap` takes them.
-    """
+    Its fields: `fun_name`; `auto` (planned, or a fixed nest); `summary` (what was
+    chosen, and why); `sizes`; `dims` (`PlanDim`s, outermost first); `chosen` and all
+    `candidates` (`PlanCandidate`s); `budget_bytes`, `budget_source`; `n_compiled` and
+    `seconds` (planning's cost here: `0` compiles if read from disk); `measured`
+    (candidates were timed); `basis`: `"arguments"` (timed on the call's own),
+    `"inputs"` (on made-up ones), `"short"` (a short list on made-up ones) or `"model"`;
+    `searched` (the model searched beyond full vmap); never scanned: `given` (dims whose
+    strategy was given), `collective` (dims used in collectives), `split` (dims inputs
+    split over devices); `cache`, `cache_path` (where the plan came from, not part of
+    what it is); `shard` (`ShardDim`s: sizes and budget are then per device); `local`
+    (`LocalArg`s: input leaves split over other mesh axes); `backward`, `checkpoint`
+    (the plan under differentiation); from `explain`, `gradient` (that plan, or the
+    error differentiating would raise); `time_model`. `spec`: the chosen nest; `scan`
+    and `vmap`, its strategies as `filter_multi_vmap` takes them."""
 
     fun_name: str
     auto: bool
@@ -168,13 +158,11 @@ class Plan:
     given: tuple[str, ...] = ()
     collective: tuple[str, ...] = ()
     split: tuple[str, ...] = ()
-    # Where a plan came from is not part of what it is.
     cache: str = dataclasses.field(default="", compare=False)
     cache_path: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def spec(self) -> NestSpec:
-        """The chosen nest."""
         return self.chosen.spec
 
     @property
@@ -187,7 +175,6 @@ class Plan:
 
     @property
     def dims(self) -> tuple[PlanDim, ...]:
-        """A `PlanDim` per mapped dim, outermost first."""
         c, sizes = self.chosen, dict(self.sizes)
         nest = [(n, "scan", k) for n, k in c.scan] + [(n, "vmap", None) for n in c.vmap]
         return tuple(PlanDim(n, sizes[n], s, k, i) for i, (n, s, k) in enumerate(nest))
@@ -201,28 +188,6 @@ class Plan:
         and the compiled runners-up (at most five) with their reasons. `full=True`
         adds every candidate and the time model. `gradient`: show `plan.gradient`
         in full (`None`: when its nest differs, or with `full`)."""
-        lines = [*self._head(), "", self.table(all=full)]
-        if self.backward and self.checkpoint:
-            lines.append(
-                "scan bodies checkpointed: the backward pass recomputes each block"
-            )
-        if full and self.auto and self.time_model is not None:
-            lines += ["", fill(self.time_model.describe(), PROSE)]
-        g = self.gradient
-        if isinstance(g, str):
-            lines += ["", fill(g, PROSE)]  # the error differentiating would raise
-        elif g and (gradient or gradient is None and (g.spec != self.spec or full)):
-            lines += ["", g.describe(full)]
-        elif g:
-            ckpt = ", its scan bodies checkpointed" if g.checkpoint else ""
-            same = f"under differentiation: the same nest{ckpt} "
-            same += "(`plan.describe(gradient=True)` shows it)"
-            lines.append(fill(same, PROSE))
-        return "\n".join(lines)
-
-    __str__ = describe
-
-    def _head(self) -> list[str]:
         auto = "plan='auto'" + (", measured" if self.measured else "")
         back = ", under differentiation (reverse mode)" if self.backward else ""
         head = f"{self.fun_name}: {auto if self.auto else 'fixed nest'}{back}"
@@ -236,25 +201,33 @@ class Plan:
             split = (describe_split(*dataclasses.astuple(d)) for d in self.shard)
             nest = f"shard_map({'; '.join(split)}) -> {nest}"
             lines.append("sharded: sizes, candidates and the budget are per device")
-        if self.local:
-            local = "; ".join(map(str, self.local))
+        if local := "; ".join(map(str, self.local)):
             lines.append(fill(f"per device, in bytes and work set: {local}", PROSE))
         lines.append(wrap_nest(f"nest: {nest}", WIDTH))
         if self.auto and self.given:
-            planned = [d.name for d in self.dims if d.name not in self.given]
-            lines.append(
-                f"strategies given, kept: {', '.join(self.given)}; planned: "
-                f"{', '.join(planned) or 'none'}"
-            )
-        if self.collective:
-            used = ", ".join(self.collective)
-            lines.append(f"used in collectives, never scanned: {used}")
-        if self.split:
-            split = ", ".join(self.split)
-            lines.append(f"split over devices by inputs, never scanned: {split}")
-        if self.cache:
-            lines.append(fill(f"this plan: {self.cache}", PROSE))
-        return lines
+            planned = ", ".join(d.name for d in self.dims if d.name not in self.given)
+            kept = f"strategies given, kept: {', '.join(self.given)}"
+            lines.append(f"{kept}; planned: {planned or 'none'}")
+        never = ("used in collectives", "split over devices by inputs")
+        for why, dims in zip(never, (self.collective, self.split)):
+            lines += [f"{why}, never scanned: {', '.join(dims)}"] if dims else []
+        lines += [fill(f"this plan: {self.cache}", PROSE)] if self.cache else []
+        lines += ["", self.table(all=full)]
+        ckpt = "scan bodies checkpointed: the backward pass recomputes each block"
+        lines += [ckpt] if self.backward and self.checkpoint else []
+        if full and self.auto and self.time_model is not None:
+            lines += ["", fill(self.time_model.describe(), PROSE)]
+        if isinstance(g := self.gradient, str):
+            lines += ["", fill(g, PROSE)]  # the error differentiating would raise
+        elif g and (gradient or gradient is None and (g.spec != self.spec or full)):
+            lines += ["", g.describe(full)]
+        elif g:
+            ckpt = ", its scan bodies checkpointed" if g.checkpoint else ""
+            same = f"the same nest{ckpt} (`plan.describe(gradient=True)` shows it)"
+            lines.append(fill(f"under differentiation: {same}", PROSE))
+        return "\n".join(lines)
+
+    __str__ = describe
 
     def table(self, all: bool = False) -> str:
         """The candidates, each with its numbers and its reason: the chosen one and
@@ -276,48 +249,37 @@ class Plan:
             f"candidates: {len(cands)} considered, {len(compiled)} compiled{timed} "
             f"({plural(self.n_compiled, 'compile')}, {self.seconds:.2f} s)",
             *fill(_LEGEND, PROSE, "  ").splitlines(),
-            *self._rows(shown),
         ]
-        rest = [c for c in cands if c not in shown]
-        if rest:
+        head = ("", "temp", "flops", "bytes", "work set", "est.", "measured", "fits")
+        rows = [tuple(h for h in head if self.measured or h != "measured")]
+        relative = lambda t, s=self.chosen.seconds: f"{t / s:.2f}x" if s else "-"
+        show = lambda x, fmt: "-" if x is None else fmt(x)
+        for c in shown:
+            row = (
+                "*" if c == self.chosen else "",
+                ("~" if c.predicted else "") + show(c.temp_bytes, fmt_bytes),
+                show(c.flops, "{:.3g}".format),
+                show(c.bytes_accessed, "{:.3g}".format),
+                show(c.working_set, fmt_bytes),
+                show(c.seconds, relative),
+            )
+            if self.measured:
+                row += (show(c.measured, fmt_seconds),)
+            rows.append(row + ("-" if c.fits is None else "yes" if c.fits else "no",))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        numbers = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.append(numbers[0] + "  nest")
+        for c, line in zip(shown, numbers[1:]):
+            nest = c.nest(dict(self.sizes))
+            if len(line) + 2 + len(nest.split(" -> ")[0]) > WIDTH:
+                lines.append(line.rstrip())  # the nest goes under the numbers
+                line = "     "
+            lines += wrap_nest(f"{line}  {nest}", WIDTH, "      ").splitlines()
+            lines += fill(c.reason, PROSE, "      ").splitlines()
+        if rest := [c for c in cands if c not in shown]:
             n = sum(c in compiled for c in rest)
             lines.append(
                 f"... and {plural(len(rest), 'more candidate')} ({n} compiled, "
                 f"{len(rest) - n} not): `print(plan.table(all=True))` lists them all"
             )
         return "\n".join(lines)
-
-    def _rows(self, cands: list[PlanCandidate]) -> list[str]:
-        """A row of numbers per candidate, its nest last and its reason under it."""
-        head = ("", "temp", "flops", "bytes", "work set", "est.")
-        head += ("measured",) if self.measured else ()
-        rows = [head + ("fits",)]
-        chosen = self.chosen.seconds
-        relative = lambda t: f"{t / chosen:.2f}x" if chosen else "-"  # noqa: E731
-        for c in cands:
-            row = (
-                "*" if c == self.chosen else "",
-                ("~" if c.predicted else "") + _text(c.temp_bytes, fmt_bytes),
-                _text(c.flops, "{:.3g}".format),
-                _text(c.bytes_accessed, "{:.3g}".format),
-                _text(c.working_set, fmt_bytes),
-                _text(c.seconds, relative),
-            )
-            if self.measured:
-                row += (_text(c.measured, fmt_seconds),)
-            rows.append(row + ("-" if c.fits is None else "yes" if c.fits else "no",))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        numbers = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-        out = [numbers[0] + "  nest"]
-        for c, line in zip(cands, numbers[1:]):
-            nest = c.nest(dict(self.sizes))
-            if len(line) + 2 + len(nest.split(" -> ")[0]) > WIDTH:
-                out.append(line.rstrip())  # the nest goes under the numbers
-                line = "     "
-            out += wrap_nest(f"{line}  {nest}", WIDTH, "      ").splitlines()
-            out += fill(c.reason, PROSE, "      ").splitlines()
-        return out
-
-
-def _text(x: Any, fmt: Callable[[Any], str]) -> str:
-    return "-" if x is None else fmt(x)
