@@ -1,12 +1,11 @@
-"""The planner behind `plan="auto"`: its modules, each importing only those before
-it, are listed in `docs/design.md`."""
+"""The planner behind `plan="auto"` (`docs/design.md` lists its modules in order)."""
 
 from .model import TimeModel as TimeModel
 from .plan import Plan as Plan
 from .planner import (
     default_planner as default_planner,
-    describe_fixed as describe_fixed,
     plan_options as plan_options,
     PlanMode as PlanMode,
     Planner as Planner,
 )
+from .search import describe_fixed as describe_fixed

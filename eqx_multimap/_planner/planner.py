@@ -1,5 +1,4 @@
-"""`Planner`: the plan caches (in memory, and on disk) and the keys they are under, the
-time model (calibrated once per machine) and the counters."""
+"""`Planner`: its plan caches (memory, disk) and their keys, time model and counters."""
 
 import collections as co
 import contextlib
@@ -25,18 +24,15 @@ from .._progress_bar import Progress
 from .._resolve import Call
 from .._text import plural
 from .cache import cand_json, default_cache_dir, DiskCache, plan_from_json, plan_json
-from .cost import Compiler
 from .measure import calibrate, CAP, measured
 from .model import machine, TimeModel
 from .plan import Plan, split_leaves
 from .search import (
-    candidate,
     collective_dims,
     localize,
     MAX_COMPILES,
     MemoryBudget,
     NoFit,
-    plan_for,
     Request,
     resolve_budget,
     Search,
@@ -45,9 +41,9 @@ from .search import (
 
 
 logger = logging.getLogger("eqx_multimap")
+SYMBOLIC_STAND_IN = 2  # the size a symbolic dim is planned at (scanned: any will do)
 
-PlanMode = Literal["auto"]
-"""The planners `filter_multi_vmap(..., plan=...)` accepts by name."""
+PlanMode = Literal["auto"]  # the planners `filter_multi_vmap(plan=...)` takes by name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,42 +89,32 @@ def plan_options(plan: Any, memory_budget: Any) -> "PlanOptions | None":
 
 
 class Planner:
-    """Plans nests for `plan="auto"`, and caches the plans, in memory and on disk.
+    """Plans nests for `plan="auto"` and caches the plans, in memory and on disk.
 
-    `plan="auto"` uses the default planner of the process that runs the call; pass
-    `plan=Planner(...)` to give a wrapper a planner (and an in-memory cache) of its
-    own.
+    `plan="auto"` uses the default planner of the process running the call;
+    `plan=Planner(...)` gives a wrapper its own (with its own in-memory cache).
 
     **Arguments:**
 
-    - `measure`: `"short"` (the default) ranks the candidates that fit the budget
-        by the time model's estimate and, where the model searched and the body's
-        cost does not depend on its data, times a short list on made-up inputs
-        (full vmap, else a block near the model's pick, and the pick; the inputs
-        are as large as the call's, outside `memory_budget`) and takes the faster;
-        not for a body that calls back into Python. `False`: the model's estimate
-        alone (a plan `tune` made is still used). `True` times every candidate it
-        may and takes the fastest, within a cap of 8x its pick's compile: an
-        un-jitted call on its own arguments, as [`eqx_multimap.tune`][] does; a
-        call under `jax.jit` on made-up inputs, unless the body's cost depends on
-        its data (see [Measured mode](../planner.md#measured-mode)).
-    - `cache_dir`: where plans and calibrations are kept on disk, so that a plan is
-        paid for once per machine. `None` (the default): the environment variable
-        `EQX_MULTIMAP_CACHE_DIR` (`off` disables the disk cache), else
-        `$XDG_CACHE_HOME/eqx_multimap`, else `~/.cache/eqx_multimap`. `False`: none.
-    - `time_model`: the [`eqx_multimap.TimeModel`][] that ranks candidates. `None`
-        (the default): calibrated on first use (about a second, kept on disk).
+    - `measure`: `"short"` (the default): the time model ranks the candidates that fit
+        the budget and, where it searched, times a short list with its pick on made-up
+        inputs (as large as the call's, outside `memory_budget`), unless the body's cost
+        depends on its data or it calls back into Python. `False`: the model alone (a
+        plan `tune` made is still used). `True`: every candidate it may is timed, within
+        8x its pick's compile ([Measured mode](../planner.md#measured-mode)).
+    - `cache_dir`: where plans and calibrations are kept, to be paid for once per
+        machine. `None` (the default): `$EQX_MULTIMAP_CACHE_DIR` (`off`: none), else
+        `$XDG_CACHE_HOME/eqx_multimap` or `~/.cache/eqx_multimap`. `False`: none.
+    - `time_model`: the [`eqx_multimap.TimeModel`][] ranking candidates. `None` (the
+        default): calibrated on first use (about a second, kept on disk).
     - `max_cache`: the most plans kept in memory.
 
-    Under `jax.distributed`, where the processes must run one program, every
-    process plans by the model alone, with the `time_model` given or the default
-    constants (calibrations differ from process to process), and `tune` is an error.
-
-    Planners with the same arguments are equal; a copy is the planner itself, and a
-    pickled one carries its arguments only. It may be used from several threads.
-    Its counters `n_plans`, `n_compiles` (while planning), `n_disk_hits` and
-    `n_calibrations` are read by tests and benchmarks.
-    """
+    Under `jax.distributed`, every process plans by the model alone (the `time_model`
+    given, else the default constants), so that all run one program; `tune` is an error.
+    Planners with the same arguments are equal; a copy is the planner itself, a pickled
+    one carries only its arguments; it is thread-safe. Its counters `n_plans`,
+    `n_compiles` (while planning), `n_disk_hits` and `n_calibrations` are read by tests
+    and benchmarks."""
 
     def __init__(
         self,
@@ -159,8 +145,7 @@ class Planner:
         self._config: dict[str, Any] = dict(
             measure=measure, cache_dir=where, time_model=time_model, max_cache=max_cache
         )
-        # The time model as plan keys hold it: a calibrated one by its terms, not its
-        # constants, so that calibrating again keeps the plans on disk.
+        # Keyed by its terms if calibrated, so that calibrating again keeps disk plans.
         terms = {"calibrated": sorted(f.name for f in dataclasses.fields(TimeModel))}
         self._model_key = terms if time_model is None else time_model.to_json()
         self._lock = threading.RLock()  # the caches and counters
@@ -207,8 +192,7 @@ class Planner:
 
     @property
     def time_model(self) -> TimeModel:
-        """The time model: the one given, else calibrated for this machine (read
-        from the disk cache, or measured and stored there)."""
+        """The time model given, else this machine's calibration (on disk, or made)."""
         if self._time_model is None:
             with self._calibrating:  # one thread calibrates; the others wait
                 if self._time_model is None:
@@ -241,8 +225,7 @@ class Planner:
             return model
 
     def first_time(self, signature: Any) -> bool:
-        """Whether an un-jitted call of this `signature` is the first (a measuring
-        planner then times its nest on its arguments)."""
+        """Whether it is `signature`'s first un-jitted call (timed if measuring)."""
         with self._lock:
             first = signature not in self._signatures
             self._keep(self._signatures, signature, None)
@@ -257,26 +240,21 @@ class Planner:
     def plan(
         self, call: Call, backward: bool = False, tune: bool = False, again=False
     ) -> Plan:
-        """The (cached) plan of a resolved call; with `backward`, of the nest that
-        differentiation runs. With `tune`, the call's values are concrete and
-        candidates are timed on them, unless a plan so timed is cached; with `again`
-        too, always, the plan replacing any cached for the signature."""
+        """The (cached) plan of a resolved call; with `backward`, of its derivative's
+        nest. With `tune`, candidates are timed on the call's concrete values unless a
+        plan so timed is cached; with `again` too, always, replacing the cached one."""
         budget, src = resolve_budget(call.options.plan.memory_budget)
         sizes, shard = localize(call)
         # Nothing in a key refers back to the planner; `progress=` plans alike.
-        kept = dataclasses.replace(
-            call.options, plan=None, verbose=False, progress=None
-        )
-        key = (kept, budget, shard, tuple(sizes.items()), backward)
+        opt = dataclasses.replace(call.options, plan=None, verbose=False, progress=None)
+        key = (opt, budget, shard, tuple(sizes.items()), backward)
         call, sizes, note = for_every_size(call, sizes)
         body = fingerprint(call)
         key += (body, collective_dims(call), tuple(call.split))
         start = time.perf_counter()
         jaxpr = call.body.standalone.jaxpr.jaxpr
         data = data_dependent(jaxpr)
-        # Processes that must run one program (`jax.distributed`) plan alike: by the
-        # model, with the constants given or the defaults, nothing timed (timings,
-        # and calibrations, differ from process to process).
+        # Under `jax.distributed`, by the model alone: timings differ between processes.
         several = jax.process_count() > 1
         if again and several:  # `eqx_multimap.tune`; an un-jitted call's, the model's
             raise SpecError(
@@ -288,15 +266,11 @@ class Planner:
             )
         tune = tune and not several
         measure = tune or (self.measure is True and not data and not several)
-        # A short list, unless timing would call back into Python.
         short = self.measure == "short" and not measure and not data
         short = short and not calls_back(jaxpr) and not several
-        # The plans that will do: timed on arguments to tune (none to tune again); on
-        # made-up inputs to measure a body whose cost does not depend on its data; a
-        # short list's; the model's.
-        timed = ["arguments"] if tune else ["arguments", "inputs"]
-        wanted = [] if again or several else timed
-        wanted += ["short"] * short + ["model"] * (not tune and not measure)
+        # The `Plan.basis`es that will do (none, to tune again).
+        wanted = [] if again or several else ["arguments"] + ["inputs"] * (not tune)
+        wanted += ["short"] * short + ["model"] * (not measure)
         with self._lock:
             old = self._cache.get(key)  # replaced, with `again`
             cached = None if again else old
@@ -334,8 +308,7 @@ class Planner:
         else:
             plan = self._plan_now(request, key, disk_key, note, data)
         if isinstance(old, Plan) and again and old.spec != plan.spec:
-            # Traces made with the plan replaced (JAX's, kept by function) would run
-            # its nest: JAX can only forget them all.
+            # JAX keeps traces (with the old nest) by function: it can only forget all.
             jax.clear_caches()
         if call.options.verbose:
             print(plan)
@@ -351,8 +324,7 @@ class Planner:
         progress = Progress(what, call.options.verbose)
         search = Search(request, progress)
         try:
-            # One device's nest, compiled on its own: not on the mesh of a
-            # `shard_map` that the call may be traced in (its axes `Manual`).
+            # One device's nest: not on a traced `shard_map`'s mesh (its axes `Manual`).
             with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
                 timed = request.measure or request.short
                 plan = search.run(measured if timed else None)
@@ -440,9 +412,6 @@ def plan_key(request: Request, fingerprint: str, model_key: Any) -> dict[str, An
     }
 
 
-SYMBOLIC_STAND_IN = 2  # the size a symbolic dim is planned at (scanned: any will do)
-
-
 def for_every_size(
     call: Call, sizes: dict[str, Any]
 ) -> tuple[Call, dict[str, int], str]:
@@ -472,18 +441,15 @@ def for_every_size(
             f"hold for every size of '{name}'. Give '{name}' a concrete size, or drop "
             "`plan=` and choose its strategies."
         )
-    scan = options.scan + tuple(
-        (n, None) for n in symbolic if n not in options.scan_names
-    )
+    unscanned = [(n, None) for n in symbolic if n not in options.scan_names]
+    scan = options.scan + tuple(unscanned)
     call = dataclasses.replace(call, options=dataclasses.replace(options, scan=scan))
     stand_in = {**sizes, **{n: dict(scan)[n] or SYMBOLIC_STAND_IN for n in symbolic}}
     dims = ", ".join(
         f"'{n}' (size {call.sizes[n]}, planned at {stand_in[n]})" for n in symbolic
     )
-    note = (
-        f"Symbolic sizes: {dims} scanned outermost (one element at a time, or by "
-        "the chunks `scan=` gives), which holds for every size. "
-    )
+    note = f"Symbolic sizes: {dims} scanned outermost (one element at a time, or by "
+    note += "the chunks `scan=` gives), which holds for every size. "
     return call, stand_in, note
 
 
@@ -493,22 +459,3 @@ _DEFAULT_PLANNER = Planner()
 def default_planner() -> Planner:
     """The planner of `plan="auto"` in this process, created with the module."""
     return _DEFAULT_PLANNER
-
-
-def describe_fixed(call: Call) -> Plan:
-    """A `Plan` for a fixed nest: its one candidate compiled, with no budget."""
-    start = time.perf_counter()
-    sizes, shard = localize(call)
-    compiler = Compiler(call, sizes, TimeModel.for_backend(jax.default_backend()))
-    given = call.given_nest()
-    cand = candidate(given.scan, given.vmap, sizes, "given")
-    if all(sizes[n] > 0 for n in call.mapped):
-        cand = compiler.evaluate(cand, None)
-    cand = dataclasses.replace(cand, reason="the nest the strategies give")
-    summary = (
-        f"Fixed nest {cand.nest(sizes)}: the strategies given (`scan=`, `vmap=`, "
-        "`shard=`), not planned."
-    )
-    fields: dict[str, Any] = dict(auto=False, budget_bytes=None, budget_source="")
-    fields.update(n_compiled=compiler.n_compiled, seconds=time.perf_counter() - start)
-    return plan_for(call, sizes, cand, (cand,), shard=shard, summary=summary, **fields)

@@ -25,11 +25,17 @@ from .plan import Plan, PlanCandidate, ScanNest, ShardDim, split_leaves
 Sizes = dict[str, int]
 Names = tuple[str, ...]
 Candidates = tuple[PlanCandidate, ...]
-MemoryBudget = int | float | None
-"""Bytes as an `int`, a fraction of device memory as a `float` in `(0, 1]`."""
+Steps = list[PlanCandidate]  # a ladder: largest block first
+MemoryBudget = int | float | None  # bytes, or a fraction of device memory in (0, 1]
 
-DEFAULT_BUDGET_FRACTION = 0.5
-"""The budget when `plan="auto"` is given without `memory_budget`."""
+DEFAULT_BUDGET_FRACTION = 0.5  # the budget of `plan="auto"` without `memory_budget`
+MAX_ORDERS = 24  # the most dim orders measured mode searches: all of up to 4 dims
+MAX_COMPILES = 12  # planning that has compiled this many searches no further ladder
+# A block predicted (uncorrected and corrected) within this fraction of the budget is
+# not compiled to check it: predictions are within 0.35-3x of XLA's on the benchmarks.
+SAFE_FRACTION = 1 / 8
+MATERIAL = 1.05  # est. this much faster is worth a compile: less is within model error
+SEARCH_VERSION = 16  # bumped when the search chooses otherwise: older plans unused
 
 
 def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
@@ -41,11 +47,9 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
     device, total = jax.local_devices()[0], 0
     with contextlib.suppress(Exception):  # some backends do not implement it
         total = int((device.memory_stats() or {}).get("bytes_limit") or 0)
-    where = f"memory of {device}"
+    where, platform = f"memory of {device}", device.platform
     if not total:
-        where = (
-            f"physical RAM (os.sysconf), as {device.platform} reports no device memory"
-        )
+        where = f"physical RAM (os.sysconf), as {platform} reports no device memory"
         with contextlib.suppress(ValueError, OSError, AttributeError):  # Windows
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if total <= 0:
@@ -54,9 +58,8 @@ def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
             f"needs the memory size of {device}, which is unavailable, and so is the "
             "size of physical RAM; give the budget in bytes as an `int`."
         )
-    given = "default " if memory_budget is None else ""
-    source = f"{given}memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
-    return int(total * fraction), source
+    source = f"memory_budget={fraction:g} of {fmt_bytes(total)} {where}"
+    return int(total * fraction), "default " * (memory_budget is None) + source
 
 
 def chunk_options(n: int) -> list[int | None]:
@@ -82,11 +85,7 @@ def candidate(scan: ScanNest, vmap: Names, sizes: Sizes, source: str) -> PlanCan
 
 
 def ladder(
-    order: Names,
-    layout: Names,
-    sizes: Sizes,
-    fixed: ScanNest = (),
-    frozen: frozenset[str] = frozenset(),
+    order: Names, layout: Names, sizes: Sizes, fixed: ScanNest = (), frozen: Names = ()
 ) -> list[PlanCandidate]:
     """Scanned candidates, largest block first (full vmap excluded): inside the
     `fixed` scans, a prefix of `order` (`frozen` dims and dims of size 1 skipped)
@@ -99,12 +98,7 @@ def ladder(
         for chunk in chunk_options(sizes[inner]):
             scan = fixed + tuple((n, None) for n in scannable[:k]) + ((inner, chunk),)
             out.append(candidate(scan, vmap, sizes, "ladder"))
-    out.sort(key=lambda c: -c.block)  # stable: fewer scanned dims first on ties
-    return out
-
-
-MAX_ORDERS = 24
-"""The most dim orders measured mode searches (every order of up to 4 dims)."""
+    return sorted(out, key=lambda c: -c.block)  # stable: fewer scanned first on ties
 
 
 def dim_orders(
@@ -128,8 +122,7 @@ def dim_orders(
 def localize(call: Call) -> tuple[dict[str, int], tuple[ShardDim, ...]]:
     """The mapped sizes as one device sees them, and the dims `shard=` splits
     outside the nest: the planner plans one device's nest."""
-    sp = call.shard
-    if sp is None:
+    if (sp := call.shard) is None:
         return call.mapped_sizes, ()
     shards = lambda axes: math.prod(sp.mesh.shape[a] for a in axes)
     dims = tuple(
@@ -150,17 +143,15 @@ def collective_dims(call: Call) -> Names:
     return tuple(n for n in call.mapped if n in call.collective_dims)
 
 
-def fixed_dims(call: Call) -> frozenset[str]:
-    """The mapped dims the planner does not choose for: given, used in
-    collectives, or split over devices by inputs."""
-    return frozenset(given_dims(call) + collective_dims(call) + (*call.split,))
+def fixed_dims(call: Call) -> Names:
+    """The mapped dims not planned: given, used in collectives, or split by inputs."""
+    return given_dims(call) + collective_dims(call) + (*call.split,)
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What one plan is for: `localize`'s sizes and shards, the budget and its source,
-    and how it is planned (`values`: measured mode times the call's own; `short`:
-    the model's choice checked by timing a short list)."""
+    and how it is timed (`values`: on the call's own values; `short`: a short list)."""
 
     call: Call
     sizes: Sizes
@@ -195,6 +186,23 @@ def auto_plan(
     return plan_for(call, r.sizes, chosen, cands, **fields)
 
 
+def describe_fixed(call: Call) -> Plan:
+    """A `Plan` for a fixed nest: its one candidate compiled, with no budget."""
+    start = time.perf_counter()
+    sizes, shard = localize(call)
+    compiler = Compiler(call, sizes, TimeModel.for_backend(jax.default_backend()))
+    given = call.given_nest()
+    cand = candidate(given.scan, given.vmap, sizes, "given")
+    if all(sizes[n] > 0 for n in call.mapped):
+        cand = compiler.evaluate(cand, None)
+    cand = dataclasses.replace(cand, reason="the nest the strategies give")
+    why = "the strategies given (`scan=`, `vmap=`, `shard=`), not planned"
+    summary = f"Fixed nest {cand.nest(sizes)}: {why}."
+    fields: dict[str, Any] = dict(auto=False, budget_bytes=None, budget_source="")
+    fields.update(n_compiled=compiler.n_compiled, seconds=time.perf_counter() - start)
+    return plan_for(call, sizes, cand, (cand,), shard=shard, summary=summary, **fields)
+
+
 class Choice(NamedTuple):
     """The chosen, those compared, measured times by key, a note if timing failed."""
 
@@ -213,40 +221,8 @@ def why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
         return f"the fastest of the {len(timed)} timed (measured {fmt_seconds(t)}{nxt})"
     if c.temp_bytes is None:
         return "nothing to compile"
-    if n <= 1:
-        return "the only candidate that fits and was costed"
-    return f"the fastest by the time model of the {n} that fit"
-
-
-def with_reason(
-    c: PlanCandidate, choice: Choice, note: str | None, budget: int
-) -> PlanCandidate:
-    """`c` with the reason it was, or was not, chosen (and its measured time)."""
-    chosen, compared, timed, _ = choice
-    t, mine = timed.get(c.key), timed.get(chosen.key)
-    if c.key == chosen.key:
-        why = "chosen: " + why_chosen(c, timed, len(compared))
-        if c.predicted:
-            far = note or "far within the budget"
-            why += f"; its temporaries predicted from full vmap's, not compiled: {far}"
-    elif t is not None and mine is not None and c.fits is not False:
-        why = f"slower: measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
-        why += "; its memory not compiled" * (c.temp_bytes is None)
-    elif c.temp_bytes is None:
-        why = note or "not compiled"
-    elif not c.fits:
-        a, b = fmt_bytes(c.temp_bytes), fmt_bytes(budget)
-        if a == b:  # in bytes when the two would print alike
-            a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
-        why = f"over budget: {a} > {b}"
-    elif c.seconds is not None and chosen.seconds is not None:
-        est = c.seconds / chosen.seconds
-        why = f"slower (est. {est:.2f}x the chosen's, by the time model)"
-        if timed:  # measured mode
-            why = note or "not timed"
-    else:
-        why = note or "fits, not costed: smaller than the largest block that fits"
-    return dataclasses.replace(c, measured=t, reason=why)
+    only = "the only candidate that fits and was costed"
+    return only if n <= 1 else f"the fastest by the time model of the {n} that fit"
 
 
 def summary(
@@ -271,10 +247,8 @@ def summary(
         why += f" but its working set ({ws}) is past the fastest {top} of memory"
     if free and searched:
         if not timed and len(compared) <= 1 and chosen.key == full.key:
-            how = (
-                f"no other block predicted to fit is est. {MATERIAL - 1:.0%} faster by "
-                "the time model, so none was compiled"
-            )
+            how = f"no other block predicted to fit is est. {MATERIAL - 1:.0%} "
+            how += "faster by the time model, so none was compiled"
         if chosen.predicted:
             how += ", its temporaries predicted far within the budget"
     if measure_note:  # could not measure
@@ -308,32 +282,17 @@ def no_fit_message(request: Request, smallest: PlanCandidate, n: int) -> str:
     )
 
 
-MAX_COMPILES = 12  # planning that has compiled this many searches no further ladder
-# A block predicted (uncorrected and corrected) within this fraction of the budget is
-# not compiled to check it: predictions are within 0.35-3x of XLA's on the benchmarks.
-SAFE_FRACTION = 1 / 8
-# A compile (another ladder, a larger block) is worth an estimate this much faster:
-# smaller differences are within the time model's error.
-MATERIAL = 1.05
-SEARCH_VERSION = 16  # bumped when the search chooses otherwise: older plans unused
-
-Steps = list[PlanCandidate]  # a ladder: largest block first
-
-
 class Search:
-    """One planning run: compiles candidates (each at most once), remembers what it
-    learnt about each, and says why each was or was not chosen."""
+    """One planning run: each candidate compiled at most once; why each won or lost."""
 
     ref: Reference  # full vmap's figures, the others' basis (from `_choose`)
     start: float  # when `run` began
 
     def __init__(self, request: Request, progress: Progress):
-        self.request, self.call = request, request.call
+        self.request, self.call, self.model = request, request.call, request.model
         self.sizes, self.budget = request.sizes, request.budget
-        self.model = request.model
-        self.compiler = Compiler(
-            self.call, self.sizes, self.model, request.backward, progress.step
-        )
+        r = request
+        self.compiler = Compiler(r.call, r.sizes, r.model, r.backward, progress.step)
         self.considered: dict[tuple, PlanCandidate] = {}  # full vmap, then by block
         self.known: dict[tuple, PlanCandidate] = {}  # compiled, or taken as predicted
         self.notes: dict[tuple, str] = {}  # why one not compiled was not chosen
@@ -360,12 +319,9 @@ class Search:
         compiled = [k for k in known if k and not k.predicted]
         if not compiled:
             return float(self.ref.temp_bytes(c))
-
-        def rank(k: PlanCandidate) -> tuple[bool, float]:
-            other = [n for n, _ in k.scan] != [n for n, _ in c.scan]
-            return other, abs(math.log(max(k.block, 1) / max(c.block, 1)))
-
-        near = min(compiled, key=rank)
+        other = lambda k: [n for n, _ in k.scan] != [n for n, _ in c.scan]
+        far = lambda k: abs(math.log(max(k.block, 1) / max(c.block, 1)))
+        near = min(compiled, key=lambda k: (other(k), far(k)))
         ratio = (near.temp_bytes or 0) / max(self.ref.temp_bytes(near), 1)
         return self.ref.temp_bytes(c) * ratio
 
@@ -378,8 +334,7 @@ class Search:
         return self.compiler.predicted_costs(c, self.ref).seconds or 0.0
 
     def taken(self, steps: Steps, c: PlanCandidate, why: str) -> None:
-        """Cost `c`: if not compiled, its temporaries `cautious`ly predicted
-        (`checked` if it wins)."""
+        """Cost `c`, its temporaries `cautious`ly predicted if not compiled."""
         if c.key in self.known:
             self.costed(c)
         else:
@@ -410,10 +365,8 @@ class Search:
         for size, _ in self.model.levels:
             i = next((i for i in range(j, len(steps)) if ws[i] <= size), None)
             if i is not None and i not in edges:
-                edges[i] = (
-                    f"the largest block of its ladder whose working set "
-                    f"({fmt_bytes(ws[i])}) fits {fmt_bytes(size)} of cache"
-                )
+                fit = f"({fmt_bytes(ws[i])}) fits {fmt_bytes(size)} of cache"
+                edges[i] = f"the largest block of its ladder whose working set {fit}"
         last = self.model.levels[-1][0] if self.model.levels else math.inf
         past = "past the last level of cache, where the est. bandwidth falls with it"
         for i in (i for i in range(j, len(steps)) if ws[i] > last):  # each costed
@@ -425,10 +378,8 @@ class Search:
             why = "a larger block than one over budget, or predicted to be"
             if i >= j:
                 e = steps[max(k for k in edges if k <= i)].nest(self.sizes)
-                why = (
-                    f"a smaller block than {e}, whose working set fits the same "
-                    "level of the memory hierarchy: more loop trips"
-                )
+                why = f"a smaller block than {e}, whose working set fits the same "
+                why += "level of the memory hierarchy: more loop trips"
             self.note(c, f"not compiled: {why}")
 
     def first_within(self, steps: Steps) -> int | None:
@@ -439,8 +390,7 @@ class Search:
         while lo < hi:
             guesses = [self.prediction(steps, steps[i]) for i in range(lo, hi)]
             within = [lo + k for k, t in enumerate(guesses) if t <= self.budget]
-            taken = self.take_predicted(steps, within)
-            if taken is not None:
+            if (taken := self.take_predicted(steps, within)) is not None:
                 return taken
             i = within[0] if within else hi - 1
             c = self.memory(steps[i])
@@ -454,9 +404,8 @@ class Search:
         return hi if hi < len(steps) else None
 
     def take_predicted(self, steps: Steps, within: list[int]) -> int | None:
-        """The largest step of `within` `cautious`ly predicted within `SAFE_FRACTION`
-        of the budget, taken uncompiled if est. at most `MATERIAL` slower than every
-        larger one; `None` if none."""
+        """The largest of `within` `cautious`ly predicted within `SAFE_FRACTION` of the
+        budget, taken uncompiled if est. at most `MATERIAL` slower than all larger."""
         safe = self.budget * SAFE_FRACTION
         s = next((i for i in within if self.cautious(steps, steps[i]) <= safe), None)
         if s is None:
@@ -496,14 +445,11 @@ class Search:
         (`measure.measured`) times candidates to choose from the model's choice."""
         self.start = time.perf_counter()  # measuring's cap counts from here too
         call, sizes = self.call, self.sizes
-        fixed = call.options.scan  # the given scans, outermost, as given
-        frozen = fixed_dims(call)
+        fixed, frozen = call.options.scan, fixed_dims(call)  # given scans: outermost
         free = tuple(n for n in call.mapped if n not in frozen)
-        # Vmapped: the dims of `vmap=` as given, then the others in the output's order.
         given = call.options.vmap + call.options.scan_names
-        layout = call.options.vmap + tuple(
-            n for n in dim_orders(call, sizes)[0] if n not in given
-        )
+        rest = tuple(n for n in dim_orders(call, sizes)[0] if n not in given)
+        layout = call.options.vmap + rest  # vmapped: `vmap=`'s, then in output order
         full = candidate(fixed, layout, sizes, "given scans" if fixed else "full vmap")
         orders = dim_orders(call, sizes, free) if free else []
         ladders = [ladder(o, layout, sizes, fixed, frozen) for o in orders]
@@ -528,30 +474,51 @@ class Search:
                 choice, timed = measure(self, full, ladders, choice.chosen)
             f = self.known[full.key]
             text = summary(choice, f, self.searched, bool(free), self.request) + timed
-        candidates = tuple(
-            with_reason(self.known.get(k, c), choice, self.notes.get(k), self.budget)
-            for k, c in self.considered.items()
-        )
+        candidates = tuple(self.reasoned(c, choice) for c in self.considered.values())
         chosen = next(c for c in candidates if c.key == choice.chosen.key)
-        # Timed on the call's own arguments, or on made-up inputs; else estimated.
         ran = bool(choice.timed)
         made_up = "short" if self.request.short else "inputs"
         basis = ("arguments" if self.request.values else made_up) if ran else "model"
         return auto_plan(
-            self.request, chosen, candidates,
-            n_compiled=self.compiler.n_compiled,
+            self.request, chosen, candidates, n_compiled=self.compiler.n_compiled,
             seconds=time.perf_counter() - self.start,
             checkpoint=self.compiler.build(chosen.spec).checkpoint,
             time_model=self.model, summary=text, measured=ran, basis=basis,
             searched=self.searched,
         )  # fmt: skip
 
+    def reasoned(self, c: PlanCandidate, choice: Choice) -> PlanCandidate:
+        """`c` as known, with the reason it was, or was not, chosen (and its time)."""
+        c, note, budget = self.known.get(c.key, c), self.notes.get(c.key), self.budget
+        chosen, compared, timed, _ = choice
+        t, mine = timed.get(c.key), timed.get(chosen.key)
+        if c.key == chosen.key:
+            why = "chosen: " + why_chosen(c, timed, len(compared))
+            if c.predicted:
+                far = f"not compiled: {note or 'far within the budget'}"
+                why += f"; its temporaries predicted from full vmap's, {far}"
+        elif t is not None and mine is not None and c.fits is not False:
+            why = f"slower: measured {fmt_seconds(t)} vs {fmt_seconds(mine)}"
+            why += "; its memory not compiled" * (c.temp_bytes is None)
+        elif c.temp_bytes is None:
+            why = note or "not compiled"
+        elif not c.fits:
+            a, b = fmt_bytes(c.temp_bytes), fmt_bytes(budget)
+            if a == b:  # in bytes when the two would print alike
+                a, b = f"{c.temp_bytes:,} B", f"{budget:,} B"
+            why = f"over budget: {a} > {b}"
+        elif c.seconds is not None and chosen.seconds is not None:
+            est = f"{c.seconds / chosen.seconds:.2f}x the chosen's, by the time model"
+            why = (note or "not timed") if timed else f"slower (est. {est})"
+        else:
+            why = note or "fits, not costed: smaller than the largest block that fits"
+        return dataclasses.replace(c, measured=t, reason=why)
+
     def _choose(self, full: PlanCandidate, ladders: list[Steps]) -> Choice:
         """Search the ladders by the time model: its choice."""
         self.ref = self.compiler.reference(self.memory(full))
         self.lockstep = lockstep(self.compiler.jaxprs[full.spec])
         f = self.costed(full)
-        # Else full vmap is kept, unsearched.
         self.searched = bool(ladders) and (
             not f.fits or (f.working_set or 0) > self.model.fastest or self.lockstep
         )
@@ -575,11 +542,8 @@ class Search:
         """The fastest costed that fits (in lockstep, a block of one element if est.
         at most `MATERIAL` slower: a larger block's waste depends on the data), first
         compiled if only predicted to fit, and not within `SAFE_FRACTION`."""
-
-        def rank(c: PlanCandidate) -> float:
-            lockstep = self.lockstep and c.block > 1
-            return (c.seconds or 0.0) * (MATERIAL if lockstep else 1.0)
-
+        slow = MATERIAL if self.lockstep else 1.0  # a block of more than one element's
+        rank = lambda c: (c.seconds or 0.0) * (slow if c.block > 1 else 1.0)
         while True:
             fitting = [c for c in self.known.values() if c.fits and c.seconds]
             if not fitting:
