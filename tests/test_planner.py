@@ -2,6 +2,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import threading
 
 import equinox as eqx
@@ -145,6 +146,19 @@ def test_tight_budget_scans_and_fits(getkey, elements):
     ref = _sumexp_reference(a, b)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     np.testing.assert_allclose(out, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dir", [0, 1.5, True])
+def test_a_planners_cache_dir_is_checked(cache_dir):
+    # `0` equals `False` but is no flag; `True` is no path. (`measure=` and
+    # `time_model=` are typed, so the tests' runtime type checker sees them first.)
+    message = (
+        "`eqx_multimap.Planner(cache_dir=...)` must be a path, `None` (the default "
+        f"location) or `False` (no disk cache), but got {cache_dir!r}."
+    )
+    match = re.escape(message).replace(r"\ ", r"\s+")  # the message is wrapped
+    with pytest.raises(SpecError, match=match):
+        Planner(cache_dir=cache_dir)
 
 
 def test_no_nest_fits():
