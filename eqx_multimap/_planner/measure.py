@@ -235,7 +235,7 @@ class Tuner:
             search.known[c.key] = costed if fits else exact
             if not fits:
                 return math.inf
-        if self.values:  # differentiated, with cotangents made up
+        if self.values:  # the call's own (differentiated, with cotangents made up)
             args = _sliced(search.call, index, sub)
             args = [args, concrete_inputs(specs[1])] if compiler.backward else args
         elif (shapes := str(specs)) not in self.made:  # made once for each shape

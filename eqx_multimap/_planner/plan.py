@@ -252,7 +252,8 @@ class Plan:
         ]
         head = ("", "temp", "flops", "bytes", "work set", "est.", "measured", "fits")
         rows = [tuple(h for h in head if self.measured or h != "measured")]
-        relative = lambda t, s=self.chosen.seconds: f"{t / s:.2f}x" if s else "-"
+        chosen = self.chosen.seconds
+        relative = lambda t: f"{t / chosen:.2f}x" if chosen else "-"
         show = lambda x, fmt: "-" if x is None else fmt(x)
         for c in shown:
             row = (
