@@ -378,9 +378,9 @@ class Tuner:
         """What was timed, on what, and whether the cap stopped the search."""
         ran = [t for t in self.timed.values() if t.rounds]
         cut = sum(bool(t.slice) for t in ran)
-        how = "each" if cut == len(ran) else f"{cut} of them"
-        how += " on a slice of its loop trips (its block kept), scaled"
-        how = how if cut else "each on the whole call"
+        part = "each" if cut == len(ran) else f"{cut} of them"
+        sliced = f"{part} on a slice of its loop trips (its block kept), scaled"
+        how = sliced if cut else "each on the whole call"
         what = "the call's arguments" if self.values else "made-up inputs of its shapes"
         if self.short:
             return (
