@@ -24,7 +24,12 @@ from eqx_multimap import (
     tune,
 )
 from eqx_multimap._jaxpr import data_dependent
-from eqx_multimap._planner import cost, measure, planner as planner_module
+from eqx_multimap._planner import (
+    cost,
+    measure,
+    planner as planner_module,
+    search as search_module,
+)
 from eqx_multimap._planner.plan import PlanCandidate
 
 
@@ -307,6 +312,37 @@ def test_measured_mode_runs_nothing_over_the_budget(monkeypatch):
     fixed = filter_multi_vmap(_outer_tanh, **kw, scan=plan.scan, vmap=plan.vmap)
     assert explain(fixed, x).chosen.temp_bytes <= budget
     assert seen
+    np.testing.assert_allclose(
+        f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_a_rung_predicted_just_over_the_budget_is_timed_if_it_fits(monkeypatch):
+    # Every rung not compiled predicted 1.5x over the budget: each is compiled whole
+    # (its memory known, not a slice), and runs only if it fits.
+    x = jax.random.normal(jax.random.key(0), (64, 16, 32))
+    budget = 2**20  # full vmap's temporaries: 4.1 MiB
+    time_, unsure = measure.Tuner.time, set()
+
+    def spy(self, c):  # the forward pass's
+        unsure.update(set() if self.search.compiler.backward else {c.key} & self.unsure)
+        return time_(self, c)
+
+    monkeypatch.setattr(search_module.Search, "cautious", lambda *a: 1.5 * budget)
+    monkeypatch.setattr(measure.Tuner, "time", spy)
+    monkeypatch.setattr(measure, "TARGET", 1e-9)  # others timed on slices
+    monkeypatch.setattr(measure, "CACHES", 0)  # this machine's caches ignored
+    monkeypatch.setattr(measure, "CAP", 1e6)
+    f = filter_multi_vmap(
+        _outer_tanh, in_dims="T B K", out_dims="T B", plan=Planner(cache_dir=False),
+        memory_budget=budget,
+    )  # fmt: skip
+    plan = tune(f, x)
+    assert plan.measured and "could not measure" not in plan.summary
+    checked = [c for c in plan.candidates if c.key in unsure]
+    assert sum(c.measured is not None for c in checked) >= 2
+    for c in checked:
+        assert not c.predicted and (c.measured is None) == (c.temp_bytes > budget)
     np.testing.assert_allclose(
         f(x), jax.vmap(jax.vmap(_outer_tanh))(x), rtol=1e-5, atol=1e-4
     )

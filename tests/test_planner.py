@@ -412,12 +412,12 @@ def test_explain_table(getkey):
         c.temp_bytes is not None and not c.predicted for c in plan.candidates
     )
     assert (
-        f"candidates: {plan.n_candidates} considered, {n_compiled} compiled "
+        f"candidates: {len(plan.candidates)} considered, {n_compiled} compiled "
         f"({plan.n_compiled} compile" in text
     )
     # Layout, input and size orders all agree here: one ladder.
     steps = _candidates.ladder(("T", "B"), ("T", "B"), dict(plan.sizes))
-    assert plan.n_candidates == 1 + len(steps)
+    assert len(plan.candidates) == 1 + len(steps)
     # A row per candidate: its numbers, its nest, and its reason under them.
     words = " ".join(text.split())
     chosen_rows = [line for line in lines if line.startswith("*")]
@@ -466,13 +466,13 @@ def test_explain_is_concise(getkey):
     words = " ".join(forward.split())
     shown = [c for c in compiled if f" {c.nest(sizes)} {c.reason}" in words]
     assert len(shown) == len(rows) and plan.chosen in shown
-    rest = plan.n_candidates - len(rows)
+    rest = len(plan.candidates) - len(rows)
     assert f"... and {rest} more candidates (" in text
     assert "print(plan.table(all=True))" in text
     assert "est. time = max(" not in text.split("\n\n" + str(plan.gradient))[0]
     # The full table: one row per candidate, none counted away.
     table = plan.table(all=True)
-    assert len(_rows(table)) == plan.n_candidates and "... and" not in table
+    assert len(_rows(table)) == len(plan.candidates) and "... and" not in table
     # The gradient's nest differs here (its derivative needs more memory), so
     # its plan is shown.
     assert plan.gradient.spec != plan.spec

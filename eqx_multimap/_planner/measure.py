@@ -34,6 +34,7 @@ SPEND = 0.25  # a candidate is timed for up to this share of its compile (3 roun
 LONG = 0.05  # seconds: a program that runs longer is timed on one call, once
 DISTURBED = 1.5  # a round whose probe took this many times its median is dropped
 CLEAR = 3.0  # a long candidate whose first timed run is this much slower is timed once
+LOOSE = 2.0  # a rung predicted over the budget by less is timed whole if it fits
 Index = dict[str, np.ndarray]  # the elements of some dims
 
 
@@ -166,6 +167,7 @@ class Tuner:
         self.capped = False  # the cap stopped the search
         self.probe: Probe | None = None  # compiled only if there is a choice to make
         self.why: dict[tuple, str] = {}  # why one was not timed
+        self.unsure: set[tuple] = set()  # predicted over the budget (`run`)
 
     def seconds(self, key: tuple) -> float:
         """The time of a whole call of a timed candidate: its median round, scaled."""
@@ -210,11 +212,11 @@ class Tuner:
         return 1.0 if keep >= WHOLE else keep
 
     def time(self, c: PlanCandidate) -> float:
-        """Compile `c` (on `keep` of its trips) and time it beside the fastest so far:
-        its whole call's time, or `inf` if, compiled whole, it is over the budget."""
+        """Compile `c` (on `keep` of its trips; `unsure`: whole) and time it beside the
+        fastest: its whole call's time; `inf` if, compiled whole, it is over budget."""
         if c.key in self.timed:
             return self.seconds(c.key)
-        search, keep = self.search, self.keep(c)
+        search, keep = self.search, 1.0 if c.key in self.unsure else self.keep(c)
         index = trip_slice(c, self.sizes, keep) if keep < 1 else {}
         sub = {**self.sizes, **{n: len(x) for n, x in index.items()}}
         compiler = Compiler(search.call, sub, search.model, search.compiler.backward)
@@ -290,16 +292,20 @@ class Tuner:
 
     def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):
         """Time full vmap (if it fits) and the model's choice; a first step `along` each
-        ladder that fits (an order of the dims); in lockstep, a block of one element;
+        ladder (an order of the dims) of rungs predicted within `LOOSE` of the budget
+        (if over it, `unsure`: timed whole); in lockstep, a block of one element;
         then along each ladder within `CLOSE` of the fastest, until the cap. A short
         list stops at two. The fastest timed that fits; `None` if there is no choice."""
-        search, budget = self.search, self.search.budget
-        fits = lambda steps, c: search.cautious(steps, c) <= budget  # noqa: E731
+        search, loose = self.search, 1.0 if self.short else LOOSE
+        above = lambda s, c: search.cautious(s, c) / search.budget  # noqa: E731
+        self.unsure = {c.key for s in ladders for c in s if above(s, c) > 1}
         head = [full] * bool(search.known[full.key].fits)  # full vmap, if it fits
         # In lockstep a block of one runs unbatched, unlike any larger: timed alone.
         alone = lambda c: search.lockstep and c.block == 1 and not c.vmap  # noqa: E731
-        one = [c for s in ladders for c in s if alone(c) and fits(s, c)][:1]
-        rungs = [[c for c in s if fits(s, c) and not alone(c)] for s in ladders]
+        one = [c for s in ladders for c in s if alone(c) and above(s, c) <= loose][:1]
+        rungs = [
+            [c for c in s if above(s, c) <= loose and not alone(c)] for s in ladders
+        ]
         lines = [head + r for r in rungs if r]  # each with a rung of its own
         many = len({c.key for c in head + [model] + one + sum(lines, [])}) > 1
         if self.short and not many:
@@ -313,9 +319,7 @@ class Tuner:
         if self.short:  # two: the pick, full vmap (else a step along its ladder)
             if sum(bool(t.rounds) for t in self.timed.values()) < 2:
                 self.along(first, 1)
-            for k in search.considered.keys() - self.timed.keys():
-                self.why[k] = "not timed: not on the short list"
-            return self.choose()
+            return self.choose(lambda k: "not on the short list")
 
         def lead() -> float:  # the fastest time, of full vmap and the ladders
             ran = [k for k in self.timed if k not in lone] or list(self.timed)
@@ -339,11 +343,9 @@ class Tuner:
         pruned = "a block between it and its ladder's fastest measured slower, or "
         pruned += f"its ladder's first step over {CLOSE:g}x the fastest"
         pruned = "the cap stopped the search first" if self.capped else pruned
-        over = "its temporaries predicted over the budget"
+        over = f"its temporaries predicted over {LOOSE:g}x the budget"
         in_lines = {c.key for line in lines for c in line}
-        for k in search.considered.keys() - self.timed.keys():
-            self.why[k] = f"not timed: {pruned if k in in_lines else over}"
-        return self.choose()
+        return self.choose(lambda k: pruned if k in in_lines else over)
 
     def along(self, line: list[PlanCandidate], steps: int | None = None) -> None:
         """Search `line` (largest block first): time the middle of the larger untimed
@@ -364,9 +366,11 @@ class Tuner:
             go_left = left > right or left == right and lower_left
             self.time(line[(lo + b) // 2 if go_left else (b + hi) // 2])
 
-    def choose(self) -> Choice:
-        """The fastest timed that fits (its memory compiled, if only predicted)."""
+    def choose(self, why: Callable[[tuple], str]) -> Choice:
+        """The fastest timed that fits (compiled if predicted); `why`: untimed ones."""
         search = self.search
+        for k in search.considered.keys() - self.timed.keys():
+            self.why[k] = f"not timed: {why(k)}"
         known = lambda k: search.known.get(k, search.considered[k])  # noqa: E731
         timed = {k: self.seconds(k) for k in self.timed if self.timed[k].rounds}
         checked = (search.checked(known(k)) for k in sorted(timed, key=self.seconds))

@@ -179,10 +179,6 @@ class Plan:
         nest = [(n, "scan", k) for n, k in c.scan] + [(n, "vmap", None) for n in c.vmap]
         return tuple(PlanDim(n, sizes[n], s, k, i) for i, (n, s, k) in enumerate(nest))
 
-    @property
-    def n_candidates(self) -> int:
-        return len(self.candidates)
-
     def describe(self, full: bool = False, gradient: bool | None = None) -> str:
         """The plan as text, each line at most 100 columns: the summary, the nest,
         and the compiled runners-up (at most five) with their reasons. `full=True`
