@@ -249,18 +249,18 @@ class Tuner:
             noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1]).lower(args)
             self.once = min(rounds([ft.partial(noop.compile(), args)], 3)[0])
         run = lambda: program(args)  # noqa: E731
-        if self.probe is not None:
-            self.probe.time()
-        lead = self.fastest()
+        if (probe := self.probe) is not None:
+            probe.time()
+        i, lead = len(probe.times) - 1 if probe else 0, self.fastest()
         base = statistics.median(lead.rounds) if lead else math.inf
         times = self.clearly_slower(run, scale) if lead else []
         if not times and base > TARGET:  # alone: none timed yet, or the fastest long
-            (times,) = rounds([run], 3, 15, self.spend * compiling)
+            (times,) = rounds([run], 3, 15, self.spend * compiling, probe)
         elif not times and lead:  # beside the fastest so far: the drift taken out
-            times, again = rounds([run, lead.run], 3, 15, 2 * self.spend * compiling)
+            spend = 2 * self.spend * compiling  # rounds another job disturbed dropped
+            times, again = rounds([run, lead.run], 3, 15, spend, probe)
             times = [t * base / a for t, a in zip(times, again)]
         cut = {n: sub[n] for n in index}
-        i = len(self.probe.times) - 1 if self.probe else 0
         self.timed[c.key] = Timed(run, cut, scale, compiling, times, i)
         return self.seconds(c.key)
 
