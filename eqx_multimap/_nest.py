@@ -127,9 +127,10 @@ def isolate_slices(xs: Leaves, index: Any) -> Leaves:
     Other platforms, and inputs that `inputs_to_isolate` does not name, are sliced
     as `lax.scan` slices them.
 
-    The cost is compile time, most of it LLVM's on the kernel it now vectorises:
-    `benchmarks/run.py`'s heavy body under `scan(vmap)` compiles in about 1.4x the
-    hand-written nest's time (1.3x under `jax.grad`) and runs in 0.2x (0.7x).
+    The cost is compile time, about half of it LLVM's on the kernel it now vectorises
+    (`docs/strategies.md`): `benchmarks/run.py`'s heavy body under `scan(vmap)`
+    compiles in about 1.3x the hand-written nest's time and runs in 0.2x (0.65x under
+    `jax.grad`).
     """
     return lax.platform_dependent(
         list(xs), index, cpu=_isolated, default=lambda xs, _: list(xs)
