@@ -348,6 +348,31 @@ def test_a_rung_predicted_just_over_the_budget_is_timed_if_it_fits(monkeypatch):
     )
 
 
+def test_a_candidate_timed_beside_the_fastest_is_given_its_own_runs(monkeypatch):
+    # The fastest so far (full vmap, 1 ms alone) splits its ops over threads: beside
+    # each candidate it runs in 1 ms or 2 ms by turns (another job takes a core, or
+    # not). A candidate that runs in 2 ms every time is measured 2 ms, not scaled by
+    # the other's turns (1.5 ms); the fastest keeps its runs beside them too.
+    def fake_rounds(thunks, at_least, *args, **kwargs):
+        for thunk in thunks:
+            thunk()
+        if len(thunks) == 2:  # a candidate beside the fastest, in that order
+            return [[2e-3] * 6, [1e-3, 2e-3] * 3]
+        return [[2e-3]] if at_least == 1 else [[1e-3] * 5]  # a first run; alone
+
+    monkeypatch.setattr(measure, "rounds", fake_rounds)
+    monkeypatch.setattr(measure.Tuner, "confirm", lambda self: None)
+    f = filter_multi_vmap(
+        _outer_tanh, in_dims="T B K", out_dims="T B",
+        plan=Planner(cache_dir=False, time_model=TimeModel()),
+    )  # fmt: skip
+    plan = tune(f, jax.random.normal(jax.random.key(0), (16, 8, 4)))
+    timed = [c for c in plan.candidates if c.measured is not None]
+    assert len(timed) >= 3 and not plan.chosen.scan  # full vmap
+    assert plan.chosen.measured == pytest.approx(1e-3)
+    assert all(c.measured == pytest.approx(2e-3) for c in timed if c.scan)
+
+
 class _Forward:
     """The non-empty entries of a spy's list."""
 

@@ -256,10 +256,10 @@ class Tuner:
         times = self.clearly_slower(run, scale) if lead else []
         if not times and base > TARGET:  # alone: none timed yet, or the fastest long
             (times,) = rounds([run], 3, 15, self.spend * compiling, probe)
-        elif not times and lead:  # beside the fastest so far: the drift taken out
+        elif not times and lead:  # beside the fastest so far, whose runs join its own
             spend = 2 * self.spend * compiling  # rounds another job disturbed dropped
             times, again = rounds([run, lead.run], 3, 15, spend, probe)
-            times = [t * base / a for t, a in zip(times, again)]
+            lead.rounds += again
         cut = {n: sub[n] for n in index}
         self.timed[c.key] = Timed(run, cut, scale, compiling, times, i)
         return self.seconds(c.key)
