@@ -2,6 +2,7 @@
 time model (nothing runs) or by timing candidate nests on real arguments."""
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +13,27 @@ from jax._src import traceback_util
 
 from ._errors import SpecError
 from ._multi_vmap import _has_tracer, _MultiVmapWrapper, _tune, gradient_plan
-from ._planner import describe_fixed, Plan
-from ._resolve import fun_name_of, resolve
+from ._planner import Plan, TimeModel
+from ._planner.cost import Compiler
+from ._planner.search import candidate, localize, plan_for
+from ._resolve import Call, fun_name_of, resolve
 from ._shard import shardings_seen
+
+
+def describe_fixed(call: Call) -> Plan:
+    """A `Plan` for a fixed nest: its one candidate compiled, with no budget."""
+    start, (sizes, shard) = time.perf_counter(), localize(call)
+    compiler = Compiler(call, sizes, TimeModel.for_backend(jax.default_backend()))
+    given = call.given_nest()
+    cand = candidate(given.scan, given.vmap, sizes, "given")
+    if all(sizes[n] > 0 for n in call.mapped):
+        cand = compiler.evaluate(cand, None)
+    cand = dataclasses.replace(cand, reason="the nest the strategies give")
+    why = "the strategies given (`scan=`, `vmap=`, `shard=`), not planned"
+    summary = f"Fixed nest {cand.nest(sizes)}: {why}."
+    fields: dict[str, Any] = dict(auto=False, budget_bytes=None, budget_source="")
+    fields.update(n_compiled=compiler.n_compiled, seconds=time.perf_counter() - start)
+    return plan_for(call, sizes, cand, (cand,), shard=shard, summary=summary, **fields)
 
 
 def _unwrap(fn: Callable, caller: str) -> tuple[_MultiVmapWrapper, tuple]:

@@ -193,6 +193,31 @@ def test_the_search_finds_the_fastest_order(monkeypatch):
     assert plan.chosen.block == 16 and plan.chosen.scan[0][0] == "F"
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_short_list_times_a_near_tie_else_full_vmap(monkeypatch, tie):
+    # `plan="auto"` times the model's choice and one more: the candidate est. next
+    # fastest if est. within `MATERIAL` of it (of those, the smallest working set),
+    # else full vmap. Here every estimate is a tie, or none is.
+    timed = _landscape(monkeypatch, lambda c: 1.0 / c.block)
+    monkeypatch.setattr(measure, "MATERIAL", np.inf if tie else 0.0)
+    small = TimeModel(levels=((64 * 2**10, 2e11),), bandwidth=1e9)  # it searches
+    a, b = jnp.ones((16, 12, 32)), jnp.ones((16, 32))
+    body = lambda a, b: jnp.sum(jnp.exp(a[:, None] * b[None, :]) @ b)  # noqa: E731
+    f = lambda p: filter_multi_vmap(  # noqa: E731
+        body, in_dims=("T B K", "T K"), out_dims="T B", plan=p, memory_budget=2**30
+    )
+    model = explain(f(Planner(cache_dir=False, time_model=small, measure=False)), a, b)
+    plan = explain(f(Planner(cache_dir=False, time_model=small)), a, b)
+    first, second = timed[:2]  # the forward plan's (`explain` plans the gradient too)
+    assert plan.basis == "short" and first.key == model.chosen.key
+    assert model.chosen.scan == (("T", None),) and model.chosen.vmap == ("B",)
+    # The others costed: full vmap, and T in chunks of 2 (the smallest working set).
+    chunks = {"T": 2}
+    assert second.source == "full vmap" if not tie else dict(second.scan) == chunks
+    assert sum(c.measured is not None for c in plan.candidates) == 2
+    assert plan.chosen.key == second.key  # the larger block: the faster here
+
+
 def test_the_cap_stops_the_search_and_says_so(monkeypatch):
     rate, y = _args()
     counts = {}

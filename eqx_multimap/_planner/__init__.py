@@ -8,4 +8,3 @@ from .planner import (
     PlanMode as PlanMode,
     Planner as Planner,
 )
-from .search import describe_fixed as describe_fixed

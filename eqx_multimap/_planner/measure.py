@@ -18,7 +18,7 @@ from .._text import fmt_bytes, fmt_seconds, plural
 from .cost import Compiler
 from .model import machine, SLICE, SPILL, TimeModel
 from .plan import PlanCandidate
-from .search import Choice, Search, Steps
+from .search import Choice, MATERIAL, Search, Steps
 
 
 CAP = 8.0  # timing stops once planning took this many times the fastest's compile
@@ -240,10 +240,9 @@ class Tuner:
         if self.values:  # the call's own (differentiated, with cotangents made up)
             args = _sliced(search.call, index, sub)
             args = [args, concrete_inputs(specs[1])] if compiler.backward else args
-        elif (shapes := str(specs)) not in self.made:  # made once for each shape
-            args = self.made[shapes] = concrete_inputs(specs)
-        else:  # candidates timed whole share them
-            args = self.made[shapes]
+        else:  # made once for each shape: candidates timed whole share them
+            made = self.made.get(shapes := str(specs))
+            args = self.made[shapes] = made or concrete_inputs(specs)
         args = jax.block_until_ready(args)
         if index and not self.once:  # the part of a call that no slice scales
             noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1]).lower(args)
@@ -295,7 +294,8 @@ class Tuner:
         ladder (an order of the dims) of rungs predicted within `LOOSE` of the budget
         (if over it, `unsure`: timed whole); in lockstep, a block of one element;
         then along each ladder within `CLOSE` of the fastest, until the cap. A short
-        list stops at two. The fastest timed that fits; `None` if there is no choice."""
+        list times the model's choice and its `runner_up` if est. within `MATERIAL`,
+        else full vmap (if it fits). The fastest timed that fits; `None`: no choice."""
         search, loose = self.search, 1.0 if self.short else LOOSE
         above = lambda s, c: search.cautious(s, c) / search.budget  # noqa: E731
         self.unsure = {c.key for s in ladders for c in s if above(s, c) > 1}
@@ -311,14 +311,17 @@ class Tuner:
         if self.short and not many:
             return None
         self.probe = Probe() if many and not self.short else None
-        for c in [model] + head if self.short else head + [model]:
-            self.time(c)  # a short list's pick first: full vmap's run may be long
+        for c in [model] if self.short else head + [model]:
+            self.time(c)
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         lone = {c.key for c in one}
-        if self.short:  # two: the pick, full vmap (else a step along its ladder)
-            if sum(bool(t.rounds) for t in self.timed.values()) < 2:
-                self.along(first, 1)
+        if self.short:  # two: the pick; a near tie, else full vmap, else the next
+            nxt = self.runner_up()
+            tie = nxt and (nxt.seconds or 0.0) <= MATERIAL * (model.seconds or 0.0)
+            for c in ([] if tie else head) + [nxt]:
+                if sum(bool(t.rounds) for t in self.timed.values()) < 2:
+                    self.time(c) if c else self.along(first, 1)  # none costed: a step
             return self.choose(lambda k: "not on the short list")
 
         def lead() -> float:  # the fastest time, of full vmap and the ladders
@@ -346,6 +349,15 @@ class Tuner:
         over = f"its temporaries predicted over {LOOSE:g}x the budget"
         in_lines = {c.key for line in lines for c in line}
         return self.choose(lambda k: pruned if k in in_lines else over)
+
+    def runner_up(self) -> PlanCandidate | None:
+        """Of the untimed costed that fit, est. within `MATERIAL` of the fastest, the
+        smallest working set: the model's doubt is which cache level holds it."""
+        known = self.search.known.values()
+        left = [c for c in known if c.fits and c.seconds and c.key not in self.timed]
+        best = min((c.seconds or 0.0 for c in left), default=0.0)
+        near = [c for c in left if (c.seconds or 0.0) <= MATERIAL * best]
+        return min(near, key=lambda c: c.working_set or 0, default=None)
 
     def along(self, line: list[PlanCandidate], steps: int | None = None) -> None:
         """Search `line` (largest block first): time the middle of the larger untimed
@@ -386,17 +398,15 @@ class Tuner:
         sliced = f"{part} on a slice of its loop trips (its block kept), scaled"
         how = sliced if cut else "each on the whole call"
         what = "the call's arguments" if self.values else "made-up inputs of its shapes"
+        n, short = plural(len(ran), "candidate"), " The time model's choice checked:"
         if self.short:
-            return (
-                f" The time model's choice checked: a short list of "
-                f"{plural(len(ran), 'candidate')} timed on {what}, {how}."
-            )
+            return f"{short} a short list of {n} timed on {what}, {how}."
         stop = "stopped the search: one more candidate would have passed it"
         stop = stop if self.capped else "was not reached"
         again = f"; those within {CLOSE:g}x of the fastest again side by side"
         return (
-            f" Timed on {what}: {plural(len(ran), 'candidate')}, {how}"
-            f"{again * (len(ran) > 1)}. The cap ({self.cap:g}x the fastest's compile, "
+            f" Timed on {what}: {n}, {how}{again * (len(ran) > 1)}. The cap "
+            f"({self.cap:g}x the fastest's compile, "
             f"{fmt_seconds(self.cap * self.compiled())}) {stop}."
         )
 

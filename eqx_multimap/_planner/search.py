@@ -35,7 +35,7 @@ MAX_COMPILES = 12  # planning that has compiled this many searches no further la
 # not compiled to check it: predictions are within 0.35-3x of XLA's on the benchmarks.
 SAFE_FRACTION = 1 / 8
 MATERIAL = 1.05  # est. this much faster is worth a compile: less is within model error
-SEARCH_VERSION = 16  # bumped when the search chooses otherwise: older plans unused
+SEARCH_VERSION = 17  # bumped when the search chooses otherwise: older plans unused
 
 
 def resolve_budget(memory_budget: MemoryBudget) -> tuple[int, str]:
@@ -184,23 +184,6 @@ def auto_plan(
     split = tuple(n for n in call.mapped if n in call.split)
     fields.update(collective=collective_dims(call), split=split)
     return plan_for(call, r.sizes, chosen, cands, **fields)
-
-
-def describe_fixed(call: Call) -> Plan:
-    """A `Plan` for a fixed nest: its one candidate compiled, with no budget."""
-    start = time.perf_counter()
-    sizes, shard = localize(call)
-    compiler = Compiler(call, sizes, TimeModel.for_backend(jax.default_backend()))
-    given = call.given_nest()
-    cand = candidate(given.scan, given.vmap, sizes, "given")
-    if all(sizes[n] > 0 for n in call.mapped):
-        cand = compiler.evaluate(cand, None)
-    cand = dataclasses.replace(cand, reason="the nest the strategies give")
-    why = "the strategies given (`scan=`, `vmap=`, `shard=`), not planned"
-    summary = f"Fixed nest {cand.nest(sizes)}: {why}."
-    fields: dict[str, Any] = dict(auto=False, budget_bytes=None, budget_source="")
-    fields.update(n_compiled=compiler.n_compiled, seconds=time.perf_counter() - start)
-    return plan_for(call, sizes, cand, (cand,), shard=shard, summary=summary, **fields)
 
 
 class Choice(NamedTuple):
