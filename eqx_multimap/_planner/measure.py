@@ -294,8 +294,9 @@ class Tuner:
         ladder (an order of the dims) of rungs predicted within `LOOSE` of the budget
         (if over it, `unsure`: timed whole); in lockstep, a block of one element;
         then along each ladder within `CLOSE` of the fastest, until the cap. A short
-        list times the model's choice and its `runner_up` if est. within `MATERIAL`,
-        else full vmap (if it fits). The fastest timed that fits; `None`: no choice."""
+        list times the model's choice, its `runner_up` if est. within `MATERIAL` of it,
+        and full vmap if it fits (else the runner-up, if no tie was). The fastest timed
+        that fits; `None` if there is no choice."""
         search, loose = self.search, 1.0 if self.short else LOOSE
         above = lambda s, c: search.cautious(s, c) / search.budget  # noqa: E731
         self.unsure = {c.key for s in ladders for c in s if above(s, c) > 1}
@@ -316,12 +317,12 @@ class Tuner:
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         lone = {c.key for c in one}
-        if self.short:  # two: the pick; a near tie, else full vmap, else the next
-            nxt = self.runner_up()
-            tie = nxt and (nxt.seconds or 0.0) <= MATERIAL * (model.seconds or 0.0)
-            for c in ([] if tie else head) + [nxt]:
-                if sum(bool(t.rounds) for t in self.timed.values()) < 2:
-                    self.time(c) if c else self.along(first, 1)  # none costed: a step
+        if self.short:  # the pick; a near tie; full vmap; else the next (or a step)
+            nxt, pick = self.runner_up(), model.seconds or 0.0
+            tie = [nxt] if nxt and (nxt.seconds or 0.0) <= MATERIAL * pick else []
+            for c in tie + head + [nxt]:
+                if sum(bool(t.rounds) for t in self.timed.values()) < 2 + len(tie):
+                    self.time(c) if c else self.along(first, 1)
             return self.choose(lambda k: "not on the short list")
 
         def lead() -> float:  # the fastest time, of full vmap and the ladders
