@@ -321,8 +321,12 @@ class Tuner:
             nxt, pick = self.runner_up(), model.seconds or 0.0
             tie = [nxt] if nxt and (nxt.seconds or 0.0) <= MATERIAL * pick else []
             for c in tie + head + [nxt]:
-                if sum(bool(t.rounds) for t in self.timed.values()) < 2 + len(tie):
-                    self.time(c) if c else self.along(first, 1)
+                if sum(bool(t.rounds) for t in self.timed.values()) >= 2 + len(tie):
+                    break
+                elif c is None:  # nothing else costed: a step along the pick's ladder
+                    self.along(first, 1)
+                else:
+                    self.time(c)
             return self.choose(lambda k: "not on the short list")
 
         def lead() -> float:  # the fastest time, of full vmap and the ladders
@@ -399,9 +403,9 @@ class Tuner:
         sliced = f"{part} on a slice of its loop trips (its block kept), scaled"
         how = sliced if cut else "each on the whole call"
         what = "the call's arguments" if self.values else "made-up inputs of its shapes"
-        n, short = plural(len(ran), "candidate"), " The time model's choice checked:"
+        n, checked = plural(len(ran), "candidate"), " The time model's choice checked:"
         if self.short:
-            return f"{short} a short list of {n} timed on {what}, {how}."
+            return f"{checked} a short list of {n} timed on {what}, {how}."
         stop = "stopped the search: one more candidate would have passed it"
         stop = stop if self.capped else "was not reached"
         again = f"; those within {CLOSE:g}x of the fastest again side by side"
