@@ -240,9 +240,10 @@ class Tuner:
         if self.values:  # the call's own (differentiated, with cotangents made up)
             args = _sliced(search.call, index, sub)
             args = [args, concrete_inputs(specs[1])] if compiler.backward else args
-        else:  # made once for each shape: candidates timed whole share them
-            made = self.made.get(shapes := str(specs))
-            args = self.made[shapes] = made or concrete_inputs(specs)
+        elif (shapes := str(specs)) not in self.made:  # made once for each shape
+            args = self.made[shapes] = concrete_inputs(specs)
+        else:  # candidates timed whole share them
+            args = self.made[shapes]
         args = jax.block_until_ready(args)
         if index and not self.once:  # the part of a call that no slice scales
             noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1]).lower(args)

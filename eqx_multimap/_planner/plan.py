@@ -255,7 +255,8 @@ class Plan:
             row = (
                 "*" if c == self.chosen else "",
                 ("~" if c.predicted else "") + show(c.temp_bytes, fmt_bytes),
-                *(show(x, "{:.3g}".format) for x in (c.flops, c.bytes_accessed)),
+                show(c.flops, "{:.3g}".format),
+                show(c.bytes_accessed, "{:.3g}".format),
                 show(c.working_set, fmt_bytes),
                 show(c.seconds, relative),
             )
