@@ -111,8 +111,9 @@ def test_time_model_json_round_trip():
 
 
 def test_the_timing_loop_interleaves_and_drops_disturbed_rounds():
-    # Two thunks under a fake clock: one untimed call each, then rounds in an
-    # order that rotates; a round the probe finds disturbed is dropped.
+    # Two thunks under a fake clock: untimed calls each (the second no faster than
+    # the first), then rounds in an order that rotates; a round the probe finds
+    # disturbed is dropped.
     clock, calls = [0.0], []
 
     def thunk(name, seconds):
@@ -131,7 +132,7 @@ def test_the_timing_loop_interleaves_and_drops_disturbed_rounds():
 
     a, b = thunk("a", 0.01), thunk("b", 0.02)
     times = measure.rounds([a, b], 3, probe=Probe(), clock=lambda: clock[0])
-    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert calls == ["a", "a", "b", "b", "a", "b", "b", "a", "a", "b"]
     np.testing.assert_allclose(times, [[0.01, 0.01], [0.02, 0.02]])  # round 2 dropped
 
 
@@ -151,6 +152,24 @@ def test_a_long_program_is_timed_on_its_second_call():
     times = measure.rounds([a, b], 3, 15, 10.0, clock=lambda: clock[0])
     assert calls == ["a", "b", "a", "b"]
     np.testing.assert_allclose(times, [[0.11], [0.08]])
+
+
+def test_a_program_is_timed_once_its_first_calls_stop_getting_faster():
+    # Its first calls fault in its temporaries' pages: untimed calls until one is no
+    # faster than 0.9x the one before (at most `WARM`), and a sample of each after.
+    clock, calls = [0.0], []
+
+    def thunk(name, *seconds):
+        def run():
+            calls.append(name)
+            clock[0] += seconds[min(calls.count(name), len(seconds)) - 1]
+
+        return run
+
+    a, b = thunk("a", 0.013, 0.005, 0.0046, 0.002), thunk("b", 0.02, 0.01, 0.005, 0.003)
+    times = measure.rounds([a, b], 1, clock=lambda: clock[0])
+    assert calls == ["a"] * 3 + ["b"] * measure.WARM + ["a", "b"]
+    np.testing.assert_allclose(times, [[0.002], [0.003]])
 
 
 def test_a_probe_slow_only_while_it_warms_up_drops_only_those_rounds():
