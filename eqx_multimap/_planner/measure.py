@@ -64,18 +64,6 @@ def _clocked(fn: Callable, clock: Callable[[], float], number: int = 1) -> float
     return (clock() - t0) / number
 
 
-def _warmed(fn: Callable, clock: Callable[[], float]) -> float:
-    """Untimed calls (up to `WARM`; one over `LONG`) until one is no faster than 0.9x
-    the one before; the last one's time. A program's first calls fault in its
-    temporaries' pages: a gradient's ran at 13, 5.0, 3.5, then 2.7 ms and on."""
-    times = [_clocked(fn, clock)]
-    while len(times) < WARM and times[-1] <= LONG:
-        times.append(_clocked(fn, clock))
-        if times[-1] > 0.9 * times[-2]:
-            break
-    return times[-1]
-
-
 @ft.cache
 def _probe_loop() -> Callable[[], Any]:
     x = np.ones(2**17, np.float32)  # not traced: planning runs in a trace
@@ -94,13 +82,19 @@ def rounds(
 ) -> list[list[float]]:
     """The package's timing loop: seconds per call of each thunk, per round.
 
-    After untimed calls of each (`_warmed`), `at_least` rounds (to `at_most` within
-    about `seconds`), in an order rotating each round. A sample lasts `SAMPLE` at least
-    (each thunk called as often); a quick thunk is called once more, untimed, before it,
-    as a caller calling it again finds the machine. Rounds a `probe` finds disturbed are
-    dropped, unless all were. If all take over `LONG`, one round: a first call (its
-    temporaries fresh) is no sample of the next (an MLP gradient: up to 20% faster)."""
-    firsts = [_warmed(fn, clock) for fn in thunks]
+    Untimed calls of each until one is no faster than 0.9x the one before (up to `WARM`;
+    one if over `LONG`): its first calls fault in its temporaries' pages (a gradient's:
+    13, 5.0, 3.5, then 2.7 ms). Then `at_least` rounds (to `at_most` within about
+    `seconds`; one if all take over `LONG`), in an order rotating each round. A sample
+    lasts `SAMPLE` at least (each thunk called as often); a quick thunk is called once
+    more, untimed, before it, as a caller calling it again finds the machine. Rounds a
+    `probe` finds disturbed are dropped, unless all were."""
+    firsts = []
+    for fn in thunks:
+        t = [_clocked(fn, clock)]
+        while len(t) < WARM and t[-1] <= LONG and (len(t) < 2 or t[-1] < 0.9 * t[-2]):
+            t.append(_clocked(fn, clock))
+        firsts.append(t[-1])
     number = max(1, math.ceil(SAMPLE / max(min(firsts), 1e-9)))
     per_round = (number + (number > 1)) * sum(firsts)
     n = max(at_least, min(at_most, int(seconds / max(per_round, 1e-9))))
@@ -235,8 +229,7 @@ class Tuner:
         compiler = Compiler(search.call, sub, search.model, search.compiler.backward)
         compiler.report = search.compiler.report  # planning's progress
         fn, specs = compiler._program(c.spec)
-        t0 = time.perf_counter()
-        what = f"compiling {c.nest(sub)} to time it"
+        t0, what = time.perf_counter(), f"compiling {c.nest(sub)} to time it"
         program = compiler.compile(fn, specs, what, runs=True)
         compiling = time.perf_counter() - t0
         search.compiler.n_compiled += 1
@@ -278,9 +271,8 @@ class Tuner:
         return self.seconds(c.key)
 
     def clearly_slower(self, run: Callable[[], Any], scale: float) -> list[float]:
-        """One run after the first, the one sample of a candidate whose whole call takes
-        over `CLEAR` times the fastest's; else, or if under `SAMPLE`, `[]`: a quick
-        program's first runs are no sample (one ran 5x slower than later)."""
+        """One sample (`rounds`), the only one of a candidate whose whole call takes
+        over `CLEAR` times the fastest's; else, or if under `SAMPLE`, `[]`."""
         (times,) = rounds([run], 1)
         whole = max(times[0] - self.once, 0.0) * scale + self.once
         return times if times[0] >= SAMPLE and whole > CLEAR * self.best() else []
@@ -304,13 +296,12 @@ class Tuner:
             self.timed[k].rounds = ts
 
     def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):
-        """Time full vmap (if it fits) and the model's choice; a first step `along` each
-        ladder (an order of the dims) of rungs predicted within `LOOSE` of the budget
-        (if over it, `unsure`: timed whole); in lockstep, a block of one element;
-        then along each ladder within `CLOSE` of the fastest, until the cap. A short
-        list times the model's choice, its `runner_up` if est. within `MATERIAL` of it,
-        and full vmap if it fits (else the runner-up, if no tie was). The fastest timed
-        that fits; `None` if there is no choice."""
+        """The fastest timed that fits (`None`: no choice). Times full vmap (if it fits)
+        and the model's choice; a first step `along` each ladder (an order of the dims)
+        of rungs predicted within `LOOSE` of the budget (over it: `unsure`, run whole);
+        in lockstep, a block of one; then along each ladder within `CLOSE` of the
+        fastest, until the cap. A short list: the model's choice, its `runner_up` if
+        est. within `MATERIAL` of it, full vmap if it fits (else the runner-up)."""
         search, loose = self.search, 1.0 if self.short else LOOSE
         above = lambda s, c: search.cautious(s, c) / search.budget  # noqa: E731
         self.unsure = {c.key for s in ladders for c in s if above(s, c) > 1}
@@ -492,9 +483,7 @@ def stream_bandwidth(nbytes: int, repeats: int, one_core: bool = False) -> float
     k = min(n, SLICE // 4) if one_core else n  # elements per op
     n, reps = n // k * k, max(2, 2**28 // (4 * k))
 
-    def step(i: Any, y: Any) -> Any:
-        if k == n:
-            return y * 0.999 + 1.0
+    def step(i: Any, y: Any) -> Any:  # (whole, XLA drops the slices)
         at = (i % (n // k)) * k
         part = jax.lax.dynamic_slice(y, (at,), (k,))
         return jax.lax.dynamic_update_slice(y, part * 0.999 + 1.0, (at,))
