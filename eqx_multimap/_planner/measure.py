@@ -483,7 +483,7 @@ def stream_bandwidth(nbytes: int, repeats: int, one_core: bool = False) -> float
     k = min(n, SLICE // 4) if one_core else n  # elements per op
     n, reps = n // k * k, max(2, 2**28 // (4 * k))
 
-    def step(i: Any, y: Any) -> Any:  # (whole, XLA drops the slices)
+    def step(i: Any, y: Any) -> Any:  # k == n: XLA drops the whole-array slices
         at = (i % (n // k)) * k
         part = jax.lax.dynamic_slice(y, (at,), (k,))
         return jax.lax.dynamic_update_slice(y, part * 0.999 + 1.0, (at,))
