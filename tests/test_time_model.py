@@ -170,6 +170,11 @@ def test_a_program_is_timed_once_its_first_calls_stop_getting_faster():
     times = measure.rounds([a, b], 1, clock=lambda: clock[0])
     assert calls == ["a"] * 3 + ["b"] * measure.WARM + ["a", "b"]
     np.testing.assert_allclose(times, [[0.002], [0.003]])
+    # Timed again once settled (as when a candidate is timed beside the fastest so
+    # far): one untimed call of each, for the length of a sample.
+    calls.clear()
+    times = measure.rounds([a, b], 1, settled=True, clock=lambda: clock[0])
+    assert calls == ["a", "b", "a", "b"]
 
 
 def test_a_probe_slow_only_while_it_warms_up_drops_only_those_rounds():

@@ -78,21 +78,22 @@ def rounds(
     at_most: int = 0,
     seconds: float = 0.0,
     probe: Probe | None = None,
+    settled: bool = False,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[list[float]]:
     """The package's timing loop: seconds per call of each thunk, per round.
 
     Untimed calls of each until one is no faster than 0.9x the one before (up to `WARM`;
-    one if over `LONG`): its first calls fault in its temporaries' pages (a gradient's:
-    13, 5.0, 3.5, then 2.7 ms). Then `at_least` rounds (to `at_most` within about
-    `seconds`; one if all take over `LONG`), in an order rotating each round. A sample
-    lasts `SAMPLE` at least (each thunk called as often); a quick thunk is called once
-    more, untimed, before it, as a caller calling it again finds the machine. Rounds a
-    `probe` finds disturbed are dropped, unless all were."""
-    firsts = []
+    one if over `LONG` or `settled`): its first calls fault in its temporaries' pages
+    (a gradient's: 13, 5.0, 3.5, then 2.7 ms). Then `at_least` rounds (to `at_most`
+    within about `seconds`; one if all take over `LONG`), in an order rotating each
+    round. A sample lasts `SAMPLE` at least (each thunk called as often); a quick thunk
+    is called once more, untimed, before it, as a caller calling it again finds the
+    machine. Rounds a `probe` finds disturbed are dropped, unless all were."""
+    firsts, warm = [], 1 if settled else WARM
     for fn in thunks:
         t = [_clocked(fn, clock)]
-        while len(t) < WARM and t[-1] <= LONG and (len(t) < 2 or t[-1] < 0.9 * t[-2]):
+        while len(t) < warm and t[-1] <= LONG and (len(t) < 2 or t[-1] < 0.9 * t[-2]):
             t.append(_clocked(fn, clock))
         firsts.append(t[-1])
     number = max(1, math.ceil(SAMPLE / max(min(firsts), 1e-9)))
@@ -259,12 +260,12 @@ class Tuner:
             probe.time()
         i, lead = len(probe.times) - 1 if probe else 0, self.fastest()
         base = statistics.median(lead.rounds) if lead else math.inf
-        times = self.clearly_slower(run, scale) if lead else []
+        times = self.clearly_slower(run, scale) if lead else []  # settles `run`
         if not times and base > TARGET:  # alone: none timed yet, or the fastest long
-            (times,) = rounds([run], 3, 15, self.spend * compiling, probe)
+            (times,) = rounds([run], 3, 15, self.spend * compiling, probe, bool(lead))
         elif not times and lead:  # beside the fastest so far, whose runs join its own
             spend = 2 * self.spend * compiling  # rounds another job disturbed dropped
-            times, again = rounds([run, lead.run], 3, 15, spend, probe)
+            times, again = rounds([run, lead.run], 3, 15, spend, probe, True)
             lead.rounds += again
         cut = {n: sub[n] for n in index}
         self.timed[c.key] = Timed(run, cut, scale, compiling, times, i)
@@ -292,7 +293,7 @@ class Tuner:
         left = self.cap * compiles - (time.perf_counter() - self.search.start)
         spend = min(left, SPEND * compiles * len(close))
         runs = [self.timed[k].run for k in close]
-        for k, ts in zip(close, rounds(runs, 3, 15, spend, self.probe)):
+        for k, ts in zip(close, rounds(runs, 3, 15, spend, self.probe, True)):
             self.timed[k].rounds = ts
 
     def run(self, full: PlanCandidate, ladders: list[Steps], model: PlanCandidate):

@@ -446,8 +446,7 @@ class Search:
             text = f"Chose {full.nest(sizes)}: {empty}, so nothing runs and nothing "
             text += "was compiled."
         else:
-            choice, timed = self._choose(full, ladders), ""
-            short = self.request.short
+            choice, timed, short = self._choose(full, ladders), "", self.request.short
             if measure is not None and free and not short:  # every order of the dims
                 orders = dim_orders(call, sizes, free, every=True)
                 ladders = [ladder(o, layout, sizes, fixed, frozen) for o in orders]
