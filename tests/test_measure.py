@@ -219,12 +219,11 @@ def test_a_short_list_times_a_near_tie_and_full_vmap(monkeypatch, tie):
     assert plan.chosen.key == forward[-1].key  # the largest block: the fastest here
 
 
-def test_the_cap_stops_the_search_and_says_so(monkeypatch):
+def test_the_cap_stops_the_search_and_says_so():
     rate, y = _args()
     counts = {}
     for cap in (1e-6, 1e6):
-        monkeypatch.setattr(measure, "CAP", cap)
-        plan = tune(_wrapper(Planner(cache_dir=False)), rate, y)
+        plan = tune(_wrapper(Planner(cache_dir=False, cap=cap)), rate, y)
         counts[cap] = sum(c.measured is not None for c in plan.candidates)
         stopped = "stopped the search" in plan.summary
         assert stopped == (cap < 1)
@@ -245,11 +244,11 @@ def test_a_quick_call_is_timed_whole_a_long_one_on_slices(monkeypatch):
     for target, what in ((1e9, "each on the whole call"), (1e-9, "on a slice of")):
         monkeypatch.setattr(measure, "TARGET", target)
         monkeypatch.setattr(measure, "CACHES", 0)  # this machine's caches ignored
-        monkeypatch.setattr(measure, "CAP", 1e6)  # long loops reached (`TRIPS`)
         seen.clear()
-        f = filter_multi_vmap(
-            _outer_tanh, in_dims="T B K", out_dims="T B", plan=Planner(cache_dir=False)
-        )
+        f = filter_multi_vmap(  # a large cap: long loops reached (`TRIPS`)
+            _outer_tanh, in_dims="T B K", out_dims="T B",
+            plan=Planner(cache_dir=False, cap=1e6),
+        )  # fmt: skip
         plan = tune(f, x)
         assert what in plan.summary and plan.chosen.measured is not None
         assert seen[0] == (256, 8)  # full vmap: whole
@@ -358,10 +357,9 @@ def test_a_rung_predicted_just_over_the_budget_is_timed_if_it_fits(monkeypatch):
     monkeypatch.setattr(measure.Tuner, "time", spy)
     monkeypatch.setattr(measure, "TARGET", 1e-9)  # others timed on slices
     monkeypatch.setattr(measure, "CACHES", 0)  # this machine's caches ignored
-    monkeypatch.setattr(measure, "CAP", 1e6)
     f = filter_multi_vmap(
-        _outer_tanh, in_dims="T B K", out_dims="T B", plan=Planner(cache_dir=False),
-        memory_budget=budget,
+        _outer_tanh, in_dims="T B K", out_dims="T B",
+        plan=Planner(cache_dir=False, cap=1e6), memory_budget=budget,
     )  # fmt: skip
     plan = tune(f, x)
     assert plan.measured and "could not measure" not in plan.summary
@@ -547,7 +545,7 @@ def test_a_tuned_plan_is_found_by_either_spelling_of_the_call(
             _loop_y_first, in_dims=in_dims, out_dims="T F", plan=planner
         )
 
-    planner = Planner(cache_dir=tmp_path, time_model=TimeModel())
+    planner = Planner(cache_dir=tmp_path, time_model=TimeModel(), cap=30.0)
     f = wrapper(planner)
     plan = call(ft.partial(tune, f), tune_by_keyword)
     n_plans = planner.n_plans
@@ -558,8 +556,8 @@ def test_a_tuned_plan_is_found_by_either_spelling_of_the_call(
     assert planner.n_plans == n_plans
     again = call(ft.partial(explain, f), not tune_by_keyword)
     assert again.basis == "arguments" and again.chosen.key == plan.chosen.key
-    # A new planner (as in a new process) reads the tuned plan from disk (one: a
-    # while loop has no derivative to plan).
+    # A new planner (as in a new process, with the default cap) reads the tuned plan
+    # from disk (one: a while loop has no derivative to plan).
     fresh = Planner(cache_dir=tmp_path, time_model=TimeModel())
     from_disk = call(ft.partial(explain, wrapper(fresh)), not tune_by_keyword)
     assert from_disk.basis == "arguments" and from_disk.chosen.key == plan.chosen.key

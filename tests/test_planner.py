@@ -161,6 +161,17 @@ def test_a_planners_cache_dir_is_checked(cache_dir):
         Planner(cache_dir=cache_dir)
 
 
+@pytest.mark.parametrize("cap", [0.0, -2.0, float("nan")])
+def test_a_planners_cap_is_checked(cap):
+    match = re.escape(
+        f"`eqx_multimap.Planner(cap=...)` must be a positive number, not {cap!r}."
+    )
+    with pytest.raises(SpecError, match=match):
+        Planner(cap=cap)
+    assert repr(Planner(cap=30.0)) == "Planner(cap=30.0)" != repr(Planner())
+    assert Planner(cap=30.0) != Planner() == Planner(cap=8.0)
+
+
 def test_no_nest_fits():
     a = jnp.ones((8, 4, 32))
     b = jnp.ones((8, 32))

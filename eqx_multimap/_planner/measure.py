@@ -21,7 +21,6 @@ from .plan import PlanCandidate
 from .search import Choice, MATERIAL, Search, Steps
 
 
-CAP = 8.0  # timing stops once planning took this many times the fastest's compile
 SHORT_SPEND = 0.1  # the short list times a candidate for this share of its compile
 TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
 TRIPS = 8  # at least, in a slice: a call's fixed cost (its temporaries' first touch)
@@ -119,8 +118,7 @@ def trip_slice(c: PlanCandidate, sizes: dict[str, int], keep: float) -> Index:
     evenly over its dim, ends included (a cost may vary along it with the data)."""
     out = {}
     for name, chunk in c.scan:
-        k = chunk or 1
-        n = sizes[name] // k
+        k, n = chunk or 1, sizes[name] // (chunk or 1)
         m = min(n, max(1, math.ceil(n * keep)))  # of its `n` chunks
         starts = np.unique(np.round(np.linspace(0, n - 1, m)).astype(int)) * k
         out[name] = (starts[:, None] + np.arange(k)).ravel()
@@ -167,7 +165,7 @@ class Tuner:
     def __init__(self, search: Search):
         self.search, self.sizes = search, search.sizes
         self.values, self.short = search.request.values, search.request.short
-        self.cap, self.spend = CAP, SHORT_SPEND if self.short else SPEND
+        self.cap, self.spend = search.request.cap, SHORT_SPEND if self.short else SPEND
         self.made: dict[str, Any] = {}  # made-up inputs, by their shapes
         self.began = time.perf_counter()
         self.timed: dict[tuple, Timed] = {}
@@ -247,10 +245,9 @@ class Tuner:
         if self.values:  # the call's own (differentiated, with cotangents made up)
             args = _sliced(search.call, index, sub)
             args = [args, concrete_inputs(specs[1])] if compiler.backward else args
-        elif (shapes := str(specs)) not in self.made:  # made once for each shape
-            args = self.made[shapes] = concrete_inputs(specs)
-        else:  # candidates timed whole share them
-            args = self.made[shapes]
+        else:  # made up once for each shape: candidates timed whole share them
+            shapes = str(specs)
+            args = self.made[shapes] = self.made.get(shapes) or concrete_inputs(specs)
         args = jax.block_until_ready(args)
         if index and not self.once:  # the part of a call that no slice scales
             noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1]).lower(args)

@@ -24,7 +24,7 @@ from .._progress_bar import Progress
 from .._resolve import Call
 from .._text import plural
 from .cache import cand_json, default_cache_dir, DiskCache, plan_from_json, plan_json
-from .measure import calibrate, CAP, measured
+from .measure import calibrate, measured
 from .model import machine, TimeModel
 from .plan import Plan, split_leaves
 from .search import (
@@ -42,6 +42,7 @@ from .search import (
 
 logger = logging.getLogger("eqx_multimap")
 SYMBOLIC_STAND_IN = 2  # the size a symbolic dim is planned at (scanned: any will do)
+CAP = 8.0  # measured mode stops timing at this many times the fastest's compile
 
 PlanMode = Literal["auto"]  # the planners `filter_multi_vmap(plan=...)` takes by name
 
@@ -101,13 +102,15 @@ class Planner:
         inputs (as large as the call's, outside `memory_budget`), unless the body's cost
         depends on its data or it calls back into Python. `False`: the model alone (a
         plan `tune` made is still used). `True`: every candidate it may is timed, within
-        8x its pick's compile ([Measured mode](../planner.md#measured-mode)).
+        the cap ([Measured mode](../planner.md#measured-mode)).
     - `cache_dir`: where plans and calibrations are kept, to be paid for once per
         machine. `None` (the default): `$EQX_MULTIMAP_CACHE_DIR` (`off`: none), else
         `$XDG_CACHE_HOME/eqx_multimap` or `~/.cache/eqx_multimap`. `False`: none.
     - `time_model`: the [`eqx_multimap.TimeModel`][] ranking candidates. `None` (the
         default): calibrated on first use (about a second, kept on disk).
     - `max_cache`: the most plans kept in memory.
+    - `cap`: measured mode's (`True`, `tune`): timing stops at this many times the
+        fastest candidate's compile (after a few candidates). Larger: a longer search.
 
     Under `jax.distributed`, every process plans by the model alone (the `time_model`
     given, else the default constants), so that all run one program; `tune` is an error.
@@ -123,6 +126,7 @@ class Planner:
         cache_dir: Any = None,  # a path, `False` or `None`; checked below
         time_model: TimeModel | None = None,
         max_cache: int = 256,
+        cap: float = CAP,
     ):
         what = "`eqx_multimap.Planner("
         if not (isinstance(measure, bool) or measure == "short"):
@@ -141,10 +145,11 @@ class Planner:
                 f"{what}time_model=...)` must be an `eqx_multimap.TimeModel` or "
                 f"`None`, but got {time_model!r}."
             )
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+            raise SpecError(f"{what}cap=...)` must be a positive number, not {cap!r}.")
         where = os.fspath(cache_dir) if path else cache_dir
-        self._config: dict[str, Any] = dict(
-            measure=measure, cache_dir=where, time_model=time_model, max_cache=max_cache
-        )
+        self._config: dict[str, Any] = dict(measure=measure, cache_dir=where)
+        self._config.update(time_model=time_model, max_cache=max_cache, cap=float(cap))
         # Keyed by its terms if calibrated, so that calibrating again keeps disk plans.
         terms = {"calibrated": sorted(f.name for f in dataclasses.fields(TimeModel))}
         self._model_key = terms if time_model is None else time_model.to_json()
@@ -160,8 +165,9 @@ class Planner:
         return self._config["measure"]
 
     def __repr__(self) -> str:
-        short = self.measure == "short"
-        return "Planner()" if short else f"Planner(measure={self.measure})"
+        given = {"measure": self.measure, "cap": self._config["cap"]}
+        given = [f"{k}={v!r}" for k, v in given.items() if v not in ("short", CAP)]
+        return f"Planner({', '.join(given)})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Planner):
@@ -284,8 +290,9 @@ class Planner:
             model_key = model.to_json()
         else:
             model, model_key = self.time_model, self._model_key
+        cap = self._config["cap"]
         request = Request(
-            call, sizes, shard, budget, src, backward, model, measure, tune, short
+            call, sizes, shard, budget, src, backward, model, cap, measure, tune, short
         )
         disk, found = self._disk, None
         disk_key = None if disk is None else plan_key(request, body, model_key)
@@ -341,11 +348,9 @@ class Planner:
             progress.close()
         summary = note + plan.summary
         if self.measure is True and not request.measure:  # its cost depends on data
-            summary += (
-                f" The body's cost depends on its data ({data}): planned by the "
-                "model; call `eqx_multimap.tune(f, *args)` with real arguments "
-                "to measure."
-            )
+            summary += f" The body's cost depends on its data ({data}): planned by the "
+            summary += "model; call `eqx_multimap.tune(f, *args)` with real arguments "
+            summary += "to measure."
         plan = dataclasses.replace(plan, summary=summary)
         how = f"{plan.seconds:.2f} s, {plural(plan.n_compiled, 'compile')}"
         path, where = None, "no disk cache, kept in this process only"
@@ -405,16 +410,14 @@ def plan_key(request: Request, fingerprint: str, model_key: Any) -> dict[str, An
         "checkpoint": call.options.checkpoint,
         "budget": request.budget,
         "backward": request.backward,
-        "search": [SEARCH_VERSION, MAX_COMPILES, CAP],
+        "search": [SEARCH_VERSION, MAX_COMPILES],  # any cap's plan (`Planner(cap=)`)
         "time_model": model_key,
         "machine": machine(),
         "versions": versions(),
     }
 
 
-def for_every_size(
-    call: Call, sizes: dict[str, Any]
-) -> tuple[Call, dict[str, int], str]:
+def for_every_size(call: Call, sizes: dict) -> tuple[Call, dict[str, int], str]:
     """A call with symbolic sizes (`jax.export`) as planned, and a note for the
     summary: a plan must hold for every size, so each such dim is scanned outermost,
     at a stand-in size; where the nest cannot do so, a `SpecError` names the dim."""

@@ -160,6 +160,7 @@ class Request:
     source: str
     backward: bool
     model: TimeModel
+    cap: float  # measured mode's (`measure.Tuner`)
     measure: bool = False
     values: bool = False
     short: bool = False
@@ -273,8 +274,7 @@ class Search:
 
     def __init__(self, request: Request, progress: Progress):
         self.request, self.call, self.model = request, request.call, request.model
-        self.sizes, self.budget = request.sizes, request.budget
-        r = request
+        self.sizes, self.budget, r = request.sizes, request.budget, request
         self.compiler = Compiler(r.call, r.sizes, r.model, r.backward, progress.step)
         self.considered: dict[tuple, PlanCandidate] = {}  # full vmap, then by block
         self.known: dict[tuple, PlanCandidate] = {}  # compiled, or taken as predicted
