@@ -297,7 +297,10 @@ def evaluate(w: Workload, mode: str, model: Any, opts: Any) -> dict:
     prog, args = _program(w, full_vmap, mode)
     planners = {"auto": Planner(cache_dir=False, time_model=model)}
     if opts.plan == "measure":
-        planners["measure"] = Planner(cache_dir=False, time_model=model, measure=True)
+        cap = {} if opts.cap is None else dict(cap=opts.cap)  # else the default
+        planners["measure"] = Planner(
+            cache_dir=False, time_model=model, measure=True, **cap
+        )
     flat = model.levels[-1][1] if model.levels else model.bandwidth
     one = dataclasses.replace(model, levels=(), bandwidth=flat)
     planners["no hierarchy"] = Planner(cache_dir=False, time_model=one, measure=False)
@@ -474,6 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--forward", action="store_true", help="no jax.grad rows")
     parser.add_argument("--confirm", type=int, help="rounds of the second pass")
     parser.add_argument("--only", help="workloads whose name has this")
+    parser.add_argument("--cap", type=float, help="measured mode's `Planner(cap=)`")
     opts = parser.parse_args(argv)
     opts.repeats = opts.repeats or (5 if opts.quick else 9)
     opts.confirm = opts.confirm or (9 if opts.quick else 21)
