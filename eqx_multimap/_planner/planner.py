@@ -166,8 +166,8 @@ class Planner:
 
     def __repr__(self) -> str:
         given = {"measure": self.measure, "cap": self._config["cap"]}
-        given = [f"{k}={v!r}" for k, v in given.items() if v not in ("short", CAP)]
-        return f"Planner({', '.join(given)})"
+        args = [f"{k}={v!r}" for k, v in given.items() if v not in ("short", CAP)]
+        return f"Planner({', '.join(args)})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Planner):
