@@ -16,7 +16,7 @@ For each, under a memory budget (a fraction of full vmap's forward temporaries):
   `grad` with and without `jax.checkpoint`, and the planners' picks as fixed nests;
 - `plan="auto"` (a fresh planner, calibrated beforehand): its compile with planning
   over its pick's compile, CPU seconds (`cold`); `--plan measure`: measured mode
-  (`tune`; forward-only workloads: an un-jitted call);
+  (`tune`; forward-only workloads: an un-jitted call; `--cap`: its `Planner(cap=)`);
 - the simple rule: full vmap if it fits the budget, else the largest block that
   fits on the first ladder (the dims in the order the outputs name them);
 - the plan of the time model without its memory hierarchy (`no hierarchy`: one
