@@ -164,7 +164,7 @@ def test_a_planners_cache_dir_is_checked(cache_dir):
 @pytest.mark.parametrize("cap", [0.0, -2.0, float("nan")])
 def test_a_planners_cap_is_checked(cap):
     match = re.escape(
-        f"`eqx_multimap.Planner(cap=...)` must be a positive number, not {cap!r}."
+        f"`eqx_multimap.Planner(cap=...)` must be a number > 0, but got {cap!r}."
     )
     with pytest.raises(SpecError, match=match):
         Planner(cap=cap)

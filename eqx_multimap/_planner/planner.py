@@ -146,7 +146,7 @@ class Planner:
                 f"`None`, but got {time_model!r}."
             )
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-            raise SpecError(f"{what}cap=...)` must be a positive number, not {cap!r}.")
+            raise SpecError(f"{what}cap=...)` must be a number > 0, but got {cap!r}.")
         where = os.fspath(cache_dir) if path else cache_dir
         self._config: dict[str, Any] = dict(measure=measure, cache_dir=where)
         self._config.update(time_model=time_model, max_cache=max_cache, cap=float(cap))
