@@ -104,7 +104,7 @@ def test_data_dependent_reads_the_jaxpr():
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (4093, 2), (2, 5, 4099)])
 def test_made_up_inputs_have_the_shapes_and_dtypes_asked_for(dtype, shape):
     spec = jax.ShapeDtypeStruct(shape, dtype)
-    (x,) = measure.concrete_inputs([spec])
+    (x,) = measure.concrete_inputs([spec], {})
     assert (x.shape, x.dtype) == (shape, dtype)
     values = np.asarray(x).astype(np.complex64).ravel()
     if not jnp.issubdtype(dtype, jnp.inexact):
@@ -112,6 +112,25 @@ def test_made_up_inputs_have_the_shapes_and_dtypes_asked_for(dtype, shape):
     elif values.size > 4093:  # a period of 4,093 values, each in [-1, 1)
         np.testing.assert_array_equal(values[4093:], values[:-4093])
         assert np.all(np.abs(values.real) <= 1) and len(set(values[:4093])) > 100
+
+
+@pytest.mark.parametrize("n", [3 * 4093 + 5, 2**23])  # filled by NumPy; by XLA
+def test_made_up_inputs_are_made_once_for_each_leaf(n):
+    pools = {}
+    f32 = ft.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    x, y = measure.concrete_inputs([f32((n,)), f32((2, n // 2))], pools)
+    made = dict(pools)
+    assert len(made) == 2  # one buffer each: the call's leaves do not share memory
+    z, _ = measure.concrete_inputs([f32((n // 4, 3)), f32((2, 2))], pools)  # a later
+    assert all(pools[k] is made[k] for k in made)  # candidate's: made up once
+    if n > 2**22:  # a large one is not copied, either
+        assert x.unsafe_buffer_pointer() == z.unsafe_buffer_pointer()
+        assert x.unsafe_buffer_pointer() != y.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(z).ravel(), np.asarray(x)[: n // 4 * 3])
+    (w,) = measure.concrete_inputs([f32((2 * n,))], pools)  # larger: made anew
+    assert pools[0, np.dtype(np.float32)].size == 2 * n
+    np.testing.assert_array_equal(np.asarray(w)[4093:], np.asarray(w)[:-4093])
+    assert np.asarray(x).min() >= -1 and np.asarray(x).max() < 1
 
 
 def test_a_slice_cuts_loop_trips_and_keeps_the_block():
@@ -198,7 +217,7 @@ def test_a_short_list_times_a_near_tie_and_full_vmap(monkeypatch, tie):
     # `plan="auto"` times the model's choice, the candidate est. next fastest if est.
     # within `MATERIAL` of it (of those, the smallest working set), and full vmap.
     # Here every estimate is a tie, or none is.
-    timed = _landscape(monkeypatch, lambda c: 1.0 / c.block)
+    timed = _landscape(monkeypatch, lambda c: 1e-3 / c.block)  # runs within a compile
     monkeypatch.setattr(measure, "MATERIAL", np.inf if tie else 0.0)
     small = TimeModel(levels=((64 * 2**10, 2e11),), bandwidth=1e9)  # it searches
     a, b = jnp.ones((16, 12, 32)), jnp.ones((16, 32))
@@ -217,6 +236,41 @@ def test_a_short_list_times_a_near_tie_and_full_vmap(monkeypatch, tie):
     assert forward[-1].source == "full vmap"
     assert sum(c.measured is not None for c in plan.candidates) == n
     assert plan.chosen.key == forward[-1].key  # the largest block: the fastest here
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_a_short_list_skips_a_candidate_whose_runs_would_outlast_a_compile(
+    monkeypatch, long
+):
+    # Each compile takes 1 s (`_landscape`). The model's choice runs in 1 ms, or 1 s:
+    # then two runs of full vmap, est. slower, would take longer than a compile.
+    run = 1.0 if long else 1e-3
+    timed = _landscape(
+        monkeypatch, lambda c: run * (3.0 if c.vmap == ("T", "B") else 1)
+    )
+    small = TimeModel(levels=((64 * 2**10, 2e11),), bandwidth=1e9)  # it searches
+    a, b = jnp.ones((16, 12, 32)), jnp.ones((16, 32))
+    body = lambda a, b: jnp.sum(jnp.exp(a[:, None] * b[None, :]) @ b)  # noqa: E731
+    f = filter_multi_vmap(
+        body,
+        in_dims=("T B K", "T K"),
+        out_dims="T B",
+        plan=Planner(cache_dir=False, time_model=small),
+        memory_budget=2**30,
+    )
+    plan = explain(f, a, b)
+    full = plan.candidates[0]
+    assert (
+        full.source == "full vmap" and full.fits and full.seconds > plan.chosen.seconds
+    )
+    assert (full.measured is None) == long
+    summary = " ".join(plan.summary.split())
+    skipped = (
+        "Not timed (two runs est. over a compile): vmap(T=16) -> vmap(B=12) -> body"
+    )
+    assert (skipped in summary) == long
+    assert ("two runs est. longer than a compile" in full.reason) == long
+    assert [c.source == "full vmap" for c in timed[:2]] == [False, not long]
 
 
 def test_the_cap_stops_the_search_and_says_so():

@@ -22,7 +22,7 @@ from .search import Choice, MATERIAL, Search, Steps
 
 
 SHORT_SPEND = 0.1  # the short list times a candidate for this share of its compile
-TARGET = 0.02  # seconds: a run on a slice of a candidate's loop trips, about
+TARGET = 0.02  # seconds: a run on a slice of a candidate's trips (a short list's less)
 TRIPS = 8  # at least, in a slice: a call's fixed cost (its temporaries' first touch)
 WHOLE = 0.5  # timed whole if a slice would keep at least this share of the trips
 CACHES = 2  # a slice's inputs and outputs fill the last cache level this many times
@@ -39,9 +39,8 @@ Index = dict[str, np.ndarray]  # the elements of some dims
 
 
 class Probe:
-    """A program XLA spreads over its threads (a fraction of a ms), timed before each
-    round: if it takes over `DISTURBED` times its median, another job held a core
-    (against its best, the first rounds after a long program would be dropped too)."""
+    """A threaded program (under a ms) timed before each round: over `DISTURBED` times
+    its median (not best: rounds after a long program run slower), a job held a core."""
 
     def __init__(self, run: Callable[[], Any] | None = None):
         self.run, self.times = run or _probe_loop(), []
@@ -86,9 +85,9 @@ def rounds(
     one if over `LONG` or `settled`): its first calls fault in its temporaries' pages
     (a gradient's: 13, 5.0, 3.5, then 2.7 ms). Then `at_least` rounds (to `at_most`
     within about `seconds`; one if all take over `LONG`), in an order rotating each
-    round. A sample lasts `SAMPLE` at least (each thunk called as often); a quick thunk
-    is called once more, untimed, before it, as a caller calling it again finds the
-    machine. Rounds a `probe` finds disturbed are dropped, unless all were."""
+    round. A sample lasts `SAMPLE` at least (each thunk called as often), a quick one
+    called once before, untimed (a caller calling again finds the machine so); rounds
+    a `probe` finds disturbed dropped, unless all were."""
     firsts, warm = [], 1 if settled else WARM
     for fn in thunks:
         t = [_clocked(fn, clock)]
@@ -113,9 +112,8 @@ def rounds(
 
 
 def trip_slice(c: PlanCandidate, sizes: dict[str, int], keep: float) -> Index:
-    """The elements of the dims `c` scans that it is timed on: about `keep` of its loop
-    trips, its block whole. Outer loops are cut first, each to whole chunks spread
-    evenly over its dim, ends included (a cost may vary along it with the data)."""
+    """The elements of the dims `c` scans that it is timed on: about `keep` of its
+    trips, its block whole; outer loops cut first, to whole chunks spread, ends kept."""
     out = {}
     for name, chunk in c.scan:
         k, n = chunk or 1, sizes[name] // (chunk or 1)
@@ -166,7 +164,7 @@ class Tuner:
         self.search, self.sizes = search, search.sizes
         self.values, self.short = search.request.values, search.request.short
         self.cap, self.spend = search.request.cap, SHORT_SPEND if self.short else SPEND
-        self.made: dict[str, Any] = {}  # made-up inputs, by their shapes
+        self.made = ft.partial(concrete_inputs, pools={})  # views of buffers made once
         self.began = time.perf_counter()
         self.timed: dict[tuple, Timed] = {}
         self.once = 0.0  # seconds: a call that does nothing (if a slice is timed)
@@ -174,6 +172,7 @@ class Tuner:
         self.probe: Probe | None = None  # compiled only if there is a choice to make
         self.why: dict[tuple, str] = {}  # why one was not timed
         self.unsure: set[tuple] = set()  # predicted over the budget (`run`)
+        self.costly: dict[tuple, str] = {}  # `affordable` not: their nests
 
     def seconds(self, key: tuple) -> float:
         """The time of a whole call of a timed candidate: its median round, scaled."""
@@ -204,9 +203,8 @@ class Tuner:
         return self.capped
 
     def keep(self, c: PlanCandidate) -> float:
-        """The share of `c`'s loop trips it is timed on (`TARGET`, `TRIPS`, `WHOLE`): if
-        the call's inputs and outputs pass the last cache level, `CACHES` times its
-        worth of them (else a slice would run from a cache the call misses)."""
+        """The share of `c`'s loop trips it is timed on (`TARGET`, `TRIPS`, `WHOLE`); if
+        the call's inputs and outputs pass the last cache, `CACHES` times its worth."""
         if not c.scan:
             return 1.0
         best = self.best() if self.timed else self.search.seconds_at(c)
@@ -214,7 +212,7 @@ class Tuner:
         last = levels[-1][0] if levels else math.inf
         floor = CACHES * last / io if io > last else 0.0
         trips = math.prod(self.sizes[name] // (k or 1) for name, k in c.scan)
-        keep = max(TARGET / max(best, 1e-9), floor, TRIPS / trips)
+        keep = max(TARGET * self.spend / SPEND / max(best, 1e-9), floor, TRIPS / trips)
         return 1.0 if keep >= WHOLE else keep
 
     def time(self, c: PlanCandidate) -> float:
@@ -242,12 +240,9 @@ class Tuner:
             search.known[c.key] = costed if fits else exact
             if not fits:
                 return math.inf
-        if self.values:  # the call's own (differentiated, with cotangents made up)
-            args = _sliced(search.call, index, sub)
-            args = [args, concrete_inputs(specs[1])] if compiler.backward else args
-        else:  # made up once for each shape: candidates timed whole share them
-            shapes = str(specs)
-            args = self.made[shapes] = self.made.get(shapes) or concrete_inputs(specs)
+        args = _sliced(search.call, index, sub) if self.values else self.made(specs)
+        if self.values and compiler.backward:  # the call's own, cotangents made up
+            args = [args, self.made(specs[1])]
         args = jax.block_until_ready(args)
         if index and not self.once:  # the part of a call that no slice scales
             noop = jax.jit(lambda a: jax.tree.leaves(a)[0].ravel()[:1]).lower(args)
@@ -298,18 +293,17 @@ class Tuner:
         and the model's choice; a first step `along` each ladder (an order of the dims)
         of rungs predicted within `LOOSE` of the budget (over it: `unsure`, run whole);
         in lockstep, a block of one; then along each ladder within `CLOSE` of the
-        fastest, until the cap. A short list: the model's choice, its `runner_up` if
-        est. within `MATERIAL` of it, full vmap if it fits (else the runner-up)."""
+        fastest, until the cap. A short list: the model's choice, then if `affordable`
+        its `runner_up` if est. within `MATERIAL`, full vmap if it fits (else that)."""
         search, loose = self.search, 1.0 if self.short else LOOSE
         above = lambda s, c: search.cautious(s, c) / search.budget  # noqa: E731
         self.unsure = {c.key for s in ladders for c in s if above(s, c) > 1}
         head = [full] * bool(search.known[full.key].fits)  # full vmap, if it fits
         # In lockstep a block of one runs unbatched, unlike any larger: timed alone.
         alone = lambda c: search.lockstep and c.block == 1 and not c.vmap  # noqa: E731
-        one = [c for s in ladders for c in s if alone(c) and above(s, c) <= loose][:1]
-        rungs = [
-            [c for c in s if above(s, c) <= loose and not alone(c)] for s in ladders
-        ]
+        near = lambda s, c: above(s, c) <= loose  # noqa: E731
+        one = [c for s in ladders for c in s if alone(c) and near(s, c)][:1]
+        rungs = [[c for c in s if near(s, c) and not alone(c)] for s in ladders]
         lines = [head + r for r in rungs if r]  # each with a rung of its own
         many = len({c.key for c in head + [model] + one + sum(lines, [])}) > 1
         if self.short and not many:
@@ -328,9 +322,10 @@ class Tuner:
                     break
                 elif c is None:  # nothing else costed: a step along the pick's ladder
                     self.along(first, 1)
-                else:
+                elif self.affordable(c, model):
                     self.time(c)
-            return self.choose(lambda k: "not on the short list")
+            over = {k: "two runs est. longer than a compile" for k in self.costly}
+            return self.choose(lambda k: over.get(k, "not on the short list"))
 
         def lead() -> float:  # the fastest time, of full vmap and the ladders
             ran = [k for k in self.timed if k not in lone] or list(self.timed)
@@ -357,6 +352,15 @@ class Tuner:
         over = f"its temporaries predicted over {LOOSE:g}x the budget"
         in_lines = {c.key for line in lines for c in line}
         return self.choose(lambda k: pruned if k in in_lines else over)
+
+    def affordable(self, c: PlanCandidate, pick: PlanCandidate) -> bool:
+        """On a short list: whether two calls of `c` (its whole call est. from the
+        timed `pick`'s, times `keep`) take at most a compile; else it is `costly`."""
+        est = lambda k: self.search.known[k].seconds or 1e-12  # noqa: E731
+        two = 2 * self.seconds(pick.key) * est(c.key) / est(pick.key) * self.keep(c)
+        if math.inf > two > self.compiled():
+            self.costly[c.key] = c.nest(self.sizes)
+        return c.key not in self.costly
 
     def runner_up(self) -> PlanCandidate | None:
         """Of the untimed costed that fit, est. within `MATERIAL` of the fastest, the
@@ -407,8 +411,10 @@ class Tuner:
         how = sliced if cut else "each on the whole call"
         what = "the call's arguments" if self.values else "made-up inputs of its shapes"
         n, checked = plural(len(ran), "candidate"), " The time model's choice checked:"
+        costly = ", ".join(self.costly.values())
+        costly = costly and f" Not timed (two runs est. over a compile): {costly}."
         if self.short:
-            return f"{checked} a short list of {n} timed on {what}, {how}."
+            return f"{checked} a short list of {n} timed on {what}, {how}.{costly}"
         stop = "stopped the search: one more candidate would have passed it"
         stop = stop if self.capped else "was not reached"
         again = f"; those within {CLOSE:g}x of the fastest again side by side"
@@ -437,38 +443,39 @@ def measured(
     return choice, tuner.describe()
 
 
-def concrete_inputs(specs: Any) -> Any:
-    """Fresh arrays of a pytree of `ShapeDtypeStruct`s, made eagerly even in a trace:
-    floats uniform in [-1, 1) (no denormals or overflow), 4,093 repeated, others zero;
-    each written once, 64-byte aligned, so `jax.device_put` on CPU takes it uncopied."""
-    pool = np.random.default_rng(0).random(2 * 4093, dtype=np.float32) * 2 - 1  # prime
+def concrete_inputs(specs: Any, pools: dict) -> Any:
+    """Arrays of a pytree of `ShapeDtypeStruct`s, made eagerly even in a trace: floats
+    uniform in [-1, 1) (no denormals or overflow), 4,093 repeated, others zero; views of
+    a buffer per leaf (`pools`, by place and dtype: made once for calls no larger; by
+    XLA if large: 0.4 s a GiB), that `jax.device_put` on CPU takes uncopied."""
+    draws = np.random.default_rng(0).random(2 * 4093, dtype=np.float32) * 2 - 1  # prime
 
-    def make(s: jax.ShapeDtypeStruct) -> Any:
+    def make(i: int, s: jax.ShapeDtypeStruct) -> Any:
         if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
             impl = s.dtype._impl  # pyright: ignore[reportAttributeAccessIssue]
             data = np.zeros(tuple(s.shape) + tuple(impl.key_shape), np.uint32)
             return jax.random.wrap_key_data(data, impl=impl.name)
         n, dtype = math.prod(s.shape), np.dtype(s.dtype)
-        raw = np.empty(n * dtype.itemsize + 64, np.uint8)
-        at = -raw.ctypes.data % 64
-        x = raw[at : at + n * dtype.itemsize].view(dtype)
-        period = pool[:4093] if jnp.issubdtype(dtype, jnp.inexact) else np.zeros(4093)
-        if jnp.issubdtype(dtype, jnp.complexfloating):
-            period = pool[:4093] + 1j * pool[4093:]
-        whole = n // 4093 * 4093
-        x[:whole].reshape(-1, 4093)[:] = period.astype(dtype)
-        x[whole:] = period[: n - whole].astype(dtype)
-        return jax.device_put(x.reshape(s.shape))
+        if (x := pools.get((i, dtype))) is None or x.size < n:
+            period = draws[:4093] * jnp.issubdtype(dtype, jnp.inexact)
+            if jnp.issubdtype(dtype, jnp.complexfloating):
+                period = period + 1j * draws[4093:]
+            big = n * dtype.itemsize > 2**22  # NumPy's first touch: up to 3 s a GiB
+            tile = lambda p: (jnp if big else np).tile(p, -(-n // 4093))[:n]
+            fill = jax.jit(tile) if big else tile  # XLA's compile: 30 ms
+            x = pools[i, dtype] = np.asarray(fill(period.astype(dtype)))
+        return jax.device_put(x[:n].reshape(s.shape))
 
+    leaves, tree = jax.tree.flatten(specs)
     with jax.ensure_compile_time_eval():
-        return jax.tree.map(make, specs)
+        return jax.tree.unflatten(tree, [make(i, s) for i, s in enumerate(leaves)])
 
 
 def _timed(fn: Callable, specs: list, repeats: int, key: str = "") -> float | None:
     """Runs of `fn`'s compiled program per second (the best of `repeats`), or with
     `key`, XLA's `cost_analysis()[key]` per second."""
     compiled = jax.jit(fn).lower(*specs).compile()
-    args = concrete_inputs(specs)
+    args = concrete_inputs(specs, {})
     seconds = min(rounds([lambda: compiled(*args)], 2, repeats, 1.0)[0])
     amount = float((compiled.cost_analysis() or {}).get(key, 1.0)) if key else 1.0
     return amount / seconds if amount > 0 and seconds > 0 else None
