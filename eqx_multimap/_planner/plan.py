@@ -83,10 +83,10 @@ def split_leaves(call: Call) -> tuple[tuple[int, ...], tuple[LocalArg, ...]]:
 @dataclasses.dataclass(frozen=True)
 class PlanCandidate:
     """A nest the planner considered (`scan`, `vmap`; `block`, elements per iteration;
-    `trips`; `source`): its `temp_bytes`, `flops`, `transcendentals`, `bytes_accessed`,
-    `working_set` and estimated `seconds` (`None`: not compiled or costed; `predicted`:
-    `temp_bytes` predicted, not compiled); whether it `fits` (`None`: no budget); its
-    `measured` time per call, if run; the `reason` it was, or was not, chosen."""
+    `trips`; `source`): its `temp_bytes` (`predicted`: not compiled), `flops`,
+    `transcendentals`, `bytes_accessed`, `working_set`, estimated `seconds` (`None`: not
+    costed), whether it `fits` (`None`: no budget), `measured` time per call if run,
+    and the `reason` it was, or was not, chosen."""
 
     scan: ScanNest
     vmap: tuple[str, ...]

@@ -130,10 +130,8 @@ class Planner:
     ):
         what = "`eqx_multimap.Planner("
         if not (isinstance(measure, bool) or measure == "short"):
-            raise SpecError(
-                f"{what}measure=...)` must be `True`, `False` or 'short', but got "
-                f"{measure!r}."
-            )
+            got = f"`True`, `False` or 'short', but got {measure!r}"
+            raise SpecError(f"{what}measure=...)` must be {got}.")
         path = isinstance(cache_dir, (str, os.PathLike))
         if not (cache_dir is None or cache_dir is False or path):
             raise SpecError(
@@ -218,11 +216,8 @@ class Planner:
                 with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
                     model = calibrate()
             except Exception as e:  # a backend that cannot run the micro-benchmark
-                logger.warning(
-                    "eqx_multimap: could not calibrate the planner's time model (%s); "
-                    "using the default constants",
-                    f"{type(e).__name__}: {e}",
-                )
+                why = f"({type(e).__name__}: {e}); using the default constants"
+                logger.warning("eqx_multimap: could not calibrate the planner %s", why)
                 return TimeModel.for_backend(jax.default_backend())
             with self._lock:
                 self.n_calibrations += 1

@@ -233,10 +233,8 @@ def summary(
         if not timed and len(compared) <= 1 and chosen.key == full.key:
             how = f"no other block predicted to fit is est. {MATERIAL - 1:.0%} "
             how += "faster by the time model, so none was compiled"
-        if chosen.predicted:
-            how += ", its temporaries predicted far within the budget"
-    if measure_note:  # could not measure
-        how += f" ({measure_note})"
+        how += ", its temporaries predicted far within the budget" * chosen.predicted
+    how += f" ({measure_note})" * bool(measure_note)  # could not measure
     return f"Chose {chosen.nest(request.sizes)}: {why}; {how}."
 
 
