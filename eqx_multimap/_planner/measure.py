@@ -164,6 +164,7 @@ class Tuner:
         self.search, self.sizes = search, search.sizes
         self.values, self.short = search.request.values, search.request.short
         self.cap, self.spend = search.request.cap, SHORT_SPEND if self.short else SPEND
+        self.alone = 1 if self.short else 3  # rounds alone (a short list: then paired)
         self.made = ft.partial(concrete_inputs, pools={})  # views of buffers made once
         self.began = time.perf_counter()
         self.timed: dict[tuple, Timed] = {}
@@ -253,11 +254,11 @@ class Tuner:
         i, lead = len(probe.times) - 1 if probe else 0, self.fastest()
         base = statistics.median(lead.rounds) if lead else math.inf
         times = self.clearly_slower(run, scale) if lead else []  # settles `run`
+        spend = self.spend * compiling  # twice side by side: disturbed rounds dropped
         if not times and base > TARGET:  # alone: none timed yet, or the fastest long
-            (times,) = rounds([run], 3, 15, self.spend * compiling, probe, bool(lead))
+            (times,) = rounds([run], self.alone, 15, spend, probe, bool(lead))
         elif not times and lead:  # beside the fastest so far, whose runs join its own
-            spend = 2 * self.spend * compiling  # rounds another job disturbed dropped
-            times, again = rounds([run, lead.run], 3, 15, spend, probe, True)
+            times, again = rounds([run, lead.run], 3, 15, 2 * spend, probe, True)
             lead.rounds += again
         cut = {n: sub[n] for n in index}
         self.timed[c.key] = Timed(run, cut, scale, compiling, times, i)
@@ -293,8 +294,8 @@ class Tuner:
         and the model's choice; a first step `along` each ladder (an order of the dims)
         of rungs predicted within `LOOSE` of the budget (over it: `unsure`, run whole);
         in lockstep, a block of one; then along each ladder within `CLOSE` of the
-        fastest, until the cap. A short list: the model's choice, then if `affordable`
-        its `runner_up` if est. within `MATERIAL`, full vmap if it fits (else that)."""
+        fastest, until the cap. A short list: the model's choice, then the first
+        `affordable` of a `runner_up` est. within `MATERIAL`, full vmap, a runner-up."""
         search, loose = self.search, 1.0 if self.short else LOOSE
         above = lambda s, c: search.cautious(s, c) / search.budget  # noqa: E731
         self.unsure = {c.key for s in ladders for c in s if above(s, c) > 1}
@@ -314,11 +315,11 @@ class Tuner:
         mine = lambda ln: ln[len(head) :]  # noqa: E731  # a line's own rungs
         first = next((ln for ln in lines if model in mine(ln)), (lines or [head])[0])
         lone = {c.key for c in one}
-        if self.short:  # the pick; a near tie; full vmap; else the next (or a step)
+        if self.short:  # the pick, then one of: a near tie, full vmap, the next
             nxt, pick = self.runner_up(), model.seconds or 0.0
             tie = [nxt] if nxt and (nxt.seconds or 0.0) <= MATERIAL * pick else []
             for c in tie + head + [nxt]:
-                if sum(bool(t.rounds) for t in self.timed.values()) >= 2 + len(tie):
+                if sum(bool(t.rounds) for t in self.timed.values()) >= 2:
                     break
                 elif c is None:  # nothing else costed: a step along the pick's ladder
                     self.along(first, 1)
@@ -354,8 +355,7 @@ class Tuner:
         return self.choose(lambda k: pruned if k in in_lines else over)
 
     def affordable(self, c: PlanCandidate, pick: PlanCandidate) -> bool:
-        """On a short list: whether two calls of `c` (its whole call est. from the
-        timed `pick`'s, times `keep`) take at most a compile; else it is `costly`."""
+        """Whether two calls of `c` (est. from `pick`'s, by the model) fit a compile."""
         est = lambda k: self.search.known[k].seconds or 1e-12  # noqa: E731
         two = 2 * self.seconds(pick.key) * est(c.key) / est(pick.key) * self.keep(c)
         if math.inf > two > self.compiled():
