@@ -355,7 +355,7 @@ class Tuner:
         return self.choose(lambda k: pruned if k in in_lines else over)
 
     def affordable(self, c: PlanCandidate, pick: PlanCandidate) -> bool:
-        """Whether two calls of `c` (est. from `pick`'s, by the model) fit a compile."""
+        """Whether two runs of `c` (est. from `pick`'s) fit a compile; else `costly`."""
         est = lambda k: self.search.known[k].seconds or 1e-12  # noqa: E731
         two = 2 * self.seconds(pick.key) * est(c.key) / est(pick.key) * self.keep(c)
         if math.inf > two > self.compiled():
