@@ -206,13 +206,11 @@ class Tuner:
     def keep(self, c: PlanCandidate) -> float:
         """The share of `c`'s loop trips it is timed on (`TARGET`, `TRIPS`, `WHOLE`); if
         the call's inputs and outputs pass the last cache, `CACHES` times its worth."""
-        if not c.scan:
-            return 1.0
         best = self.best() if self.timed else self.search.seconds_at(c)
         levels, io = self.search.model.levels, self.search.ref.io()
         last = levels[-1][0] if levels else math.inf
         floor = CACHES * last / io if io > last else 0.0
-        trips = math.prod(self.sizes[name] // (k or 1) for name, k in c.scan)
+        trips = math.prod(self.sizes[n] // (k or 1) for n, k in c.scan)  # none: whole
         keep = max(TARGET * self.spend / SPEND / max(best, 1e-9), floor, TRIPS / trips)
         return 1.0 if keep >= WHOLE else keep
 
@@ -266,10 +264,12 @@ class Tuner:
 
     def clearly_slower(self, run: Callable[[], Any], scale: float) -> list[float]:
         """One sample (`rounds`), the only one of a candidate whose whole call takes
-        over `CLEAR` times the fastest's; else, or if under `SAMPLE`, `[]`."""
+        over `CLEAR` times the fastest's, or that runs over `LONG`; else (or if under
+        `SAMPLE`) `[]`."""
         (times,) = rounds([run], 1)
         whole = max(times[0] - self.once, 0.0) * scale + self.once
-        return times if times[0] >= SAMPLE and whole > CLEAR * self.best() else []
+        once = whole > CLEAR * self.best() or times[0] > LONG
+        return times if times[0] >= SAMPLE and once else []
 
     def confirm(self) -> None:
         """Time again side by side (3+ rounds, up to `SPEND` of a compile each, within
