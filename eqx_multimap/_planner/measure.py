@@ -268,8 +268,8 @@ class Tuner:
         `SAMPLE`) `[]`."""
         (times,) = rounds([run], 1)
         whole = max(times[0] - self.once, 0.0) * scale + self.once
-        once = whole > CLEAR * self.best() or times[0] > LONG
-        return times if times[0] >= SAMPLE and once else []
+        done = whole > CLEAR * self.best() or times[0] > LONG
+        return times if times[0] >= SAMPLE and done else []
 
     def confirm(self) -> None:
         """Time again side by side (3+ rounds, up to `SPEND` of a compile each, within
