@@ -5,6 +5,7 @@ Timings are never tested."""
 
 import csv
 import io
+import math
 import os
 import pathlib
 import re
@@ -185,6 +186,17 @@ def test_planner_quick_path_prints_its_summary_lines(monkeypatch, capsys):
         out,
     )
     assert f"Over budget: 0 of {rows}." in out
+
+
+def test_planner_summary_counts_each_row_against_its_own_goal():
+    # Cold planning: 2x the pick's compile, 4x where a short list was timed.
+    line = planner._summary("cold", [1.5, 3.0, 5.0, math.nan], [2.0, 4.0, 4.0, 2.0])
+    assert line == (
+        "cold: geometric mean 2.823, max 5.000; 1 of 1 within 2.00x, "
+        "1 of 2 within 4.00x"
+    )
+    assert planner._summary("auto", [1.0, 1.2]).endswith("; 1 of 2 within 1.10x")
+    assert planner._summary("auto", [math.nan]) == ""
 
 
 @pytest.mark.slow
