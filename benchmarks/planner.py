@@ -466,7 +466,8 @@ def _summary(what: str, xs: list[float], goal: float | list[float] = 1.10) -> st
     kept = [(x, g) for x, g in zip(xs, goals) if np.isfinite(x)]
     if not kept:
         return ""
-    mean, worst = float(np.exp(np.mean(np.log([x for x, _ in kept])))), max(kept)[0]
+    mean = float(np.exp(np.mean(np.log([x for x, _ in kept]))))
+    worst = max(x for x, _ in kept)
     within = ", ".join(
         f"{sum(x <= u for x, g in kept if g == u)} of "
         f"{sum(g == u for _, g in kept)} within {u:.2f}x"
