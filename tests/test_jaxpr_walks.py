@@ -295,8 +295,10 @@ def _build(program):
     subs = [_build(p) for p in parts]
     if kind == "sin":
         return jnp.sin
-    if kind == "outer":  # bounded: repeated, `outer` overflows, and inf - inf is
-        return lambda x: jnp.tanh(outer(x))  # nan or -inf by summation order
+    if kind == "outer":
+        # Bounded: repeated, `outer` overflows, and inf - inf is nan or -inf by the
+        # order of summation, which strategies need not share.
+        return lambda x: jnp.tanh(outer(x))
     if kind == "psum":
         return lambda x: lax.psum(x, "F")
     if kind == "const":
