@@ -783,6 +783,24 @@ def test_a_measured_plan_says_what_was_timed_when_full_vmap_sufficed():
     np.testing.assert_allclose(f(x, y), np.sin(np.asarray(x)) * np.asarray(y))
 
 
+def test_a_measured_plan_with_one_candidate_timed_does_not_call_it_the_fastest():
+    # Within 1 KiB only full vmap fits (XLA fuses the (K, K) intermediate away); each
+    # scan is over the budget, or predicted over 2x it: one timed, none beside it.
+    body = lambda a, b: jnp.sum(jnp.exp(a[:, None] * b[None, :]))  # noqa: E731
+    f = filter_multi_vmap(
+        body, in_dims=("T B K", "T K"), out_dims="T B", memory_budget=1024,
+        plan=Planner(measure=True, cache_dir=False),
+    )  # fmt: skip
+    a, b = jnp.full((16, 8, 32), 0.1), jnp.full((16, 32), 0.2)
+    plan = tune(f, a, b)
+    assert [c for c in plan.candidates if c.measured is not None] == [plan.chosen]
+    assert "; the only one timed (measured " in plan.summary
+    assert plan.chosen.reason.startswith("chosen: the only one timed (measured ")
+    assert "the fastest of" not in str(plan)
+    outer = np.asarray(a)[:, :, :, None] * np.asarray(b)[:, None, None, :]
+    np.testing.assert_allclose(f(a, b), np.exp(outer).sum((2, 3)), rtol=1e-5)
+
+
 def test_a_plan_whose_timing_failed_says_so_and_rests_on_the_model(monkeypatch):
     def fail(self, *args):
         raise RuntimeError("no timer here\nand a second line")

@@ -198,11 +198,11 @@ class Choice(NamedTuple):
 
 def why_chosen(c: PlanCandidate, timed: dict[tuple, float], n: int) -> str:
     """Why `c` won: the fastest of those `timed`, or est. fastest of the `n` fitting."""
-    t = timed.get(c.key)
-    if t is not None:
+    if (t := timed.get(c.key)) is not None:
         rest = sorted(v for k, v in timed.items() if k != c.key)
         nxt = f"; next {fmt_seconds(rest[0])}" if rest else ""
-        return f"the fastest of the {len(timed)} timed (measured {fmt_seconds(t)}{nxt})"
+        which = f"the fastest of the {len(timed)}" if rest else "the only one"
+        return f"{which} timed (measured {fmt_seconds(t)}{nxt})"
     if c.temp_bytes is None:
         return "nothing to compile"
     only = "the only candidate that fits and was costed"
