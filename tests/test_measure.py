@@ -797,6 +797,9 @@ def test_a_measured_plan_with_one_candidate_timed_does_not_call_it_the_fastest()
     assert "; the only one timed (measured " in plan.summary
     assert plan.chosen.reason.startswith("chosen: the only one timed (measured ")
     assert "the fastest of" not in str(plan)
+    # The rungs left on ladders whose steps were over the budget say so.
+    left = [c.reason for c in plan.candidates if "its ladder's first step" in c.reason]
+    assert left and all(r.endswith("the fastest, or over budget") for r in left)
     outer = np.asarray(a)[:, :, :, None] * np.asarray(b)[:, None, None, :]
     np.testing.assert_allclose(f(a, b), np.exp(outer).sum((2, 3)), rtol=1e-5)
 

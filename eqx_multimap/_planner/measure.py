@@ -348,7 +348,7 @@ class Tuner:
             self.along(line)
         self.confirm()
         pruned = "a block between it and its ladder's fastest measured slower, or "
-        pruned += f"its ladder's first step over {CLOSE:g}x the fastest"
+        pruned += f"its ladder's first step over {CLOSE:g}x the fastest, or over budget"
         pruned = "the cap stopped the search first" if self.capped else pruned
         over = f"its temporaries predicted over {LOOSE:g}x the budget"
         in_lines = {c.key for line in lines for c in line}
